@@ -1,0 +1,23 @@
+"""Benchmarks: `python -m bench NAME [options]`.
+
+Each benchmark prints a table; its last line is one JSON object with the headline figures.
+Timings are medians over repeats, measured side by side in one run.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {"pipeline": "bench.pipeline"}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        print(f"usage: python -m bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHMARKS[sys.argv[1]])
+    return module.main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The `gristmill` command line.
+
+    gristmill run configs/tiny.yaml                      # run (or reuse) the whole pipeline
+    gristmill run configs/tiny.yaml sft.lr=3e-4          # dotted overrides; downstream stages re-run
+    gristmill run configs/tiny.yaml --until pretrain     # stop after a stage
+    gristmill run configs/tiny.yaml --dry-run            # resolved config + reuse/run per stage
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from infra import env
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gristmill", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the pipeline, reusing every complete stage")
+    run.add_argument("config", type=Path, help="YAML preset, e.g. configs/tiny.yaml")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    run.add_argument("--until", metavar="STAGE", help="run the DAG up to and including STAGE")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the resolved config and which stages would be reused or run")
+    return parser
+
+
+def _dry_run(config, until: str | None, home: Path) -> None:
+    from flows.dag import plan
+    from infra.artifacts import ArtifactStore
+
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    print(f"\n# plan (artifacts under {env.artifacts_root(home)})")
+    for stage in plan(config, ArtifactStore(env.artifacts_root(home)), until):
+        print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
+    from flows.config import ConfigError, load_config
+    from flows.dag import stages_until
+
+    try:
+        config = load_config(args.config, args.overrides)
+        stages_until(args.until)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        _dry_run(config, args.until, home)
+        return 0
+    from flows.pipeline import pipeline
+    from infra.tracking import tracking_uri
+
+    outputs = pipeline(config=config, until=args.until)
+    for stage, path in outputs.items():
+        print(f"{stage:<9} {path}")
+    print(f"MLflow: mlflow ui --backend-store-uri {tracking_uri(home)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

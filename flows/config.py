@@ -1,0 +1,75 @@
+"""The pipeline config: one typed section per stage, loaded from a YAML preset plus dotted overrides.
+
+    gristmill run configs/tiny.yaml pretrain.max_steps=50 sft.lr=3e-4
+
+Unknown keys are errors that name the key; each stage later receives only its own section.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tasks import align, collect, evaluate, pretrain, sft, tokenize
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the offending key."""
+
+
+class PipelineConfig(BaseModel):
+    """Every stage's config. Field defaults are the `tiny` preset (2 CPU cores, minutes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("tiny", description="Name of this pipeline configuration, shown in Prefect and MLflow.")
+    collect: collect.Config = Field(default_factory=collect.Config, description="Collect and clean raw documents.")
+    tokenize: tokenize.Config = Field(default_factory=tokenize.Config, description="Train the tokenizer, write token shards.")
+    pretrain: pretrain.Config = Field(default_factory=pretrain.Config, description="Next-token pretraining.")
+    sft: sft.Config = Field(default_factory=sft.Config, description="Supervised fine-tuning on conversations.")
+    align: align.Config = Field(default_factory=align.Config, description="Preference alignment.")
+    evaluate: evaluate.Config = Field(default_factory=evaluate.Config, description="Evaluation and report.")
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {key!r}")
+        else:
+            lines.append(f"{key}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def load_config(path: Path | str | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """Read a YAML preset (or only defaults when `path` is None) and apply `key=value` overrides;
+    values are parsed as YAML, so `pretrain.max_steps=50` is an int and `collect.sources=[a,b]` a list."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping of stage sections at the top level")
+        data = loaded or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"{path or 'config'}: {_describe(error)}") from None

@@ -1,0 +1,137 @@
+"""The Prefect flow `pipeline`: six stage tasks in one DAG, passing manifests only.
+
+Each task materializes one stage through the artifact store (reuse when its key is complete,
+otherwise compute into the `.partial` dir and commit) inside an MLflow child run. Run it with
+`gristmill run CONFIG`, or from the Prefect UI once served.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from flows.config import PipelineConfig
+from flows.dag import PlannedStage, plan
+from infra import env
+from infra.artifacts import ArtifactStore
+from infra.tracking import Tracker
+from tasks.stage import Engine, Manifest, SerialEngine
+
+REPORT = "report.md"
+
+
+class Runtime:
+    """The edges a run talks to: artifact store and tracker (built once per flow run)."""
+
+    def __init__(self, store: ArtifactStore, tracker: Tracker, parent_run_id: str):
+        self.store = store
+        self.tracker = tracker
+        self.parent_run_id = parent_run_id
+
+
+def _engine(stage: PlannedStage) -> Engine:
+    if not stage.spec.uses_ray:
+        return SerialEngine()
+    from infra.ray_engine import RayEngine  # imported lazily: only data stages pay Ray's start-up
+
+    return RayEngine(num_workers=getattr(stage.config, "num_workers", 1))
+
+
+def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
+             artifacts: list[str]):
+    """The store's compute callback: run the stage into its partial dir, return manifest fields."""
+
+    def compute(partial_dir) -> dict[str, Any]:
+        engine = _engine(stage)
+        try:
+            result = stage.spec.module.run(stage.config, upstream, partial_dir, engine=engine)
+        finally:
+            getattr(engine, "shutdown", lambda: None)()
+        artifacts.extend(result.artifacts)
+        return {
+            "config": stage.config.model_dump(mode="json"),
+            "upstream": {name: m.key for name, m in upstream.items()},
+            "stats": result.stats,
+            "meta": {"stage_version": stage.spec.module.VERSION, "code_version": env.code_version(),
+                     "mlflow_run_id": run_id, "prefect_flow_run_id": str(flow_run.id),
+                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        }
+
+    return compute
+
+
+@task(cache_policy=NO_CACHE)
+def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runtime) -> Manifest:
+    """Reuse or compute one stage; `upstream` carries the manifests this stage depends on."""
+    logger = get_run_logger()
+    name = stage.spec.name
+    existing = runtime.store.load(name, stage.key)
+    run_id = runtime.tracker.start_stage(runtime.parent_run_id, name, stage.key,
+                                         stage.config.model_dump(mode="json"), upstream, existing)
+    try:
+        if existing is not None:
+            logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
+                        existing.meta.get("mlflow_run_id"))
+            runtime.tracker.finish_stage(run_id, existing, [], replay_metrics=False)
+            return existing
+        logger.info("%s: computing %s-%s", name, name, stage.key)
+        artifacts: list[str] = []
+        manifest, reused = runtime.store.materialize(
+            name, stage.key, _compute(stage, upstream, run_id, artifacts))
+        runtime.tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
+        logger.info("%s: done in %.1f s -> %s", name, manifest.meta.get("seconds", 0), manifest.path)
+        return manifest
+    except BaseException:
+        runtime.tracker.end(run_id, ok=False)
+        raise
+
+
+def _summary(planned: list[PlannedStage], manifests: Mapping[str, Manifest]) -> str:
+    rows = ["| stage | key | status | seconds | artifact |", "|---|---|---|---|---|"]
+    for stage in planned:
+        m = manifests[stage.spec.name]
+        status = "reused" if stage.complete else "computed"
+        rows.append(f"| {stage.spec.name} | {stage.key} | {status} | "
+                    f"{m.meta.get('seconds', '')} | {m.path} |")
+    return "\n".join(rows)
+
+
+@flow(name="pipeline")
+def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None) -> dict[str, str]:
+    """Run the DAG (up to and including `until`); returns stage -> artifact directory."""
+    logger = get_run_logger()
+    home = env.configure()
+    store = ArtifactStore(env.artifacts_root(home))
+    planned = plan(config, store, until)
+    for stage in planned:
+        logger.info("plan: %-8s %s  %s", stage.spec.name, stage.key,
+                    "reuse" if stage.complete else "run")
+    tracker = Tracker(home)
+    parent = tracker.start_pipeline(f"{config.name} {flow_run.name}", config.model_dump(mode="json"),
+                                    {"prefect.flow_run_id": str(flow_run.id),
+                                     "gristmill.code_version": env.code_version()})
+    runtime = Runtime(store, tracker, parent)
+    manifests: dict[str, Manifest] = {}
+    try:
+        for stage in planned:
+            status = "reuse" if stage.complete else "run"
+            upstream = {dep: manifests[dep] for dep in stage.spec.deps}
+            manifests[stage.spec.name] = run_stage.with_options(
+                task_run_name=f"{stage.spec.name} [{status}]")(stage, upstream, runtime)
+    except BaseException:
+        tracker.end(parent, ok=False)
+        raise
+    summary = _summary(planned, manifests)
+    logging.getLogger("gristmill").info("pipeline summary\n%s", summary)
+    create_markdown_artifact(summary, key="pipeline-summary", description="Stages reused or computed")
+    tracker.log_text(parent, summary, "summary.md")
+    if "evaluate" in manifests and (report := manifests["evaluate"].path / REPORT).is_file():
+        create_markdown_artifact(report.read_text(), key="report-card", description="Evaluation report")
+        tracker.log_text(parent, report.read_text(), REPORT)
+    tracker.end(parent, ok=True)
+    return {name: str(m.path) for name, m in manifests.items()}

@@ -1,0 +1,137 @@
+"""Content-addressed artifact store: the only code that knows the on-disk layout.
+
+    <root>/<stage>/<stage>-<key>/            a committed output; manifest.json is written last
+    <root>/<stage>/<stage>-<key>.partial/    work in progress, kept across crashes so a stage resumes
+    <root>/<stage>/<stage>-<key>.lock        an flock, so two runs of one key never both compute
+
+A key is a hash of the stage name and version, its hashed config, the keys of its upstream
+artifacts and a fingerprint of any external inputs. An output counts as complete only when its
+manifest exists, parses, names the same key and every file it lists has the recorded size; a
+directory that merely exists (e.g. a crash before the manifest) is never taken as complete.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from tasks.stage import Manifest
+
+MANIFEST = "manifest.json"
+CONFIG = "config.json"
+KEY_LENGTH = 12  # hex chars of sha256: 48 bits, ample for one project's artifacts
+
+log = logging.getLogger("gristmill.store")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def stage_key(stage: str, version: int, config: dict[str, Any], upstream: dict[str, str],
+              inputs_fingerprint: str | None = None) -> str:
+    """The artifact key: stable across processes, sensitive to anything that changes outputs."""
+    payload = {"stage": stage, "version": version, "config": config, "upstream": upstream,
+               "inputs": inputs_fingerprint}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:KEY_LENGTH]
+
+
+def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under `directory` (relative posix paths), manifest excluded."""
+    return {
+        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST
+    }
+
+
+class ArtifactStore:
+    """Materializes stage outputs under `root`, reusing any complete output with the same key."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def final_dir(self, stage: str, key: str) -> Path:
+        return self.root / stage / f"{stage}-{key}"
+
+    def partial_dir(self, stage: str, key: str) -> Path:
+        return self.root / stage / f"{stage}-{key}.partial"
+
+    def load(self, stage: str, key: str) -> Manifest | None:
+        """The committed manifest for (stage, key), or None when the output is absent or incomplete."""
+        directory = self.final_dir(stage, key)
+        try:
+            data = json.loads((directory / MANIFEST).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        if data.get("key") != key or data.get("stage") != stage:
+            return None
+        for rel, info in data.get("files", {}).items():
+            path = directory / rel
+            if not path.is_file() or path.stat().st_size != info["bytes"]:
+                log.warning("%s-%s: %s missing or changed; treating the output as incomplete",
+                            stage, key, rel)
+                return None
+        return Manifest.from_json(data, directory)
+
+    @contextmanager
+    def lock(self, stage: str, key: str) -> Iterator[None]:
+        """Exclusive lock on one key. flock is released by the OS if the holder dies (kill -9)."""
+        path = self.root / stage / f"{stage}-{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("%s-%s is being computed by another run; waiting for it", stage, key)
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def materialize(self, stage: str, key: str,
+                    compute: Callable[[Path], dict[str, Any]]) -> tuple[Manifest, bool]:
+        """Return (manifest, reused). When no complete output exists, `compute(partial_dir)` fills
+        the partial dir and returns the manifest fields (config, upstream, stats, meta); the manifest
+        is then written last and the directory renamed into place atomically."""
+        if (manifest := self.load(stage, key)) is not None:
+            return manifest, True
+        with self.lock(stage, key):
+            if (manifest := self.load(stage, key)) is not None:  # finished while we waited
+                return manifest, True
+            partial = self.partial_dir(stage, key)
+            if partial.exists():
+                log.info("%s-%s: resuming from the partial output left by an earlier run", stage, key)
+            partial.mkdir(parents=True, exist_ok=True)
+            started = time.time()
+            fields = compute(partial)
+            fields.setdefault("meta", {})["seconds"] = round(time.time() - started, 3)
+            return self._commit(stage, key, partial, fields), False
+
+    def _commit(self, stage: str, key: str, partial: Path, fields: dict[str, Any]) -> Manifest:
+        (partial / CONFIG).write_text(json.dumps(fields["config"], indent=2, sort_keys=True))
+        manifest = Manifest(stage=stage, key=key, path=self.final_dir(stage, key),
+                            files=describe_files(partial), **fields)
+        tmp = partial / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True))
+        os.replace(tmp, partial / MANIFEST)
+        final = self.final_dir(stage, key)
+        if final.exists():  # an incomplete leftover (no valid manifest): never reused, replace it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        return manifest

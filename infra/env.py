@@ -1,0 +1,64 @@
+"""Process environment for a pipeline run: one root for all state, offline, no telemetry.
+
+Must run before prefect, mlflow or ray are imported, because they read these variables at import.
+Variables the user has set are respected (`setdefault`), so `PREFECT_API_URL`,
+`MLFLOW_TRACKING_URI`, `RAY_ADDRESS` or `PREFECT_HOME` point the run at real services.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+DEFAULT_HOME = ".gristmill"
+
+OFFLINE_AND_QUIET = {
+    "HF_HUB_OFFLINE": "1",  # nothing is downloaded from a hub at run time
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "TOKENIZERS_PARALLELISM": "false",  # tokenizers' own threads fight forked workers
+    # Ray >= 2.5x turns token auth on by default; a local single-user cluster does not need it.
+    "RAY_AUTH_MODE": "disabled",
+    # Route the stages' `gristmill.*` loggers into Prefect's run logs (and so into the UI).
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "gristmill",
+}
+
+
+def gristmill_home() -> Path:
+    return Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
+
+
+def configure(home: Path | None = None) -> Path:
+    """Point every component's state at `home` (default $GRISTMILL_HOME or ./.gristmill)."""
+    home = Path(home).resolve() if home else gristmill_home()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["GRISTMILL_HOME"] = str(home)
+    for name, value in OFFLINE_AND_QUIET.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    return home
+
+
+def artifacts_root(home: Path) -> Path:
+    return Path(home) / "artifacts"
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """The package version plus the git commit of the checkout, when there is one."""
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        base = version("gristmill")
+    except PackageNotFoundError:
+        base = "unknown"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{base}+{commit}" if commit else base

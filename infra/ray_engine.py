@@ -1,0 +1,63 @@
+"""Ray as the data-processing engine: the only module that calls `ray.init`.
+
+`RayEngine.map(fn, items)` runs `fn` over `items` on a pool of Ray actors and returns results in
+input order, so a stage's output does not depend on the worker count. It joins the cluster named
+by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Sequence, TypeVar
+
+import ray
+from ray.util import ActorPool
+
+T = TypeVar("T")
+R = TypeVar("R")
+log = logging.getLogger("gristmill.ray")
+
+
+@ray.remote
+class _Worker:
+    """A long-lived worker process; functions arrive pickled with each call."""
+
+    def call(self, fn: Callable[[T], R], item: T) -> R:
+        return fn(item)
+
+
+class RayEngine:
+    def __init__(self, num_workers: int):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self._started_here = False
+
+    def _ensure_started(self) -> None:
+        if ray.is_initialized():
+            return
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(self.num_workers, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+            self._started_here = True
+        log.info("ray: %s, %s workers", address or "local", self.num_workers)
+
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        if not items:
+            return []
+        self._ensure_started()
+        actors = [_Worker.remote() for _ in range(min(self.num_workers, len(items)))]
+        try:
+            return list(ActorPool(actors).map(lambda actor, item: actor.call.remote(fn, item), items))
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+
+    def shutdown(self) -> None:
+        """Stop the local Ray instance this engine started (a joined cluster is left running)."""
+        if self._started_here and ray.is_initialized():
+            ray.shutdown()
+            self._started_here = False

@@ -1,0 +1,131 @@
+"""MLflow tracking: the only module that imports mlflow.
+
+One parent run per pipeline run and one child run per stage (also for reused stages, tagged
+`gristmill.reused=true` and pointing at the run that computed the artifact). A stage run carries
+its resolved config as params, its stats and step-wise metrics, small artifacts, and its lineage:
+each upstream artifact as an MLflow dataset input (digest = artifact key, source = its directory)
+plus a tag naming the upstream stage's run.
+
+Uses `MLFLOW_TRACKING_URI` when set, else a SQLite store under GRISTMILL_HOME.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.tracking import MlflowClient
+
+from infra.artifacts import CONFIG, MANIFEST
+from tasks.stage import METRICS_FILE, Manifest, read_metrics
+
+EXPERIMENT = "gristmill"
+MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
+BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch
+
+
+def tracking_uri(home: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(home).resolve()}/mlflow.db"
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: how nested configs become MLflow params."""
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _numeric(stats: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in stats.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class Tracker:
+    """Parent and stage runs of one pipeline run, addressed by explicit run ids (thread-safe)."""
+
+    def __init__(self, home: Path):
+        self.uri = tracking_uri(home)
+        self.client = MlflowClient(self.uri)
+        experiment = self.client.get_experiment_by_name(EXPERIMENT)
+        if experiment is None:
+            # With the default SQLite store, keep artifacts under GRISTMILL_HOME, not the cwd.
+            location = None if os.environ.get("MLFLOW_TRACKING_URI") else \
+                (Path(home).resolve() / "mlruns").as_uri()
+            self.experiment_id = self.client.create_experiment(EXPERIMENT, artifact_location=location)
+        else:
+            self.experiment_id = experiment.experiment_id
+
+    def start_pipeline(self, run_name: str, config: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=run_name,
+                                     tags={"gristmill.kind": "pipeline", **tags})
+        self._log_params(run.info.run_id, config)
+        return run.info.run_id
+
+    def start_stage(self, parent_id: str, stage: str, key: str, config: Mapping[str, Any],
+                    upstream: Mapping[str, Manifest], reused_from: Manifest | None) -> str:
+        tags = {"mlflow.parentRunId": parent_id, "gristmill.kind": "stage",
+                "gristmill.stage": stage, "gristmill.key": key,
+                "gristmill.reused": str(reused_from is not None).lower()}
+        if reused_from is not None and reused_from.meta.get("mlflow_run_id"):
+            tags["gristmill.source_run_id"] = reused_from.meta["mlflow_run_id"]
+        for name, manifest in upstream.items():
+            tags[f"gristmill.upstream.{name}.key"] = manifest.key
+            if manifest.meta.get("mlflow_run_id"):
+                tags[f"gristmill.upstream.{name}.run_id"] = manifest.meta["mlflow_run_id"]
+        run = self.client.create_run(self.experiment_id, run_name=stage, tags=tags)
+        run_id = run.info.run_id
+        self._log_params(run_id, config)
+        self._log_lineage(run_id, upstream)
+        return run_id
+
+    def finish_stage(self, run_id: str, manifest: Manifest, artifacts: Iterable[str],
+                     replay_metrics: bool) -> None:
+        """Log stats, step metrics (when the stage ran here) and small artifacts; close the run."""
+        stamp = _now_ms()
+        metrics = [Metric(k, v, stamp, 0) for k, v in _numeric(manifest.stats).items()]
+        if replay_metrics:
+            for row in read_metrics(manifest.path / METRICS_FILE):
+                metrics += [Metric(k, v, stamp, int(row["step"]))
+                            for k, v in _numeric(row).items() if k != "step"]
+        for start in range(0, len(metrics), BATCH):
+            self.client.log_batch(run_id, metrics=metrics[start:start + BATCH])
+        self.client.set_tag(run_id, "gristmill.artifact_dir", str(manifest.path))
+        for rel in [MANIFEST, CONFIG, *artifacts]:
+            if (manifest.path / rel).is_file():
+                self.client.log_artifact(run_id, str(manifest.path / rel))
+        self.end(run_id, ok=True)
+
+    def end(self, run_id: str, ok: bool) -> None:
+        status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+        self.client.set_terminated(run_id, status=status)
+
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        self.client.log_text(run_id, text, name)
+
+    def _log_params(self, run_id: str, config: Mapping[str, Any]) -> None:
+        params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
+        for start in range(0, len(params), 100):  # MLflow caps params per batch at 100
+            self.client.log_batch(run_id, params=params[start:start + 100])
+
+    def _log_lineage(self, run_id: str, upstream: Mapping[str, Manifest]) -> None:
+        inputs = [
+            DatasetInput(
+                Dataset(name=f"{name}-{m.key}", digest=m.key, source_type="gristmill-artifact",
+                        source=m.path.resolve().as_uri()),
+                tags=[InputTag("mlflow.data.context", f"upstream:{name}")],
+            )
+            for name, m in upstream.items()
+        ]
+        if inputs:
+            self.client.log_inputs(run_id, datasets=inputs)

@@ -1,0 +1,61 @@
+"""Model presets: a small typed config and a stock `LlamaForCausalLM` built from it.
+
+Stock architectures only, so every exported model loads with `AutoModelForCausalLM` and no
+`trust_remote_code`. Seeding the initialisation is the caller's job (`torch.manual_seed` first).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tasks.stage import StageConfig
+
+
+class ModelConfig(StageConfig):
+    """Shape of a Llama-style decoder. Defaults: about 0.3M non-embedding params (a 2-core CPU demo)."""
+
+    hidden_size: int = Field(128, gt=0, description="Width of the residual stream (model dimension).")
+    num_layers: int = Field(2, gt=0, description="Number of transformer blocks.")
+    num_heads: int = Field(4, gt=0, description="Attention heads per block (no grouped-query sharing).")
+    intermediate_size: int = Field(512, gt=0, description="Hidden width of the SwiGLU MLP.")
+    max_seq_len: int = Field(256, gt=1, description="Longest sequence in tokens the model is trained for "
+                                                    "(RoPE max_position_embeddings).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
+                             f"num_heads ({self.num_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"hidden_size / num_heads = {self.hidden_size // self.num_heads} must be "
+                             "even (RoPE rotates pairs of dimensions); change hidden_size or num_heads")
+        return self
+
+
+def build_model(cfg: ModelConfig, tokenizer: Any) -> LlamaForCausalLM:
+    """A randomly initialised Llama with the tokenizer's vocabulary and special ids, tied
+    input/output embeddings, and PyTorch SDPA attention."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def count_params(model: Any) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())

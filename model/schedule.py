@@ -1,0 +1,20 @@
+"""Learning-rate schedules as pure multipliers of the peak LR (for `torch.optim.lr_scheduler.LambdaLR`)."""
+from __future__ import annotations
+
+import math
+
+
+def warmup_cosine(step: int, total_steps: int, warmup_frac: float, min_lr_ratio: float) -> float:
+    """LR multiplier for optimizer step `step` (0-based): linear warmup over the first
+    `warmup_frac * total_steps` steps, then cosine decay from 1 to `min_lr_ratio` at the last step.
+
+    Warmup is `(step + 1) / warmup_steps` so that the very first update already moves the weights.
+    """
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {total_steps}")
+    warmup_steps = int(round(warmup_frac * total_steps))
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - 1 - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

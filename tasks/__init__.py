@@ -1,0 +1,1 @@
+"""gristmill: tasks"""

@@ -1,0 +1,55 @@
+"""Shared fixtures: the one way tests find ../shared/data, and tiny throwaway models."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _shared_data_dir() -> Path:
+    return Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Real data written by others (see its SOURCES.md). In CI its absence is a failure."""
+    path = _shared_data_dir()
+    if not path.is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"shared data not found at {path}; set GRISTMILL_SHARED_DATA")
+        pytest.skip(f"shared data not found at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory, shared_data) -> Path:
+    """A byte-level BPE trained in-process on real text, saved as an HF tokenizer dir."""
+    from tasks.tokenize import save_tokenizer, train_tokenizer
+
+    text = (shared_data / "corpus" / "tinyshakespeare.txt").read_text()
+    docs = [text[i : i + 2000] for i in range(0, 400_000, 2000)]
+    out = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(train_tokenizer(docs, vocab_size=1024), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """A randomly initialised tiny Llama exported with its tokenizer (loads with Auto*)."""
+    from transformers import AutoTokenizer
+
+    from model.export import export_model
+    from model.presets import ModelConfig, build_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model = build_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=4,
+                                    intermediate_size=128, max_seq_len=256), tokenizer)
+    out = tmp_path_factory.mktemp("model")
+    export_model(model, tokenizer, out)
+    return out

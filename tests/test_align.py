@@ -1,0 +1,188 @@
+"""Preference-data loading (format detection, drop counts) and the align stage (DPO) end to end."""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tasks import align
+from tasks.preferences import detect_format, load_preference_pairs, split_transcript
+from tasks.stage import Manifest, MetricsLog, SerialEngine, read_metrics
+
+HH = "prefs/hh_rlhf_harmless_base_test_part1.jsonl.gz"
+ALPACA = "prefs/alpaca_eval_gpt4_vs_davinci003_annotations.jsonl"
+
+
+# ---------------------------------------------------------------- preference data
+
+def test_hh_rlhf_splits_shared_prefix_from_final_replies(shared_data):
+    pairs, drops = load_preference_pairs(str(shared_data / HH), None)
+    # 1156 records; 4 end with an empty assistant reply (counted by hand on the file)
+    assert len(pairs) == 1152 and drops == {"empty_response": 4}
+    first = pairs[0]
+    assert first["prompt"][0] == {"role": "user", "content": "what are some pranks with a pen i can do?"}
+    assert first["prompt"][-1]["role"] == "user"
+    assert [m["role"] for m in first["prompt"][:4]] == ["user", "assistant", "user", "assistant"]
+    assert first["chosen"] != first["rejected"]
+    assert first["rejected"].startswith("There are lots of funny things you can do with pens")
+    assert all(p["prompt"][-1]["role"] == "user" and p["chosen"] != p["rejected"] for p in pairs)
+    assert not any("\n\nHuman:" in p["chosen"] or "\n\nAssistant:" in p["chosen"] for p in pairs)
+
+
+def test_alpaca_eval_orients_by_preference_and_drops_ties(shared_data):
+    path = shared_data / ALPACA
+    pairs, drops = load_preference_pairs(str(path), None)
+    assert drops == {"tie": 12} and len(pairs) == 805 - 12
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    kept = [r for r in records if r["preference"] != 0]
+    for record, pair in zip(kept[:50], pairs[:50]):
+        winner, loser = ("output_1", "output_2") if record["preference"] == 1 else ("output_2", "output_1")
+        assert pair == {"prompt": [{"role": "user", "content": record["instruction"]}],
+                        "chosen": record[winner], "rejected": record[loser]}
+    assert detect_format(records[0], "x") == "alpaca_eval"
+
+
+def test_limit_stops_early(shared_data):
+    pairs, _ = load_preference_pairs(str(shared_data / HH), 5)
+    assert len(pairs) == 5
+
+
+def test_prompt_chosen_rejected_rows_and_bad_rows(tmp_path):
+    rows = [
+        {"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+         "chosen": [{"role": "assistant", "content": "Hello."}], "rejected": "Go away."},
+        {"prompt": "same?", "chosen": "yes", "rejected": "yes"},
+        {"prompt": "empty?", "chosen": "  ", "rejected": "no"},
+        {"prompt": "list?", "chosen": ["not", "messages"], "rejected": "no"},
+    ]
+    path = tmp_path / "prefs.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    pairs, drops = load_preference_pairs(str(path), None)
+    assert drops == {"same_response": 1, "empty_response": 1, "unparseable_record": 1}
+    assert pairs[0] == {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": "5"}
+    assert pairs[1]["prompt"][0]["role"] == "system" and pairs[1]["chosen"] == "Hello."
+
+
+def test_hh_transcript_edge_cases(tmp_path):
+    assert split_transcript("no markers here") is None
+    assert split_transcript("\n\nHuman: hi\n\nAssistant: hello") == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = [{"chosen": "garbage", "rejected": "\n\nHuman: a\n\nAssistant: b"},
+            {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: x\n\nAssistant: c"},
+            {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: b"}]
+    path = tmp_path / "hh.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="hh.jsonl.*no usable pairs"):
+        load_preference_pairs(str(path), None)
+
+
+def test_unknown_format_and_source_name_the_source(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(ValueError, match="odd.jsonl.*unknown preference format"):
+        load_preference_pairs(str(path), None)
+    with pytest.raises(ValueError, match="demo:nope"):
+        load_preference_pairs("demo:nope", None)
+
+
+def test_demo_arithmetic_is_seeded():
+    a, drops = load_preference_pairs("demo:arithmetic", 20, seed=3)
+    b, _ = load_preference_pairs("demo:arithmetic", 20, seed=3)
+    c, _ = load_preference_pairs("demo:arithmetic", 20, seed=4)
+    assert a == b and a != c and drops == {} and len(a) == 20
+    assert all(p["chosen"] != p["rejected"] for p in a)
+
+
+# ---------------------------------------------------------------- config
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValidationError, match="beta"):
+        align.Config(beta=0)
+    with pytest.raises(ValidationError, match="data"):
+        align.Config(data=[])
+    with pytest.raises(ValidationError, match="method"):
+        align.Config(method="ppo")
+    assert "checkpoint_every" not in align.Config().hashed_dict()
+    assert all(f.description for f in align.Config.model_fields.values())
+
+
+# ---------------------------------------------------------------- the stage
+
+CONFIG = dict(max_pairs=96, max_steps=20, batch_size=8, lr=2e-3, beta=0.1, max_seq_len=64,
+              heldout_fraction=0.25, warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10)
+
+
+@pytest.fixture
+def sft_inputs(tmp_path, tiny_model_dir) -> dict[str, Manifest]:
+    sft = tmp_path / "sft"
+    shutil.copytree(tiny_model_dir, sft / "model")
+    return {"sft": Manifest(stage="sft", key="sft-test", path=sft, config={}, upstream={},
+                            files={}, stats={})}
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(model_dir / "model.safetensors")
+
+
+def test_dpo_stage_trains_and_exports(tmp_path, sft_inputs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "align.partial"
+    out.mkdir()
+    result = align.run(align.Config(**CONFIG), sft_inputs, out, engine=SerialEngine())
+    s = result.stats
+    assert s["steps"] == 20 and s["resumed_from_step"] == 0
+    assert s["pairs_train"] + s["pairs_heldout"] + s["dropped_prompt_too_long"] == 96
+    assert s["pairs_heldout"] == 24
+    assert s["heldout_margin_before"] == 0.0 and s["heldout_pref_acc_before"] == 0.0
+    assert s["heldout_margin_after"] > s["heldout_margin_before"]
+    assert s["heldout_pref_acc_after"] > 0.5
+
+    before, after = _weights(sft_inputs["sft"].path / "model"), _weights(out / "model")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not (out / align.CHECKPOINT_DIR).exists()
+
+    logged = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(1, 21))
+    assert {"loss", "rewards/margins", "rewards/accuracies"} <= logged[-1].keys()
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_killed_stage_resumes_from_checkpoint(tmp_path, sft_inputs, monkeypatch):
+    out = tmp_path / "align.partial"
+    out.mkdir()
+    config = align.Config(**CONFIG)
+    real_log = MetricsLog.log
+
+    def crash_at_step_15(self, step, **values):
+        if step == 15:
+            raise KeyboardInterrupt("simulated kill")
+        real_log(self, step, **values)
+
+    monkeypatch.setattr(MetricsLog, "log", crash_at_step_15)
+    with pytest.raises(KeyboardInterrupt):
+        align.run(config, sft_inputs, out, engine=SerialEngine())
+    assert (out / align.CHECKPOINT_DIR / "checkpoint-10").is_dir()
+    assert not (out / "model").exists()
+    monkeypatch.setattr(MetricsLog, "log", real_log)
+
+    result = align.run(config, sft_inputs, out, engine=SerialEngine())
+    assert result.stats["resumed_from_step"] == 10 and result.stats["steps"] == 20
+    # steps 11-14 of the killed run were dropped and redone once: no step twice, none missing
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 21))
+    assert result.stats["heldout_margin_after"] > 0

@@ -1,0 +1,329 @@
+"""collect+clean: filters, readers on real WARC/JSONL files, robustness, the stage, the demo."""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from tasks import collect, demo_crawl, text_filters
+from tasks.readers import RawDoc, Skipped, extract_text, read_file, resolve_source
+from tasks.stage import SerialEngine
+
+CFG = collect.Config()
+
+
+class ReverseEngine:
+    """Runs items last-to-first (as a parallel engine may finish them), returns them in order."""
+
+    def map(self, fn, items):
+        return [fn(item) for item in reversed(items)][::-1]
+
+
+def _events(path: Path) -> tuple[Counter, list[RawDoc]]:
+    reasons, docs = Counter(), []
+    for event in read_file(path):
+        if isinstance(event, Skipped):
+            reasons[event.reason] += 1
+        else:
+            docs.append(event)
+    return reasons, docs
+
+
+def _read_docs(out_dir: Path) -> list[dict]:
+    docs = []
+    for part in sorted((out_dir / "docs").glob("part-*.jsonl.gz")):
+        with gzip.open(part, "rt", encoding="utf-8") as f:
+            docs += [json.loads(line) for line in f]
+    return docs
+
+
+def _run(tmp_path: Path, name: str, engine=None, **config) -> tuple[collect.StageResult, Path]:
+    out = tmp_path / name
+    out.mkdir()
+    result = collect.run(collect.Config(**config), {}, out, engine=engine or SerialEngine())
+    return result, out
+
+
+@pytest.fixture(scope="module")
+def prose(shared_data) -> str:
+    """Real English prose: the translator's note of Botchan (Gutenberg)."""
+    lines = (shared_data / "corpus" / "botchan_en.txt").read_text(encoding="utf-8").splitlines()
+    start = lines.index("A NOTE BY THE TRANSLATOR")
+    return "\n".join(lines[start + 1 : start + 40])
+
+
+# --- filters -------------------------------------------------------------------------------
+
+def test_prose_passes_every_filter(prose):
+    assert len(prose.split()) > 200
+    for text_filter in text_filters.FILTERS:
+        assert text_filter(prose, CFG) is None, text_filter.__name__
+    assert text_filters.first_drop_reason(prose, CFG) is None
+
+
+def test_word_count(prose):
+    assert text_filters.word_count("Just a few words here.", CFG) == "too_few_words"
+    few_max = CFG.model_copy(update={"max_words": 100})
+    assert text_filters.word_count(prose, few_max) == "too_many_words"
+
+
+def test_mean_word_length(prose):
+    assert text_filters.mean_word_length("a b c d e f g h i j", CFG) == "mean_word_length_too_short"
+    long_words = " ".join(["internationalization"] * 60)
+    assert text_filters.mean_word_length(long_words, CFG) == "mean_word_length_too_long"
+    assert text_filters.mean_word_length(prose, CFG) is None
+
+
+def test_symbol_ratio(prose):
+    tags = " ".join(f"#tag{i} more..." for i in range(40))
+    assert text_filters.symbol_ratio(tags, CFG) == "too_many_symbols"
+    assert text_filters.symbol_ratio(prose, CFG) is None
+
+
+def test_alphabetic_words(prose):
+    table = "\n".join(f"{i} {i * 3.5} {i * i} = {i + 7}" for i in range(30))
+    assert text_filters.alphabetic_words(table, CFG) == "too_few_alphabetic_words"
+    assert text_filters.alphabetic_words(prose, CFG) is None
+
+
+def test_duplicate_lines(prose):
+    menu = "\n".join(["Home", "About us", "Contact"] * 10 + prose.splitlines()[:5])
+    assert text_filters.duplicate_lines(menu, CFG) == "too_many_duplicate_lines"
+    assert text_filters.duplicate_lines(prose, CFG) is None
+
+
+def test_first_reason_wins():
+    # Short AND numeric: the word-count filter comes first, so that is the counted reason.
+    assert text_filters.first_drop_reason("1 2 3", CFG) == "too_few_words"
+
+
+# --- readers on real files -----------------------------------------------------------------
+
+def test_whirlwind_warc_and_wet(shared_data):
+    folder = shared_data / "warc" / "commoncrawl_whirlwind"
+    reasons, docs = _events(folder / "whirlwind.warc.gz")
+    assert reasons == {"skipped_record_warcinfo": 1, "skipped_record_request": 1,
+                       "skipped_record_metadata": 1}
+    assert [d.url for d in docs] == ["https://an.wikipedia.org/wiki/Escopete"] and docs[0].is_html
+    text = extract_text(docs[0])
+    assert "Guerra Civil" in text and "Menú principal" not in text  # body kept, menu dropped
+    reasons, docs = _events(folder / "whirlwind.warc.wet.gz")
+    assert reasons == {"skipped_record_warcinfo": 1}
+    assert len(docs) == 1 and not docs[0].is_html
+    assert extract_text(docs[0]).startswith("Escopete - Biquipedia")
+
+
+def test_dolma_wget_warc(shared_data):
+    reasons, docs = _events(shared_data / "warc" / "dolma_wget" / "sample-0000.warc.gz")
+    assert reasons["skipped_record_request"] == 22 and reasons["skipped_record_resource"] == 2
+    assert len(docs) == 22 and all(d.is_html and d.url.startswith("http") for d in docs)
+
+
+def test_sopa_wikipedia_skips_non_html(shared_data):
+    folder = shared_data / "warc" / "ukwa_test_suite"
+    reasons, docs = _events(folder / "sopa-wikipedia-homepage.warc.gz")
+    assert reasons["skipped_mime_image"] == 58
+    assert reasons["skipped_mime_javascript"] == 11
+    assert reasons["skipped_mime_css"] == 2
+    assert reasons["skipped_record_request"] == 86
+    html = [d for d in docs if d.is_html]
+    assert [d.url for d in html] == ["http://en.wikipedia.org/wiki/Main_Page"]
+
+
+def test_ukwa_redirects_and_dns(shared_data):
+    folder = shared_data / "warc" / "ukwa_test_suite"
+    assert _events(folder / "IAH-urls-wget.warc.gz")[0]["skipped_http_3xx"] == 9
+    reasons, _ = _events(folder / "IAH-20080430204825-00000-blackbook-truncated.warc.gz")
+    assert reasons["skipped_mime_dns"] == 1 and reasons["skipped_record_metadata"] == 7
+
+
+def test_warcio_examples(shared_data):
+    folder = shared_data / "warc" / "warcio_examples"
+    reasons, docs = _events(folder / "example.warc.gz")
+    assert reasons["skipped_record_revisit"] == 1
+    assert [d.url for d in docs] == ["http://example.com/"]
+    assert extract_text(docs[0]).startswith("This domain is established to be used for")
+    reasons, docs = _events(folder / "example-digest.warc")  # uncompressed, requests only
+    assert reasons == {"skipped_record_request": 4} and docs == []
+
+
+def test_dolma_jsonl(shared_data):
+    folder = shared_data / "jsonl" / "dolma_cc"
+    reasons, docs = _events(folder / "cc_en_head-0091.jsonl")
+    assert not reasons and len(docs) == 10
+    assert docs[0].url == ("http://100kinvesting.com/2016/11/28/"
+                           "first-teleconference-calls-invoice-factoring/")
+    reasons, docs = _events(folder / "documents-000.json.gz")
+    assert not reasons and len(docs) == 10
+    # metadata.url wins over the id (here they differ)
+    assert docs[0].url == "http://advocatesaz.org/tag/good-cholesterol/"
+
+
+# --- robustness ----------------------------------------------------------------------------
+
+def test_truncated_warc_gz(shared_data, tmp_path):
+    data = (shared_data / "warc" / "dolma_wget" / "sample-0000.warc.gz").read_bytes()
+    cut = tmp_path / "cut.warc.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    reasons, docs = _events(cut)
+    assert reasons["error_truncated_record"] == 1
+    assert 5 < len(docs) < 22  # the records before the cut are still read
+
+
+def test_bad_jsonl_lines(shared_data, tmp_path):
+    good = (shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0091.jsonl").read_bytes()
+    lines = [b"this is not json", b'{"text": "caf\xe9 \xff"}', b'{"id": 1}', good.splitlines()[0]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\n".join(lines) + b"\n")
+    reasons, docs = _events(bad)
+    assert reasons == {"error_bad_json": 1, "error_invalid_utf8": 1, "error_missing_text": 1}
+    assert len(docs) == 1
+
+
+def test_truncated_jsonl_gz(shared_data, tmp_path):
+    original = shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0091.jsonl"
+    data = gzip.compress(original.read_bytes())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    reasons, docs = _events(cut)
+    assert reasons == {"error_truncated_gzip": 1} and 0 < len(docs) < 10
+
+
+def test_stage_survives_bad_inputs(shared_data, tmp_path):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "empty.jsonl").write_bytes(b"")
+    (inputs / "garbage.warc").write_bytes(b"hello, this is not a web archive\n" * 5)
+    data = (shared_data / "warc" / "dolma_wget" / "sample-0001.warc.gz").read_bytes()
+    (inputs / "cut.warc.gz").write_bytes(data[: len(data) // 2])
+    (inputs / "bad.jsonl").write_bytes(b"{oops\n")
+    shutil.copy(shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0174.jsonl", inputs)
+    result, out = _run(tmp_path, "out", sources=[str(inputs)])
+    stats = result.stats
+    assert stats["error_empty_file"] == 1 and stats["error_not_warc"] == 1
+    assert stats["error_truncated_record"] == 1 and stats["error_bad_json"] == 1
+    assert stats["docs_out"] > 10 and len(_read_docs(out)) == stats["docs_out"]
+
+
+def test_missing_or_empty_source_names_it(shared_data, tmp_path):
+    missing = str(tmp_path / "nowhere" / "*.warc.gz")
+    with pytest.raises(ValueError, match="nowhere"):
+        _run(tmp_path, "a", sources=[missing])
+    requests_only = str(shared_data / "warc" / "warcio_examples" / "example-digest.warc")
+    with pytest.raises(ValueError, match="example-digest.warc.*no documents"):
+        _run(tmp_path, "b", sources=[requests_only])
+    with pytest.raises(ValueError, match="demo:nothing"):
+        _run(tmp_path, "c", sources=["demo:nothing"])
+
+
+# --- the stage -----------------------------------------------------------------------------
+
+def test_stage_on_warc_and_jsonl(shared_data, tmp_path):
+    sources = [str(shared_data / "warc" / "ukwa_test_suite"),
+               str(shared_data / "jsonl" / "dolma_cc" / "*.jsonl")]
+    result, out = _run(tmp_path, "out", sources=sources)
+    docs, stats = _read_docs(out), result.stats
+    assert len(docs) == stats["docs_out"] > 20
+    assert set(docs[0]) == {"id", "text", "source", "url"}
+    assert len({collect.text_hash(d["text"]) for d in docs}) == len(docs)
+    assert len({d["id"] for d in docs}) == len(docs)
+    assert {d["source"] for d in docs} == set(sources)
+    assert stats["skipped_mime_image"] > 0 and stats["skipped_record_request"] > 0
+    assert stats["docs_in"] == stats["docs_after_filters"] + sum(
+        v for k, v in stats.items() if k.startswith("dropped_"))
+    assert stats["docs_out"] == stats["docs_after_filters"] - stats["exact_duplicates"]
+    assert stats["bytes_out"] == sum(len(d["text"].encode()) for d in docs)
+    funnel = json.loads((out / "funnel.json").read_text())
+    assert funnel["docs_out"] == stats["docs_out"] and result.artifacts == ["funnel.json"]
+    assert funnel["dropped"] == {k: v for k, v in stats.items() if k.startswith("dropped_")}
+
+
+def test_duplicate_file_is_deduplicated(shared_data, tmp_path):
+    original = shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0091.jsonl"
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy(original, copy)
+    single, _ = _run(tmp_path, "single", sources=[str(original)])
+    result, out = _run(tmp_path, "twice", sources=[str(original), str(copy)])
+    assert result.stats["exact_duplicates"] == single.stats["docs_out"] > 0
+    docs = _read_docs(out)
+    assert len(docs) == single.stats["docs_out"]
+    assert {d["source"] for d in docs} == {str(original)}  # first occurrence wins
+
+
+def test_output_independent_of_engine_and_workers(shared_data, tmp_path):
+    warc = shared_data / "warc"
+    sources = [str(warc / "warcio_examples"), str(warc / "ukwa_test_suite"),
+               str(shared_data / "jsonl" / "dolma_cc")]
+    a, out_a = _run(tmp_path, "a", sources=sources, num_workers=1, docs_per_shard=10)
+    b, out_b = _run(tmp_path, "b", ReverseEngine(), sources=sources, num_workers=4,
+                    docs_per_shard=10)
+    c, out_c = _run(tmp_path, "c", ReverseEngine(), sources=sources, docs_per_shard=7)
+    assert a.stats == b.stats
+    parts = sorted(p.name for p in (out_a / "docs").iterdir())
+    assert len(parts) == -(-a.stats["docs_out"] // 10) > 1
+    for part in parts:  # byte-identical shards
+        assert (out_a / "docs" / part).read_bytes() == (out_b / "docs" / part).read_bytes()
+    assert _read_docs(out_a) == _read_docs(out_c)
+
+
+def test_max_docs_per_source(shared_data, tmp_path):
+    result, out = _run(tmp_path, "out", sources=[str(shared_data / "jsonl" / "dolma_cc")],
+                       max_docs_per_source=15)
+    assert result.stats["docs_in"] == 15 and result.stats["records_read"] == 15
+    assert len(_read_docs(out)) == result.stats["docs_out"] <= 15
+
+
+def test_config_validation_and_hashing():
+    with pytest.raises(pydantic.ValidationError, match="max_words"):
+        collect.Config(min_words=100, max_words=10)
+    with pytest.raises(pydantic.ValidationError, match="min_word"):
+        collect.Config(min_word=3)
+    with pytest.raises(pydantic.ValidationError, match="docs_per_shard"):
+        collect.Config(docs_per_shard=0)
+    assert "num_workers" not in CFG.hashed_dict() and "min_words" in CFG.hashed_dict()
+    assert all(f.description for f in collect.Config.model_fields.values())
+
+
+def test_fingerprint_follows_file_content(shared_data, tmp_path):
+    path = tmp_path / "docs.jsonl"
+    shutil.copy(shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0174.jsonl", path)
+    config = collect.Config(sources=[str(tmp_path)])
+    first = collect.fingerprint(config)
+    assert collect.fingerprint(config) == first
+    path.write_bytes(path.read_bytes() + b'{"text": "one more"}\n')
+    assert collect.fingerprint(config) != first
+    assert collect.fingerprint(CFG) == collect.fingerprint(collect.Config())
+    assert resolve_source(str(tmp_path)) == [path]
+
+
+# --- the demo crawl ------------------------------------------------------------------------
+
+def test_demo_plan_covers_every_package_once():
+    packages = demo_crawl.list_packages()
+    for workers in (1, 3):
+        units = collect.plan_units(collect.Config(num_workers=workers))
+        assert [p for u in units for p in u.packages] == packages
+    n_units = len(collect.plan_units(collect.Config(num_workers=3)))
+    assert n_units == 3 * collect.DEMO_CHUNKS_PER_WORKER
+
+
+def test_demo_records():
+    events = list(demo_crawl.iter_records(demo_crawl.list_packages()))
+    docs = [e for e in events if isinstance(e, RawDoc)]
+    assert len(docs) > 100
+    assert all(d.url.startswith("python-package://") for d in docs)
+    assert any(d.url.endswith("/METADATA") and "pydantic" in d.url for d in docs)
+    assert any(d.is_html for d in docs)  # the HTML extraction path runs in the demo too
+
+
+def test_demo_stage(tmp_path):
+    result, out = _run(tmp_path, "out")
+    docs = _read_docs(out)
+    assert len(docs) == result.stats["docs_out"] > 100
+    assert result.stats["words_out"] > 100_000
+    assert all(d["source"] == demo_crawl.DEMO_SOURCE for d in docs)

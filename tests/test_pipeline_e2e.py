@@ -1,0 +1,138 @@
+"""The tiny pipeline end to end through the real CLI: Prefect (ephemeral API), MLflow on a SQLite
+store, Ray started locally — in a temp GRISTMILL_HOME. Checks reuse on re-run, partial re-runs
+after a config change, lineage in MLflow, and that the exported model loads and chats."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ["collect", "tokenize", "pretrain", "sft", "align", "evaluate"]
+# The tiny preset, shortened so CI spends seconds, not minutes, per training stage.
+FAST = ["pretrain.max_steps=60", "sft.max_steps=30", "align.max_steps=10",
+        "evaluate.arith_problems=20", "evaluate.max_eval_tokens=8192"]
+
+pytestmark = pytest.mark.slow
+
+
+def gristmill(home: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GRISTMILL_HOME": str(home)}
+    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "PREFECT_HOME"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"gristmill {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def plan_of(home: Path, *overrides: str) -> dict[str, str]:
+    """stage -> 'reuse' | 'run', as printed by --dry-run."""
+    out = gristmill(home, "run", "configs/tiny.yaml", *FAST, *overrides, "--dry-run").stdout
+    rows = [line.split() for line in out.split("# plan", 1)[1].splitlines()[1:] if line.strip()]
+    return {row[0]: row[2] for row in rows}
+
+
+def committed_dir(home: Path, stage: str) -> Path:
+    return next((home / "artifacts" / stage).glob("*/manifest.json")).parent
+
+
+def artifact_files(home: Path) -> dict[str, tuple[int, int]]:
+    root = home / "artifacts"
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock")}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    home = tmp_path_factory.mktemp("e2e") / "home"
+    assert plan_of(home) == {s: "run" for s in STAGES}
+    proc = gristmill(home, "run", "configs/tiny.yaml", *FAST)
+    return home, proc
+
+
+def test_first_run_computes_every_stage_and_commits_manifests(first_run):
+    home, proc = first_run
+    for stage in STAGES:
+        manifests = list((home / "artifacts" / stage).glob("*/manifest.json"))
+        assert len(manifests) == 1, stage
+        manifest = json.loads(manifests[0].read_text())
+        assert manifest["stage"] == stage and manifest["meta"]["mlflow_run_id"]
+    assert not list((home / "artifacts").glob("*/*.partial"))
+    evaluate = json.loads((committed_dir(home, "evaluate") / "manifest.json").read_text())
+    assert evaluate["stats"]["base_val_bpb"] > 0
+    assert "computing" in proc.stdout + proc.stderr
+
+
+def test_rerun_reuses_everything_and_changes_no_file(first_run):
+    home, _ = first_run
+    before = artifact_files(home)
+    proc = gristmill(home, "run", "configs/tiny.yaml", *FAST)
+    log = proc.stdout + proc.stderr
+    assert all(f"{stage}: reused" in log for stage in STAGES), log[-3000:]
+    assert "computing" not in log
+    assert artifact_files(home) == before
+
+
+def test_changing_one_stage_reruns_it_and_downstream_only(first_run):
+    home, _ = first_run
+    plan = plan_of(home, "sft.lr=0.0005")
+    assert plan == {"collect": "reuse", "tokenize": "reuse", "pretrain": "reuse",
+                    "sft": "run", "align": "run", "evaluate": "run"}
+
+
+def test_unknown_override_is_an_error_naming_the_key(first_run):
+    home, _ = first_run
+    env = {**os.environ, "GRISTMILL_HOME": str(home)}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "sft.lrr=1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "sft.lrr" in proc.stderr
+
+
+def test_mlflow_has_parent_and_stage_runs_with_lineage(first_run):
+    home, _ = first_run
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    experiment = client.get_experiment_by_name("gristmill")
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("gristmill.kind") == "pipeline"]
+    assert len(parents) >= 2  # the first run and the re-run
+    first = min(parents, key=lambda r: r.info.start_time)
+    children = {r.data.tags["gristmill.stage"]: r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == first.info.run_id}
+    assert sorted(children) == sorted(STAGES)
+    assert all(r.info.status == "FINISHED" for r in children.values())
+    sft = children["sft"]
+    assert sft.data.params["lr"] and sft.data.tags["gristmill.reused"] == "false"
+    assert sft.data.tags["gristmill.upstream.pretrain.run_id"] == children["pretrain"].info.run_id
+    datasets = {d.dataset.name: d.dataset for d in sft.inputs.dataset_inputs}
+    pretrain_key = children["pretrain"].data.tags["gristmill.key"]
+    assert datasets == {f"pretrain-{pretrain_key}": datasets[f"pretrain-{pretrain_key}"]}
+    assert datasets[f"pretrain-{pretrain_key}"].digest == pretrain_key
+    loss = client.get_metric_history(children["pretrain"].info.run_id, "loss")
+    assert len(loss) >= 10 and loss[-1].value < loss[0].value
+    evaluate = children["evaluate"]
+    assert {"upstream:tokenize", "upstream:align"} <= {
+        t.value for d in evaluate.inputs.dataset_inputs for t in d.tags}
+    artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
+    assert {"report.md", "manifest.json", "config.json"} <= artifacts
+
+
+def test_final_model_loads_with_auto_classes_and_chats(first_run):
+    home, _ = first_run
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = committed_dir(home, "align") / "model"
+    assert not list(model_dir.glob("*.bin")) and list(model_dir.glob("*.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    assert isinstance(tokenizer.decode(out[0, ids["input_ids"].shape[1]:]), str)

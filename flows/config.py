@@ -12,7 +12,12 @@ from typing import Any, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks import align, collect, evaluate, pretrain, sft, tokenize
+from tasks.align import Config as AlignConfig
+from tasks.collect import Config as CollectConfig
+from tasks.evaluate import Config as EvaluateConfig
+from tasks.pretrain import Config as PretrainConfig
+from tasks.sft import Config as SFTConfig
+from tasks.tokenize import Config as TokenizeConfig
 
 
 class ConfigError(ValueError):
@@ -25,12 +30,12 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field("tiny", description="Name of this pipeline configuration, shown in Prefect and MLflow.")
-    collect: collect.Config = Field(default_factory=collect.Config, description="Collect and clean raw documents.")
-    tokenize: tokenize.Config = Field(default_factory=tokenize.Config, description="Train the tokenizer, write token shards.")
-    pretrain: pretrain.Config = Field(default_factory=pretrain.Config, description="Next-token pretraining.")
-    sft: sft.Config = Field(default_factory=sft.Config, description="Supervised fine-tuning on conversations.")
-    align: align.Config = Field(default_factory=align.Config, description="Preference alignment.")
-    evaluate: evaluate.Config = Field(default_factory=evaluate.Config, description="Evaluation and report.")
+    collect: CollectConfig = Field(default_factory=CollectConfig, description="Collect and clean raw documents.")
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="Train the tokenizer, write token shards.")
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Next-token pretraining.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning on conversations.")
+    align: AlignConfig = Field(default_factory=AlignConfig, description="Preference alignment.")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation and report.")
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -7,6 +7,7 @@ Variables the user has set are respected (`setdefault`), so `PREFECT_API_URL`,
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,9 @@ OFFLINE_AND_QUIET = {
     "TOKENIZERS_PARALLELISM": "false",  # tokenizers' own threads fight forked workers
     # Ray >= 2.5x turns token auth on by default; a local single-user cluster does not need it.
     "RAY_AUTH_MODE": "disabled",
+    # The embedded Prefect API starts a server subprocess; on a busy 2-core machine it can need
+    # more than the default 20 s to come up.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     # Route the stages' `gristmill.*` loggers into Prefect's run logs (and so into the UI).
     "PREFECT_LOGGING_EXTRA_LOGGERS": "gristmill",
 }
@@ -39,6 +43,8 @@ def configure(home: Path | None = None) -> Path:
     for name, value in OFFLINE_AND_QUIET.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    # Prefect attaches its handlers to the extra loggers but leaves their level at WARNING.
+    logging.getLogger("gristmill").setLevel(logging.INFO)
     return home
 
 

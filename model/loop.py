@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from contextlib import nullcontext
@@ -20,6 +21,7 @@ from typing import Any, Callable, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from pydantic import Field, model_validator
 
 from model.schedule import warmup_cosine
@@ -161,7 +163,12 @@ def _clear_partial_checkpoints(work_dir: Path) -> None:
 
 
 def make_accelerator(cfg: LoopConfig) -> Accelerator:
+    """An Accelerator for cfg.device: bf16 autocast on CUDA, full fp32 on CPU."""
     use_cuda = resolve_device(cfg.device).type == "cuda"
+    if not torch.distributed.is_initialized():
+        # Accelerate's state is a process-wide singleton; in one process, stages may ask for
+        # different devices (a CPU test, then a CUDA run), so start from a clean state.
+        AcceleratorState._reset_state(reset_partial_state=True)
     return Accelerator(cpu=not use_cuda, mixed_precision="bf16" if use_cuda else "no")
 
 
@@ -215,6 +222,23 @@ def _resume(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, log: 
     return json.loads((path / MARKER).read_text())
 
 
+def _due(done: int, every: int, max_steps: int) -> bool:
+    """Whether a periodic action (log, eval, checkpoint) runs after `done` steps; always at the end."""
+    return done == max_steps or (every > 0 and done % every == 0)
+
+
+def _prepare(model: torch.nn.Module, cfg: LoopConfig):
+    """Accelerator, prepared model and optimizer, and the LR scheduler (registered for checkpoints)."""
+    accelerator = make_accelerator(cfg)
+    model.train()
+    model, optimizer = accelerator.prepare(model, make_optimizer(model, cfg))
+    # Stepped by us once per optimizer step (a prepared scheduler steps once per process).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, cfg.max_steps, cfg.warmup_frac, cfg.min_lr_ratio))
+    accelerator.register_for_checkpointing(scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
 def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopConfig, work_dir: Path,
           metrics: MetricsLog, *, loss_fn: LossFn = causal_lm_loss, evaluate: EvalFn | None = None,
           log: logging.Logger | None = None) -> dict[str, Any]:
@@ -225,14 +249,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     last values returned by `evaluate` (also logged every `eval_every` steps and at the end)."""
     log = log or logging.getLogger("gristmill.train")
     Path(work_dir).mkdir(parents=True, exist_ok=True)
-    accelerator = make_accelerator(cfg)
-    model.train()
-    optimizer = make_optimizer(model, cfg)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # Stepped by us once per optimizer step (a prepared scheduler steps once per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, cfg.max_steps, cfg.warmup_frac, cfg.min_lr_ratio))
-    accelerator.register_for_checkpointing(scheduler)
+    accelerator, model, optimizer, scheduler = _prepare(model, cfg)
     state = _resume(accelerator, work_dir, metrics, log)
     resumed_from = state["step"]
     t0, tokens_now = time.perf_counter(), 0
@@ -240,25 +257,25 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
         batch = _shard(get_batch(step), accelerator)
         lr = scheduler.get_last_lr()[0]
         loss, grad_norm = _train_step(model, optimizer, scheduler, batch, loss_fn, cfg, accelerator)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {step + 1}; lower lr or check the data")
         tokens = _tokens_in(batch) * accelerator.num_processes
-        tokens_now += tokens
-        done = step + 1
+        tokens_now, done = tokens_now + tokens, step + 1
         state = {**state, "step": done, "tokens_seen": state["tokens_seen"] + tokens,
                  "recent_losses": (state["recent_losses"] + [loss])[-RECENT_LOSSES:]}
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
-        if evaluate is not None and (done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+        if evaluate is not None and _due(done, cfg.eval_every, cfg.max_steps):
             with accelerator.autocast():
                 state["eval"] = evaluate(accelerator.unwrap_model(model))
             row.update(state["eval"])
         if accelerator.is_main_process:
             metrics.log(done, **row)
-        tok_s = tokens_now / max(time.perf_counter() - t0, 1e-9)
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
-            log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f%s", done, cfg.max_steps,
-                     loss, lr, grad_norm, tok_s,
-                     "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()) if evaluate else "")
+        if _due(done, cfg.log_every, cfg.max_steps):
+            tok_s = tokens_now / max(time.perf_counter() - t0, 1e-9)
+            log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f%s", done, cfg.max_steps, loss,
+                     lr, grad_norm, tok_s, "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()))
         # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+        if _due(done, cfg.checkpoint_every, cfg.max_steps):
             _save_checkpoint(accelerator, work_dir, state, cfg.keep_checkpoints)
     elapsed = time.perf_counter() - t0
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)

@@ -14,7 +14,7 @@ from tasks.stage import StageConfig
 
 
 class ModelConfig(StageConfig):
-    """Shape of a Llama-style decoder. Defaults: about 0.3M non-embedding params (a 2-core CPU demo)."""
+    """Shape of a Llama-style decoder; the defaults (about 0.5M non-embedding parameters) suit a CPU."""
 
     hidden_size: int = Field(128, gt=0, description="Width of the residual stream (model dimension).")
     num_layers: int = Field(2, gt=0, description="Number of transformer blocks.")

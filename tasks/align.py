@@ -182,6 +182,17 @@ def build_dpo_trainer(config: Config, model: Any, tokenizer: Any, train: list[Pa
                       eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
 
 
+def train_resumably(trainer: Any, out_dir: Path, ckpt_dir: Path) -> tuple[Any, int]:
+    """Train from the last checkpoint in `ckpt_dir` if there is one; (train summary, resumed step)."""
+    metrics = MetricsLog(out_dir)
+    resume_from, resumed_step = _last_checkpoint(ckpt_dir)
+    metrics.truncate_after(resumed_step)  # lines past the checkpoint belong to steps redone now
+    if resume_from:
+        log.info("resuming from %s", resume_from)
+    trainer.add_callback(_metrics_callback(metrics))
+    return trainer.train(resume_from_checkpoint=resume_from), resumed_step
+
+
 # method -> builder of a transformers Trainer exposing `.ref_model`, `.eval_dataset`, `.data_collator`
 TRAINERS: dict[str, Callable[..., Any]] = {"dpo": build_dpo_trainer}
 
@@ -209,18 +220,15 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine
     ckpt_dir = out_dir / CHECKPOINT_DIR
     trainer = TRAINERS[config.method](config, model, tokenizer, train, heldout, ckpt_dir, use_cpu)
     drops["prompt_too_long"] = len(pairs) - len(trainer.train_dataset) - len(trainer.eval_dataset)
+    if not len(trainer.train_dataset) or not len(trainer.eval_dataset):
+        raise ValueError(f"max_seq_len={config.max_seq_len} leaves {len(trainer.train_dataset)} training and "
+                         f"{len(trainer.eval_dataset)} held-out pairs (prompts that fill it are dropped)")
 
     # Before training the policy is the reference, so its implicit rewards are 0 by definition.
     ref_logps = _heldout_logps(trainer, trainer.ref_model, config.batch_size)
     before = preference_stats(ref_logps, ref_logps, config.beta)
 
-    metrics = MetricsLog(out_dir)
-    resume_from, resumed_step = _last_checkpoint(ckpt_dir)
-    metrics.truncate_after(resumed_step)  # lines past the checkpoint belong to steps redone now
-    if resume_from:
-        log.info("resuming from %s", resume_from)
-    trainer.add_callback(_metrics_callback(metrics))
-    summary = trainer.train(resume_from_checkpoint=resume_from)
+    summary, resumed_step = train_resumably(trainer, out_dir, ckpt_dir)
 
     after = preference_stats(_heldout_logps(trainer, trainer.model, config.batch_size), ref_logps, config.beta)
     export_model(trainer.model, tokenizer, out_dir / "model")

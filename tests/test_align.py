@@ -102,6 +102,16 @@ def test_demo_arithmetic_is_seeded():
 
 # ---------------------------------------------------------------- config
 
+def test_fingerprint_follows_file_contents(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    config = align.Config(data=["demo:arithmetic", str(path)])
+    first = align.fingerprint(config)
+    assert align.fingerprint(config) == first
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "d"}) + "\n")
+    assert align.fingerprint(config) != first
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ValidationError, match="beta"):
         align.Config(beta=0)
@@ -115,16 +125,29 @@ def test_config_validation_names_the_field():
 
 # ---------------------------------------------------------------- the stage
 
-CONFIG = dict(max_pairs=96, max_steps=20, batch_size=8, lr=2e-3, beta=0.1, max_seq_len=64,
+CONFIG = dict(max_pairs=96, max_steps=20, batch_size=8, lr=5e-3, beta=0.1, max_seq_len=64,
               heldout_fraction=0.25, warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10)
 
 
-@pytest.fixture
-def sft_inputs(tmp_path, tiny_model_dir) -> dict[str, Manifest]:
-    sft = tmp_path / "sft"
-    shutil.copytree(tiny_model_dir, sft / "model")
-    return {"sft": Manifest(stage="sft", key="sft-test", path=sft, config={}, upstream={},
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads that
+    wait on each other make every step ~50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _sft_inputs(root: Path, model_dir: Path) -> dict[str, Manifest]:
+    shutil.copytree(model_dir, root / "sft" / "model")
+    return {"sft": Manifest(stage="sft", key="sft-test", path=root / "sft", config={}, upstream={},
                             files={}, stats={})}
+
+
+def _run(config: align.Config, inputs: dict[str, Manifest], out: Path):
+    out.mkdir(exist_ok=True)
+    return align.run(config, inputs, out, engine=SerialEngine())
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -133,27 +156,34 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(model_dir / "model.safetensors")
 
 
-def test_dpo_stage_trains_and_exports(tmp_path, sft_inputs):
+@pytest.fixture(scope="module")
+def arithmetic_run(tmp_path_factory, tiny_model_dir):
+    """One uninterrupted DPO run on demo:arithmetic: (inputs, out_dir, stats)."""
+    root = tmp_path_factory.mktemp("align")
+    inputs = _sft_inputs(root, tiny_model_dir)
+    result = _run(align.Config(**CONFIG), inputs, root / "align.partial")
+    return inputs, root / "align.partial", result.stats
+
+
+def test_dpo_stage_trains_and_exports(arithmetic_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / "align.partial"
-    out.mkdir()
-    result = align.run(align.Config(**CONFIG), sft_inputs, out, engine=SerialEngine())
-    s = result.stats
+    inputs, out, s = arithmetic_run
     assert s["steps"] == 20 and s["resumed_from_step"] == 0
     assert s["pairs_train"] + s["pairs_heldout"] + s["dropped_prompt_too_long"] == 96
-    assert s["pairs_heldout"] == 24
+    assert s["pairs_heldout"] == 24 and s["dropped_prompt_too_long"] == 0
+    # before training the policy is the reference: implicit rewards are exactly 0
     assert s["heldout_margin_before"] == 0.0 and s["heldout_pref_acc_before"] == 0.0
-    assert s["heldout_margin_after"] > s["heldout_margin_before"]
-    assert s["heldout_pref_acc_after"] > 0.5
+    assert 0.0 <= s["heldout_logp_acc_before"] <= 1.0
 
-    before, after = _weights(sft_inputs["sft"].path / "model"), _weights(out / "model")
+    before, after = _weights(inputs["sft"].path / "model"), _weights(out / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert not (out / align.CHECKPOINT_DIR).exists()
 
     logged = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in logged] == list(range(1, 21))
     assert {"loss", "rewards/margins", "rewards/accuracies"} <= logged[-1].keys()
+    assert logged[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: policy == reference
 
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     model = AutoModelForCausalLM.from_pretrained(out / "model")
@@ -163,9 +193,23 @@ def test_dpo_stage_trains_and_exports(tmp_path, sft_inputs):
     assert generated.shape[1] > prompt["input_ids"].shape[1]
 
 
-def test_killed_stage_resumes_from_checkpoint(tmp_path, sft_inputs, monkeypatch):
-    out = tmp_path / "align.partial"
-    out.mkdir()
+def test_heldout_margin_grows_on_a_learnable_preference(tmp_path, tiny_model_dir):
+    """A random tiny model cannot learn arithmetic in a few steps, so held-out gains are checked on
+    pairs whose preference generalises: a courteous reply over a curt one, whatever the prompt."""
+    pairs, _ = load_preference_pairs("demo:arithmetic", 48)
+    path = tmp_path / "courtesy.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p["prompt"], "chosen": "Gladly, here it is.",
+                                        "rejected": "No. Go away."}) + "\n" for p in pairs))
+    config = align.Config(**{**CONFIG, "data": [str(path)], "max_steps": 10, "checkpoint_every": 100})
+    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    assert s["pairs_heldout"] == 12
+    assert s["heldout_margin_after"] > s["heldout_margin_before"] + 1.0
+    assert s["heldout_pref_acc_after"] == 1.0 > s["heldout_pref_acc_before"]
+    assert s["heldout_logp_acc_after"] == 1.0
+
+
+def test_killed_stage_resumes_from_checkpoint(tmp_path, tiny_model_dir, arithmetic_run, monkeypatch):
+    inputs, out = _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "align.partial"
     config = align.Config(**CONFIG)
     real_log = MetricsLog.log
 
@@ -176,13 +220,15 @@ def test_killed_stage_resumes_from_checkpoint(tmp_path, sft_inputs, monkeypatch)
 
     monkeypatch.setattr(MetricsLog, "log", crash_at_step_15)
     with pytest.raises(KeyboardInterrupt):
-        align.run(config, sft_inputs, out, engine=SerialEngine())
+        _run(config, inputs, out)
     assert (out / align.CHECKPOINT_DIR / "checkpoint-10").is_dir()
     assert not (out / "model").exists()
     monkeypatch.setattr(MetricsLog, "log", real_log)
 
-    result = align.run(config, sft_inputs, out, engine=SerialEngine())
-    assert result.stats["resumed_from_step"] == 10 and result.stats["steps"] == 20
+    stats = _run(config, inputs, out).stats
+    assert stats["resumed_from_step"] == 10 and stats["steps"] == 20
     # steps 11-14 of the killed run were dropped and redone once: no step twice, none missing
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 21))
-    assert result.stats["heldout_margin_after"] > 0
+    # resuming restores weights, optimizer, schedule and data order: same model as never stopping
+    resumed, uninterrupted = _weights(out / "model"), _weights(arithmetic_run[1] / "model")
+    assert all(torch.allclose(resumed[k], uninterrupted[k], atol=1e-5) for k in uninterrupted)

@@ -106,6 +106,20 @@ def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, 
     assert resumed["val_loss"] == straight["val_loss"]
     assert resumed["tokens_seen"] == straight["tokens_seen"] == 6 * 4 * 16
     assert [s for s, _ in complete_checkpoints(tmp_path / "b")] == [4, 6]  # keep_checkpoints=2
+    # A crash after training (e.g. during export): the re-run trains nothing and logs nothing new.
+    again = _fit(tok, tmp_path / "b", 6)
+    assert again["resumed_from_step"] == 6 and again["val_loss"] == straight["val_loss"]
+    assert again["final_train_loss"] == straight["final_train_loss"]
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
+
+
+def test_non_finite_loss_fails_naming_the_step(tiny_tokenizer_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model = build_model(TINY, tok)
+    cfg = LoopConfig(max_steps=3, batch_size=4)
+    with pytest.raises(FloatingPointError, match="step 1"):
+        train(model, _random_batch, cfg, tmp_path, MetricsLog(tmp_path),
+              loss_fn=lambda m, b: causal_lm_loss(m, b) * float("nan"))
 
 
 def test_checkpoint_without_marker_is_ignored(tiny_tokenizer_dir, tmp_path, caplog):

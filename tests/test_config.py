@@ -1,0 +1,75 @@
+"""Pipeline config: YAML presets, dotted overrides, strict keys, errors that name the field,
+and which fields reach the artifact hash."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.config import ConfigError, PipelineConfig, load_config
+from flows.dag import STAGE_NAMES, plan, stages_until
+from infra.artifacts import ArtifactStore
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def test_tiny_preset_loads_and_matches_its_yaml():
+    config = load_config(TINY)
+    assert config.name == "tiny"
+    assert config.pretrain.max_steps == 300 and config.pretrain.model.hidden_size == 128
+    assert config.collect.sources == ["demo:python-docs"]
+
+
+def test_overrides_are_parsed_as_yaml_values():
+    config = load_config(TINY, ["pretrain.max_steps=7", "sft.lr=5e-4", "collect.sources=[a.jsonl, b.warc.gz]",
+                                "pretrain.model.num_layers=3"])
+    assert config.pretrain.max_steps == 7 and isinstance(config.pretrain.max_steps, int)
+    assert config.sft.lr == 5e-4
+    assert config.collect.sources == ["a.jsonl", "b.warc.gz"]
+    assert config.pretrain.model.num_layers == 3
+
+
+@pytest.mark.parametrize("override, named", [
+    ("sft.lrr=1", "unknown config key 'sft.lrr'"),
+    ("nosuchstage.x=1", "unknown config key 'nosuchstage'"),
+    ("pretrain.model.hidden=3", "unknown config key 'pretrain.model.hidden'"),
+])
+def test_unknown_keys_are_errors_that_name_the_key(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+def test_invalid_values_name_the_field():
+    with pytest.raises(ConfigError, match=r"pretrain\.max_steps"):
+        load_config(TINY, ["pretrain.max_steps=-1"])
+    with pytest.raises(ConfigError, match=r"pretrain"):
+        load_config(TINY, ["pretrain.seq_len=4096"])  # longer than model.max_seq_len
+
+
+def test_malformed_override_is_rejected():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(TINY, ["pretrain.max_steps"])
+
+
+def test_until_names_a_stage():
+    assert [s.name for s in stages_until("pretrain")] == ["collect", "tokenize", "pretrain"]
+    assert [s.name for s in stages_until(None)] == list(STAGE_NAMES)
+    with pytest.raises(ValueError, match="pretrian"):
+        stages_until("pretrian")
+
+
+def _keys(config: PipelineConfig, tmp_path: Path) -> dict[str, str]:
+    return {p.spec.name: p.key for p in plan(config, ArtifactStore(tmp_path))}
+
+
+def test_a_change_moves_the_key_of_its_stage_and_everything_downstream(tmp_path):
+    base = _keys(load_config(TINY), tmp_path)
+    changed = _keys(load_config(TINY, ["sft.lr=5e-4"]), tmp_path)
+    assert [s for s in STAGE_NAMES if base[s] != changed[s]] == ["sft", "align", "evaluate"]
+
+
+def test_operational_knobs_do_not_change_keys(tmp_path):
+    base = _keys(load_config(TINY), tmp_path)
+    assert _keys(load_config(TINY, ["collect.num_workers=1", "pretrain.checkpoint_every=7",
+                                    "pretrain.log_every=3"]), tmp_path) == base
+    assert _keys(load_config(TINY, ["pretrain.seed=1"]), tmp_path)["pretrain"] != base["pretrain"]

@@ -40,7 +40,14 @@ def _dry_run(config, until: str | None, home: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come after options too (`run CONFIG --until pretrain a.b=1`): argparse leaves
+    # those as extras, which are taken as overrides when they look like key=value.
+    args, extras = parser.parse_known_args(argv)
+    unknown = [item for item in extras if "=" not in item or item.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extras]
     home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
     from flows.config import ConfigError, load_config
     from flows.dag import stages_until

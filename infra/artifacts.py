@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from tasks.stage import Manifest
+from tasks.stage import Manifest, file_digest
 
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
@@ -41,14 +41,6 @@ def stage_key(stage: str, version: int, config: dict[str, Any], upstream: dict[s
     payload = {"stage": stage, "version": version, "config": config, "upstream": upstream,
                "inputs": inputs_fingerprint}
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:KEY_LENGTH]
-
-
-def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def describe_files(directory: Path) -> dict[str, dict[str, Any]]:

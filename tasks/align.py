@@ -13,7 +13,6 @@ config fields, and reuses the data loading, held-out split, evaluation and expor
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import random
 import shutil
@@ -24,7 +23,7 @@ import torch
 from pydantic import Field, field_validator
 
 from tasks.preferences import DEMO_PREFIX, Pair, load_preference_pairs
-from tasks.stage import Engine, Manifest, MetricsLog, StageConfig, StageResult
+from tasks.stage import Engine, Manifest, MetricsLog, StageConfig, StageResult, data_fingerprint
 
 VERSION = 1
 log = logging.getLogger("gristmill.align")
@@ -65,13 +64,8 @@ class Config(StageConfig):
 
 
 def fingerprint(config: Config) -> str:
-    """Digest of the preference files `config.data` points at (demo sources are code, not files)."""
-    digest = hashlib.sha256()
-    for source in config.data:
-        digest.update(source.encode())
-        if not source.startswith(DEMO_PREFIX) and Path(source).is_file():
-            digest.update(hashlib.sha256(Path(source).read_bytes()).digest())
-    return digest.hexdigest()
+    """Digest of the preference files `config.data` points at."""
+    return data_fingerprint(config.data, DEMO_PREFIX)
 
 
 # ---------------------------------------------------------------- data
@@ -162,6 +156,7 @@ def _last_checkpoint(ckpt_dir: Path) -> tuple[str | None, int]:
 def build_dpo_trainer(config: Config, model: Any, tokenizer: Any, train: list[Pair],
                       heldout: list[Pair], ckpt_dir: Path, use_cpu: bool) -> Any:
     from datasets import Dataset
+    from transformers import PrinterCallback
     from trl import DPOConfig, DPOTrainer
 
     reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen SFT model
@@ -177,9 +172,13 @@ def build_dpo_trainer(config: Config, model: Any, tokenizer: Any, train: list[Pa
         logging_steps=config.log_every_steps, report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, dataset_num_proc=None,
     )
-    return DPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer,
-                      train_dataset=Dataset.from_list(to_trl_rows(train)),
-                      eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
+    trainer = DPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_list(to_trl_rows(train)),
+                         eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
+    # Step metrics go to metrics.jsonl (and MLflow); without tqdm the Trainer would also print
+    # every step's dict to stdout.
+    trainer.remove_callback(PrinterCallback)
+    return trainer
 
 
 def train_resumably(trainer: Any, out_dir: Path, ckpt_dir: Path) -> tuple[Any, int]:
@@ -206,11 +205,10 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from model.export import export_model
+    from model.loop import resolve_device
 
     out_dir, sft_dir = Path(out_dir), Path(inputs["sft"].path) / "model"
-    use_cpu = config.device == "cpu" or not torch.cuda.is_available()
-    if config.device == "cuda" and use_cpu:
-        raise ValueError("device='cuda' but no CUDA device is available")
+    use_cpu = resolve_device(config.device).type == "cpu"
     log.info("aligning %s with %s on %s", sft_dir, config.method, "cpu" if use_cpu else "cuda")
 
     pairs, drops = load_pairs(config)

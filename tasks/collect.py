@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 from tasks import demo_crawl
 from tasks.readers import (FILE_LEVEL_ERRORS, ReadEvent, Skipped, extract_text, read_file,
                            resolve_source)
-from tasks.stage import Engine, Manifest, StageConfig, StageResult
+from tasks.stage import Engine, Manifest, StageConfig, StageResult, file_digest
 from tasks.text_filters import first_drop_reason
 
 VERSION = 2  # 2: datatrove Gopher filters replace the whitespace-word heuristics
@@ -309,14 +309,6 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *,
     return StageResult(stats=flatten(report), artifacts=["funnel.json"])
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fingerprint(config: Config) -> str:
     """Digest of the inputs: every input file's content, or the installed package versions."""
     digest = hashlib.sha256()
@@ -327,5 +319,5 @@ def fingerprint(config: Config) -> str:
                 digest.update(f"{name}=={version}\n".encode())
         else:
             for path in resolve_source(source):
-                digest.update(f"{path.name} {_file_digest(path)}\n".encode())
+                digest.update(f"{path.name} {file_digest(path)}\n".encode())
     return digest.hexdigest()

@@ -13,7 +13,6 @@ resumes with the next model.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -26,7 +25,7 @@ from pydantic import Field, field_validator
 
 from tasks import arithmetic
 from tasks.chat import IM_END, prompt_ids
-from tasks.stage import Engine, Manifest, StageConfig, StageResult
+from tasks.stage import Engine, Manifest, StageConfig, StageResult, data_fingerprint
 
 VERSION = 1
 log = logging.getLogger("gristmill.evaluate")
@@ -76,10 +75,7 @@ class Config(StageConfig):
 
 def fingerprint(config: Config) -> str:
     """Digest of the multiple-choice files' contents, so editing one triggers a re-run."""
-    h = hashlib.sha256()
-    for path in config.mc_tasks:
-        h.update(hashlib.sha256(Path(path).read_bytes()).digest())
-    return h.hexdigest()
+    return data_fingerprint(config.mc_tasks)
 
 
 # --- perplexity and bits per byte ---------------------------------------------------------------
@@ -239,16 +235,6 @@ def task_name(path: str) -> str:
 
 # --- per model ----------------------------------------------------------------------------------
 
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device; use device='auto' or 'cpu'")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -322,8 +308,10 @@ def render_report(results: Mapping[str, Mapping[str, Any]], upstream: Mapping[st
 # --- stage --------------------------------------------------------------------------------------
 
 def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+    from model.loop import resolve_device
+
     out_dir = Path(out_dir)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device).type
     tokenize_dir = Path(inputs["tokenize"].path)
     per_model = out_dir / "per_model"
     per_model.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,13 @@
 """Pretrain stage: train a small Llama from scratch on the tokenize stage's token shards.
 
-Batches are random windows of `seq_len + 1` tokens from `tokens/train.bin`, their positions drawn
-from `np.random.default_rng((seed, step))`, so a resumed run sees exactly the batches it would
-have seen. Validation loss is measured on a fixed set of evenly spaced windows of `tokens/val.bin`.
+Batches are packed windows of `seq_len + 1` tokens from `tokens/train.bin` in the seeded epoch
+order of `model.data` (step `s` reads stream positions `s * batch_size ...`), so the step is the
+saved data position and a resumed run sees exactly the batches it would have seen. Validation
+loss is measured on a fixed set of evenly spaced windows of `tokens/val.bin`.
 Output: `model/` (HF dir with the tokenizer), `metrics.jsonl` (loss, lr, grad_norm, val_loss).
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Mapping
@@ -17,6 +17,7 @@ import torch
 from pydantic import Field, model_validator
 from transformers import AutoTokenizer
 
+from model.data import read_tokens, window_starts
 from model.export import export_model
 from model.loop import Batch, LoopConfig, mean_token_loss, remove_checkpoints, train
 from model.presets import ModelConfig, build_model, count_params
@@ -44,9 +45,8 @@ class Config(LoopConfig):
 
 def load_tokens(tokens_dir: Path, split: str, seq_len: int) -> np.ndarray:
     """Memory-mapped token ids of `split` ("train" or "val"), checked to hold at least one window."""
-    meta = json.loads((tokens_dir / "meta.json").read_text())
+    data = read_tokens(tokens_dir, split)
     path = tokens_dir / f"{split}.bin"
-    data = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
     if len(data) < seq_len + 2:
         raise ValueError(f"{path} holds {len(data)} tokens, fewer than seq_len + 2 = {seq_len + 2}; "
                          "lower seq_len or tokenize more text")
@@ -60,8 +60,9 @@ def windows_batch(data: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
 
 
 def train_starts(n_tokens: int, seq_len: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-    """Window starts of training step `step`: a pure function of (seed, step)."""
-    return np.random.default_rng((seed, step)).integers(0, n_tokens - seq_len - 1, size=batch_size)
+    """Window starts of training step `step`: a pure function of (seed, step). The whole global
+    batch is read as rank 0 of 1; the training loop splits it across data-parallel processes."""
+    return window_starts(n_tokens, seq_len, seed, position=step * batch_size, count=batch_size)
 
 
 def val_batches(data: np.ndarray, config: Config) -> list[Batch]:

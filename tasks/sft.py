@@ -8,7 +8,6 @@ resumed run sees the same batches. Output: `model/`, `metrics.jsonl`.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from pathlib import Path
@@ -24,7 +23,7 @@ from model.loop import (IGNORE_INDEX, Batch, LoopConfig, mean_token_loss, remove
                         resolve_device, train)
 from tasks.chat import render_with_mask
 from tasks.conversations import load_conversations
-from tasks.stage import Engine, Manifest, MetricsLog, StageResult
+from tasks.stage import Engine, Manifest, MetricsLog, StageResult, data_fingerprint
 
 VERSION = 1
 log = logging.getLogger("gristmill.sft")
@@ -49,12 +48,7 @@ class Config(LoopConfig):
 
 def fingerprint(config: Config) -> str:
     """Digest of the data files the config points at, so an edited file triggers a re-run."""
-    digest = hashlib.sha256()
-    for source in config.data:
-        digest.update(source.encode())
-        if not source.startswith("demo:"):
-            digest.update(hashlib.sha256(Path(source).read_bytes()).digest())
-    return digest.hexdigest()
+    return data_fingerprint(config.data)
 
 
 def sft_example(ids: list[int], mask: list[int]) -> Example:

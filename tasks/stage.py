@@ -13,6 +13,7 @@ them with the artifact store and tracking.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,26 @@ class MetricsLog:
         """Drop entries logged after `step` (they belong to work a resume will redo)."""
         kept = [r for r in read_metrics(self.path) if r["step"] <= step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """sha256 of a file's content, read in chunks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def data_fingerprint(sources: Iterable[str], demo_prefix: str = "demo:") -> str:
+    """Digest of data sources named in a config: each name, and each file's content. Generated
+    (`demo:`) sources are code, covered by the stage version instead."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(f"source {source}\n".encode())
+        if not source.startswith(demo_prefix) and Path(source).is_file():
+            digest.update(f"{file_digest(Path(source))}\n".encode())
+    return digest.hexdigest()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -73,3 +73,16 @@ def test_operational_knobs_do_not_change_keys(tmp_path):
     assert _keys(load_config(TINY, ["collect.num_workers=1", "pretrain.checkpoint_every=7",
                                     "pretrain.log_every=3"]), tmp_path) == base
     assert _keys(load_config(TINY, ["pretrain.seed=1"]), tmp_path)["pretrain"] != base["pretrain"]
+
+
+def test_cli_dry_run_takes_overrides_before_or_after_options(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
+    assert main(["run", str(TINY), "--until", "pretrain", "pretrain.max_steps=7", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps: 7" in out
+    plan_rows = [line.split() for line in out.split("# plan", 1)[1].splitlines()[1:] if line.strip()]
+    assert [(row[0], row[2]) for row in plan_rows] == [("collect", "run"), ("tokenize", "run"), ("pretrain", "run")]
+    assert main(["run", str(TINY), "sft.lrr=1", "--dry-run"]) == 2
+    assert "unknown config key 'sft.lrr'" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import pytest
 from tests.test_pipeline_e2e import REPO, gristmill
 
 pytestmark = pytest.mark.slow
-ARGS = ["run", "configs/tiny.yaml", "--until", "pretrain", "pretrain.max_steps=400",
+ARGS = ["run", "configs/tiny.yaml", "--until", "pretrain", "pretrain.max_steps=200",
         "pretrain.checkpoint_every=20"]
 
 

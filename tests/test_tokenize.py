@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,40 @@ def test_round_trip_is_lossless_on_real_text(tok, shared_data):
         ids = tok.encode(text, add_special_tokens=False)
         assert tok.decode(ids) == text, name
         assert tok.unk_token_id is None or tok.unk_token_id not in ids
+
+
+def _read_any_encoding(path: Path) -> str:
+    """UTF-8 where the file is UTF-8; else Latin-1, which maps every byte to one character, so
+    the round trip still covers every byte of the file (a few corpus files are Latin-1/CP1252)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
+def test_round_trip_is_lossless_on_every_shared_text_file(tok, shared_data):
+    paths = sorted(p for d in ("corpus", "multilingual") for p in (shared_data / d).rglob("*") if p.is_file())
+    texts = [_read_any_encoding(p) for p in paths]
+    assert len(paths) > 250 and sum(map(len, texts)) > 5_000_000
+    ids = tok(texts, add_special_tokens=False).input_ids
+    decoded = tok.batch_decode(ids)
+    bad = [str(p) for p, t, d in zip(paths, texts, decoded) if t != d]
+    assert bad == []
+
+
+def test_pre_tokenizer_splits_digits_by_the_configured_group():
+    text = "In 1776, 12345 apples cost $3.50 each."
+    singles = tokenize.train_tokenizer([text] * 50, vocab_size=300)
+    assert [t for t in singles.tokenize("x 12345") if t.isdigit()] == ["1", "2", "3", "4", "5"]
+    triples = tokenize.train_tokenizer([text] * 50, vocab_size=300, max_digits_per_token=3)
+    assert [t for t in triples.tokenize("x 12345") if t.isdigit()] == ["123", "45"]
+
+
+def test_reference_vocab_is_gpt2(shared_data):
+    enc = tokenize.load_reference(shared_data / "tokenizer" / "gpt2.tiktoken")
+    assert enc.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's published ids
+    assert enc.n_vocab == 50257 and enc.encode("<|endoftext|>", allowed_special="all") == [50256]
 
 
 def test_trained_tokenizer_compresses_its_training_language(tok, shared_data):
@@ -102,18 +137,23 @@ def test_config_validation_names_the_field():
 
 # --- stage run ----------------------------------------------------------------------------------
 
+INJECTED = "A page quoting a token: <|endoftext|> must stay text, not end the document."
+
+
 def _fake_collect(root: Path, shared_data: Path) -> tuple[Manifest, dict[str, str]]:
-    """Two shards of real documents: Shakespeare chunks and a few non-English ones."""
+    """Three shards of real documents: Shakespeare chunks, a few non-English ones, and one that
+    contains the separator's text."""
     shakespeare = (shared_data / "corpus" / "tinyshakespeare.txt").read_text()
     docs = [{"id": f"shk-{i}", "text": shakespeare[i * 1500:(i + 1) * 1500]} for i in range(60)]
     lingua = shared_data / "multilingual" / "lingua_sentences"
     for code in ("de", "fr", "ru", "ja"):
         text = (lingua / f"{code}.txt").read_text(encoding="utf-8")[:1500]
         docs.append({"id": f"lingua-{code}", "text": text})
+    docs.append({"id": "injected", "text": INJECTED})
     (root / "docs").mkdir(parents=True)
-    for shard, chunk in enumerate((docs[::2], docs[1::2])):
+    for shard in range(3):
         with gzip.open(root / "docs" / f"part-{shard:05d}.jsonl.gz", "wt", encoding="utf-8") as f:
-            for d in chunk:
+            for d in docs[shard::3]:
                 f.write(json.dumps({**d, "source": "test", "url": f"https://example.org/{d['id']}"}) + "\n")
     manifest = Manifest(stage="collect", key="collect-test", path=root, config={}, upstream={},
                         files={}, stats={})
@@ -127,12 +167,51 @@ def _split_docs(ids: np.ndarray, sep_id: int) -> list[list[int]]:
     return [ids[s:e].tolist() for s, e in zip(starts, ends)]
 
 
-def test_stage_run_writes_consistent_bins(tmp_path, shared_data):
-    collect, texts = _fake_collect(tmp_path / "collect", shared_data)
-    config = tokenize.Config(vocab_size=600, val_fraction=0.2, encode_batch_docs=7)
-    out = tmp_path / "out"
-    result = tokenize.run(config, {"collect": collect}, out, engine=SerialEngine())
+class ReversedEngine:
+    """Runs items last-first (as a pool of workers finishing out of order would), results in order."""
 
+    def map(self, fn, items):
+        return [fn(item) for item in reversed(items)][::-1]
+
+
+class CrashingEngine:
+    """Finishes `k` items, then dies, as a killed stage would."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def map(self, fn, items):
+        for item in items[: self.k]:
+            fn(item)
+        raise KeyboardInterrupt("killed")
+
+
+class RecordingEngine(SerialEngine):
+    def __init__(self):
+        self.items = []
+
+    def map(self, fn, items):
+        self.items += list(items)
+        return super().map(fn, items)
+
+
+OUTPUTS = ("tokens/train.bin", "tokens/val.bin", "tokens/meta.json", "tokens/index.json",
+           "tokenizer/tokenizer.json")
+CONFIG = {"vocab_size": 600, "val_fraction": 0.2, "encode_batch_docs": 7}
+
+
+@pytest.fixture(scope="module")
+def stage_run(tmp_path_factory, shared_data):
+    root = tmp_path_factory.mktemp("tokenize")
+    collect, texts = _fake_collect(root / "collect", shared_data)
+    reference = str(shared_data / "tokenizer" / "gpt2.tiktoken")
+    config = tokenize.Config(**CONFIG, reference_vocab=reference)
+    result = tokenize.run(config, {"collect": collect}, root / "out", engine=SerialEngine())
+    return collect, texts, config, result, root / "out"
+
+
+def test_stage_run_writes_consistent_bins(stage_run):
+    collect, texts, config, result, out = stage_run
     meta = json.loads((out / "tokens" / "meta.json").read_text())
     assert set(meta) == {"dtype", "vocab_size", "train_tokens", "val_tokens", "train_docs",
                          "val_docs", "val_bytes"}
@@ -151,16 +230,73 @@ def test_stage_run_writes_consistent_bins(tmp_path, shared_data):
     assert meta["train_docs"] + meta["val_docs"] == len(texts)
     assert meta["val_docs"] > 0 and meta["train_docs"] > 0
     assert decoded["train"].isdisjoint(decoded["val"])
+    assert decoded["train"] | decoded["val"] == set(texts.values())  # incl. the injected separator text
     val_texts = [t for i, t in texts.items() if tokenize.is_val(i, 0.2)]
     assert decoded["val"] == set(val_texts)
     assert meta["val_bytes"] == sum(len(t.encode()) for t in val_texts)
-
     assert result.stats["val_tokens"] == meta["val_tokens"]
-    assert result.stats["bytes_per_token"] == pytest.approx(meta["val_bytes"] / meta["val_tokens"])
-    assert result.artifacts == ["tokens/meta.json"]
-    assert not (out / "parts").exists()
+    assert result.artifacts == ["tokens/meta.json", "tokens/index.json"]
+    assert not (out / "parts").exists() and not (out / "tokenizer.tmp").exists()
 
-    again = tmp_path / "again"
-    tokenize.run(config, {"collect": collect}, again, engine=SerialEngine())
-    for rel in ("tokens/train.bin", "tokens/val.bin", "tokens/meta.json", "tokenizer/tokenizer.json"):
-        assert (out / rel).read_bytes() == (again / rel).read_bytes(), rel
+
+def test_index_locates_each_input_shard(stage_run, shared_data):
+    collect, texts, config, result, out = stage_run
+    meta = json.loads((out / "tokens" / "meta.json").read_text())
+    index = json.loads((out / "tokens" / "index.json").read_text())
+    assert [s["input"] for s in index["shards"]] == [f"part-{i:05d}.jsonl.gz" for i in range(3)]
+    sep_id = AutoTokenizer.from_pretrained(out / "tokenizer").convert_tokens_to_ids("<|endoftext|>")
+    for split in ("train", "val"):
+        data = np.fromfile(out / "tokens" / f"{split}.bin", dtype=index["dtype"])
+        entries = [s[split] for s in index["shards"]]
+        assert [e["offset"] for e in entries] == list(np.cumsum([0] + [e["tokens"] for e in entries[:-1]]))
+        assert sum(e["tokens"] for e in entries) == meta[f"{split}_tokens"]
+        for e in entries:  # each shard's slice holds exactly its documents
+            assert len(_split_docs(data[e["offset"]: e["offset"] + e["tokens"]], sep_id)) == e["docs"]
+
+
+def test_compression_is_reported_next_to_gpt2(stage_run):
+    collect, texts, config, result, out = stage_run
+    meta = json.loads((out / "tokens" / "meta.json").read_text())
+    stats = result.stats
+    text_tokens = meta["val_tokens"] - meta["val_docs"]  # separators cover no text
+    assert stats["bytes_per_token"] == pytest.approx(meta["val_bytes"] / text_tokens)
+    gpt2 = tokenize.load_reference(config.reference_vocab)
+    val_texts = [t for i, t in texts.items() if tokenize.is_val(i, 0.2)]
+    gpt2_tokens = sum(len(gpt2.encode_ordinary(t)) for t in val_texts)
+    assert stats["reference_bytes_per_token"] == pytest.approx(meta["val_bytes"] / gpt2_tokens)
+    assert stats["compression_vs_reference"] == pytest.approx(
+        stats["bytes_per_token"] / stats["reference_bytes_per_token"])
+    # 600 merges learnt from 100 kB cannot match GPT-2's 50k vocabulary.
+    assert 1.5 < stats["bytes_per_token"] < stats["reference_bytes_per_token"] < 6
+
+
+def test_fingerprint_follows_the_reference_file(tmp_path, shared_data):
+    assert tokenize.fingerprint(tokenize.Config()) == ""
+    ref = tmp_path / "ref.tiktoken"
+    ref.write_bytes((shared_data / "tokenizer" / "gpt2.tiktoken").read_bytes())
+    before = tokenize.fingerprint(tokenize.Config(reference_vocab=str(ref)))
+    ref.write_bytes(ref.read_bytes()[:-20])
+    assert tokenize.fingerprint(tokenize.Config(reference_vocab=str(ref))) != before
+
+
+def test_output_does_not_depend_on_worker_order(stage_run, tmp_path):
+    collect, texts, config, result, out = stage_run
+    tokenize.run(config, {"collect": collect}, tmp_path, engine=ReversedEngine())
+    for rel in OUTPUTS:
+        assert (out / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
+
+
+def test_killed_run_redoes_only_unfinished_shards(stage_run, tmp_path, caplog):
+    collect, texts, config, result, out = stage_run
+    with pytest.raises(KeyboardInterrupt):
+        tokenize.run(config, {"collect": collect}, tmp_path, engine=CrashingEngine(k=2))
+    assert sorted(p.name for p in (tmp_path / "parts").glob("*.counts.json")) == ["00000.counts.json",
+                                                                               "00001.counts.json"]
+    engine = RecordingEngine()
+    with caplog.at_level(logging.INFO, logger="gristmill.tokenize"):
+        resumed = tokenize.run(config, {"collect": collect}, tmp_path, engine=engine)
+    assert [item["stem"] for item in engine.items] == ["00002"]
+    assert "reusing the tokenizer" in caplog.text
+    assert resumed.stats == result.stats
+    for rel in OUTPUTS:
+        assert (out / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel

@@ -21,11 +21,13 @@ Run through the flow (`gristmill run ... tokenize`), or directly in tests with `
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import itertools
 import json
 import logging
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
@@ -205,10 +207,17 @@ def pack_documents(id_lists: list[list[int]], sep_id: int, dtype: str) -> np.nda
 
 
 def open_encoder(tokenizer_json: str | Path) -> Any:
-    """The raw `tokenizers.Tokenizer` the stage encodes documents with."""
+    """The raw `tokenizers.Tokenizer` the stage encodes documents with, one per worker process
+    and file version: its word cache stays warm across the shards a worker encodes."""
+    stat = Path(tokenizer_json).stat()
+    return _cached_encoder(str(tokenizer_json), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_encoder(tokenizer_json: str, mtime_ns: int, size: int) -> Any:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = Tokenizer.from_file(tokenizer_json)
     # A literal "<|endoftext|>" inside crawled text must stay text, not fake a document boundary.
     tok.encode_special_tokens = True
     return tok
@@ -227,24 +236,35 @@ def encode_shard(job: dict[str, Any]) -> dict[str, int]:
     parts = Path(job["parts_dir"])
     tmp = {s: parts / f"{job['stem']}.{s}.bin.tmp" for s in SPLITS}
     files = {s: tmp[s].open("wb") for s in SPLITS}
-    try:
-        for batch in _batches(iter_jsonl([Path(job["path"])]), job["batch_docs"]):
-            encodings = tok.encode_batch([d["text"] for d in batch], add_special_tokens=False)
-            by_split: dict[str, tuple[list[str], list[list[int]]]] = {s: ([], []) for s in SPLITS}
-            for doc, enc in zip(batch, encodings):
-                split = "val" if is_val(doc["id"], job["val_fraction"]) else "train"
-                by_split[split][0].append(doc["text"])
-                by_split[split][1].append(enc.ids)
-            for split, (texts, id_lists) in by_split.items():
-                files[split].write(pack_documents(id_lists, sep_id, job["dtype"]).tobytes())
-                counts[f"{split}_docs"] += len(texts)
-                counts[f"{split}_tokens"] += sum(map(len, id_lists)) + len(id_lists)
-                counts[f"{split}_bytes"] += sum(len(t.encode("utf-8")) for t in texts)
-            if reference is not None and by_split["val"][0]:
-                counts["val_reference_tokens"] += sum(map(len, reference.encode_ordinary_batch(by_split["val"][0])))
-    finally:
-        for f in files.values():
-            f.close()
+
+    def write(batch: list[dict[str, Any]], encodings: list[Any]) -> None:
+        by_split: dict[str, tuple[list[str], list[list[int]]]] = {s: ([], []) for s in SPLITS}
+        for doc, enc in zip(batch, encodings):
+            split = "val" if is_val(doc["id"], job["val_fraction"]) else "train"
+            by_split[split][0].append(doc["text"])
+            by_split[split][1].append(enc.ids)
+        for split, (texts, id_lists) in by_split.items():
+            files[split].write(pack_documents(id_lists, sep_id, job["dtype"]).tobytes())
+            counts[f"{split}_docs"] += len(texts)
+            counts[f"{split}_tokens"] += sum(map(len, id_lists)) + len(id_lists)
+            counts[f"{split}_bytes"] += sum(len(t.encode("utf-8")) for t in texts)
+        if reference is not None and by_split["val"][0]:
+            counts["val_reference_tokens"] += sum(map(len, reference.encode_ordinary_batch(by_split["val"][0])))
+
+    # encode_batch releases the GIL: reading and writing neighbouring batches overlaps with it.
+    pending: tuple[list[dict[str, Any]], Future] | None = None
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            for batch in _batches(iter_jsonl([Path(job["path"])]), job["batch_docs"]):
+                future = pool.submit(tok.encode_batch, [d["text"] for d in batch], add_special_tokens=False)
+                if pending:
+                    write(pending[0], pending[1].result())
+                pending = (batch, future)
+            if pending:
+                write(pending[0], pending[1].result())
+        finally:
+            for f in files.values():
+                f.close()
     for split in SPLITS:
         tmp[split].replace(parts / f"{job['stem']}.{split}.bin")
     (parts / f"{job['stem']}.counts.json").write_text(json.dumps(counts, sort_keys=True))

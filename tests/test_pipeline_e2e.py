@@ -48,7 +48,9 @@ def artifact_files(home: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
+def first_run(tmp_path_factory, shared_data):
+    # Compression is reported next to GPT-2's vocabulary when its rank file is at hand.
+    FAST.append(f"tokenize.reference_vocab={shared_data / 'tokenizer' / 'gpt2.tiktoken'}")
     home = tmp_path_factory.mktemp("e2e") / "home"
     assert plan_of(home) == {s: "run" for s in STAGES}
     proc = gristmill(home, "run", "configs/tiny.yaml", *FAST)
@@ -114,6 +116,8 @@ def test_mlflow_has_parent_and_stage_runs_with_lineage(first_run):
     pretrain_key = children["pretrain"].data.tags["gristmill.key"]
     assert datasets == {f"pretrain-{pretrain_key}": datasets[f"pretrain-{pretrain_key}"]}
     assert datasets[f"pretrain-{pretrain_key}"].digest == pretrain_key
+    tokenize = children["tokenize"].data.metrics
+    assert tokenize["bytes_per_token"] > 1 and tokenize["reference_bytes_per_token"] > 1
     loss = client.get_metric_history(children["pretrain"].info.run_id, "loss")
     assert len(loss) >= 10 and loss[-1].value < loss[0].value
     evaluate = children["evaluate"]

@@ -160,6 +160,8 @@ def _document_event(item: ReadEvent, config: Config) -> Event:
         return item.reason, item.nbytes, None
     try:
         text = extract_text(item)
+    except ImportError:  # a missing extractor dependency is a broken install, not a bad page
+        raise
     except Exception:  # one malformed page must not end the crawl; it is counted instead
         log.warning("text extraction failed for %s", item.url, exc_info=True)
         return "error_extraction", item.nbytes, None

@@ -369,3 +369,15 @@ def test_demo_stage_keeps_enough_text(tmp_path):
     assert len(docs) == result.stats["docs_out"] > 150
     assert result.stats["bytes_out"] > 1_000_000 and result.stats["words_out"] > 100_000
     assert all(d["source"] == demo_crawl.DEMO_SOURCE for d in docs)
+
+
+def test_missing_extractor_dependency_fails_loudly(shared_data, tmp_path, monkeypatch):
+    """A broken install (e.g. lxml without its HTML cleaner) must not be counted page by page as
+    bad input: the stage stops with the ImportError."""
+    def broken(_doc):
+        raise ImportError("lxml.html.clean module is now a separate project lxml_html_clean")
+
+    monkeypatch.setattr(collect, "extract_text", broken)
+    config = collect.Config(sources=[str(shared_data / "warc" / "warcio_examples")])
+    with pytest.raises(ImportError, match="lxml_html_clean"):
+        collect.run(config, {}, tmp_path / "out", engine=SerialEngine())

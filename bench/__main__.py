@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize"}
+BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretrain": "bench.pretrain"}
 
 
 def main() -> int:

@@ -4,6 +4,8 @@
     gristmill run configs/tiny.yaml sft.lr=3e-4          # dotted overrides; downstream stages re-run
     gristmill run configs/tiny.yaml --until pretrain     # stop after a stage
     gristmill run configs/tiny.yaml --dry-run            # resolved config + reuse/run per stage
+    gristmill plan 125m                                  # Chinchilla tokens, FLOPs, GPU-hours, cost
+    gristmill plan 1b --gpu-hours 500 --mfu 0.45 --price-per-gpu-hour 3
 """
 from __future__ import annotations
 
@@ -26,7 +28,33 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="run the DAG up to and including STAGE")
     run.add_argument("--dry-run", action="store_true",
                      help="print the resolved config and which stages would be reused or run")
+    plan = commands.add_parser("plan", help="compute budget of a model preset (Chinchilla tokens, "
+                                            "FLOPs, GPU-hours, cost)")
+    plan.add_argument("preset", help="model preset: tiny, 125m, 1b, 7b")
+    budget = plan.add_mutually_exclusive_group()
+    budget.add_argument("--tokens", type=float, help="training tokens (default: 20 per parameter)")
+    budget.add_argument("--gpu-hours", type=float, help="compute budget in GPU-hours, converted to tokens")
+    plan.add_argument("--price-per-gpu-hour", type=float, help="USD per GPU-hour (default 2.5)")
+    plan.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.4)")
+    plan.add_argument("--gpu-peak-tflops", type=float,
+                      help="peak dense bf16 TFLOP/s of one GPU (default 989: H100/H200 SXM)")
+    plan.add_argument("--vocab-size", type=int, help="vocabulary size (default 32000)")
     return parser
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from model.plan import format_plan, plan
+    from model.presets import preset
+
+    given = {"vocab_size": args.vocab_size, "tokens": args.tokens, "gpu_hours": args.gpu_hours,
+             "price_per_gpu_hour": args.price_per_gpu_hour, "mfu": args.mfu, "peak_tflops": args.gpu_peak_tflops}
+    try:
+        result = plan(preset(args.preset), **{k: v for k, v in given.items() if v is not None})
+    except ValueError as error:
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(args.preset, result))
+    return 0
 
 
 def _dry_run(config, until: str | None, home: Path) -> None:
@@ -45,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     # those as extras, which are taken as overrides when they look like key=value.
     args, extras = parser.parse_known_args(argv)
     unknown = [item for item in extras if "=" not in item or item.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown or (extras and args.command != "run"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extras)}")
+    if args.command == "plan":
+        return _plan(args)
     args.overrides = [*args.overrides, *extras]
     home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
     from flows.config import ConfigError, load_config

@@ -33,7 +33,8 @@ class RayEngine:
         self.num_workers = num_workers
         self._started_here = False
 
-    def _ensure_started(self) -> None:
+    def start(self) -> None:
+        """Join the cluster named by RAY_ADDRESS, or start a local Ray; idempotent."""
         if ray.is_initialized():
             return
         address = os.environ.get("RAY_ADDRESS")
@@ -48,7 +49,7 @@ class RayEngine:
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         if not items:
             return []
-        self._ensure_started()
+        self.start()
         actors = [_Worker.remote() for _ in range(min(self.num_workers, len(items)))]
         try:
             return list(ActorPool(actors).map(lambda actor, item: actor.call.remote(fn, item), items))

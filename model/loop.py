@@ -1,18 +1,27 @@
 """The one training loop of the training stages (pretrain, SFT, and later alignment).
 
-Accelerate runs it on CPU, one GPU, or several processes (`accelerate launch`); AdamW with a
-warmup+cosine LR, gradient clipping and optional gradient accumulation. Resume is exact: batches
-come from `get_batch(step)`, a pure function of (seed, step), and the state of model, optimizer,
-scheduler and RNGs is checkpointed every `checkpoint_every` steps under
+Accelerate runs it on CPU, one GPU, or several processes (`accelerate launch`, `torchrun`, Ray
+Train); AdamW (fused on CUDA) with a warmup+cosine or warmup-stable-decay LR, gradient clipping
+and optional gradient accumulation, bf16 autocast and optional `torch.compile` on GPU. Resume is
+exact: batches come from `get_batch(index)`, a pure function of (seed, index), and the state of
+model, optimizer, scheduler and RNGs is checkpointed every `checkpoint_every` steps under
 `work_dir/checkpoints/step-%07d`. A checkpoint counts only once its `checkpoint.json` marker is in
 place, and it is written into a temporary directory that is renamed when complete.
+
+Faults: a non-finite loss or gradient norm, or a loss spike (above the rolling mean of the last
+`spike_window` losses by `spike_zscore` standard deviations), rolls training back to the last
+complete checkpoint and skips the batches between it and the offending one. Skipping is a
+persistent offset (batch index = step + skip_offset) kept in the checkpoint marker, so a resume
+after a rollback stays exact. After `max_rollbacks` rollbacks the run stops with TrainingDiverged.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import shutil
+import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,7 +33,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from pydantic import Field, model_validator
 
-from model.schedule import warmup_cosine
+from model.schedule import lr_multiplier
 from tasks.stage import MetricsLog, StageConfig
 
 Batch = dict[str, torch.Tensor]
@@ -34,21 +43,38 @@ EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
 MARKER = "checkpoint.json"  # written last inside a checkpoint: its completion marker
 RECENT_LOSSES = 10  # steps averaged into the reported final train loss
+# Floor of the rolling std as a fraction of the rolling mean loss: on a flat loss curve (std near
+# 0) ordinary batch-to-batch noise must not count as a spike.
+MIN_SPIKE_STD_FRAC = 0.01
+# Dense bf16 tensor-core peaks (TFLOP/s) of GPUs the MFU is reported for without `peak_tflops`.
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+class TrainingDiverged(RuntimeError):
+    """Training kept producing non-finite or spiking losses after `max_rollbacks` rollbacks."""
 
 
 class LoopConfig(StageConfig):
     """Optimisation and checkpointing knobs shared by every training stage config."""
 
     unhashed_fields: ClassVar[frozenset[str]] = frozenset(
-        {"checkpoint_every", "keep_checkpoints", "log_every", "eval_every"})
+        {"checkpoint_every", "keep_checkpoints", "log_every", "eval_every", "compile", "peak_tflops"})
 
     max_steps: int = Field(200, gt=0, description="Optimizer steps to train for.")
     batch_size: int = Field(8, gt=0, description="Sequences per optimizer step (across all processes).")
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches each step's batch is split into "
                                                        "(a memory knob; batch_size must divide evenly).")
+    tokens_per_step: int | None = Field(
+        None, gt=0, description="Target tokens per optimizer step (all processes). When set, batch_size is "
+                                "the micro-batch (sequences per forward pass) and the stage derives the "
+                                "accumulation: grad_accum_steps = tokens_per_step / (batch_size * seq_len).")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate of AdamW.")
     warmup_frac: float = Field(0.1, ge=0, lt=1, description="Share of max_steps spent in linear LR warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine floor).")
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine", description="LR after warmup: cosine decay to the floor, or wsd (warmup-stable-decay: "
+                              "constant, then linear decay over the last decay_frac of the steps).")
+    decay_frac: float = Field(0.2, ge=0, le=1, description="wsd only: share of max_steps spent decaying.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay "
                                                        "(matrices only; norms and biases get none).")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
@@ -62,13 +88,40 @@ class LoopConfig(StageConfig):
     log_every: int = Field(10, gt=0, description="Log a one-line progress summary every N steps.")
     eval_every: int = Field(50, ge=0, description="Run the stage's evaluation every N steps "
                                                    "(and always at the end); 0: only at the end.")
+    compile: bool = Field(False, description="torch.compile the model (inductor). Pays off on GPU; on a "
+                                             "CPU it adds ~30 s of compilation and gains nothing.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak FLOP/s (in TFLOP/s) of one device, for the logged MFU. None: known "
+                                "GPUs by name (bf16 dense), no MFU on CPU.")
+    spike_zscore: float = Field(6.0, ge=0, description="Roll back when a step's loss exceeds the rolling mean "
+                                                        "by this many standard deviations; 0 disables.")
+    spike_window: int = Field(50, gt=1, description="Steps of loss history the spike mean/std are taken over "
+                                                    "(no spike check until the window is full).")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks (spike or non-finite loss/grad) allowed before "
+                                                    "the run stops with an error; 0: stop at the first.")
 
     @model_validator(mode="after")
     def _check_accumulation(self) -> "LoopConfig":
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by "
                              f"grad_accum_steps ({self.grad_accum_steps})")
+        if self.tokens_per_step is not None and self.grad_accum_steps != 1:
+            raise ValueError("set tokens_per_step or grad_accum_steps, not both "
+                             f"(tokens_per_step={self.tokens_per_step}, grad_accum_steps={self.grad_accum_steps})")
         return self
+
+    def with_seq_len(self, seq_len: int) -> "LoopConfig":
+        """For fixed-length sequences: a copy with tokens_per_step resolved into batch_size (sequences
+        per step) and grad_accum_steps (micro-batches of the configured batch_size)."""
+        if self.tokens_per_step is None:
+            return self
+        micro_tokens = self.batch_size * seq_len
+        if self.tokens_per_step % micro_tokens:
+            raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must be a multiple of batch_size * "
+                             f"seq_len = {self.batch_size} * {seq_len} = {micro_tokens}")
+        accum = self.tokens_per_step // micro_tokens
+        return self.model_copy(update={"tokens_per_step": None, "grad_accum_steps": accum,
+                                       "batch_size": self.batch_size * accum})
 
 
 def resolve_device(device: str) -> torch.device:
@@ -110,12 +163,22 @@ def mean_token_loss(model: torch.nn.Module, batches: list[Batch]) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: LoopConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (embeddings and linear weights)."""
+    """AdamW with weight decay on matrices only (embeddings and linear weights); the fused
+    (single-kernel) implementation when the parameters are on CUDA."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    fused = all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+
+
+def device_peak_tflops(cfg: LoopConfig, device: torch.device) -> float | None:
+    """Peak TFLOP/s of one device for MFU: the configured value, else a known GPU's bf16 peak."""
+    if cfg.peak_tflops is not None or device.type != "cuda":
+        return cfg.peak_tflops
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_PEAK_TFLOPS.items() if key in name), None)
 
 
 def complete_checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
@@ -204,6 +267,18 @@ def _tokens_in(batch: Batch) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
+def _fresh_state() -> dict[str, Any]:
+    """Loop state at step 0; saved in each checkpoint's marker. `skip_offset`: batches skipped by
+    rollbacks (step s trains on batch s + skip_offset); `loss_window`: recent losses for spike checks."""
+    return {"step": 0, "tokens_seen": 0, "recent_losses": [], "eval": {}, "skip_offset": 0, "rollbacks": 0,
+            "loss_window": []}
+
+
+def _load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
+    accelerator.load_state(str(path))
+    return {**_fresh_state(), **json.loads((path / MARKER).read_text())}
+
+
 def _resume(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, log: logging.Logger) -> dict:
     """Load the latest complete checkpoint, if any; returns its saved loop state."""
     if accelerator.is_main_process:
@@ -213,13 +288,57 @@ def _resume(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, log: 
     if not done:
         if accelerator.is_main_process:
             metrics.truncate_after(-1)  # entries from a run that crashed before its first checkpoint
-        return {"step": 0, "tokens_seen": 0, "recent_losses": [], "eval": {}}
+        return _fresh_state()
     step, path = done[-1]
-    log.info("resuming from step %d (%s)", step, path)
-    accelerator.load_state(str(path))
+    if step:
+        log.info("resuming from step %d (%s)", step, path)
+    state = _load_checkpoint(accelerator, path)
     if accelerator.is_main_process:
         metrics.truncate_after(step)
-    return json.loads((path / MARKER).read_text())
+    return state
+
+
+def _anomaly(loss: float, grad_norm: float, window: list[float], cfg: LoopConfig) -> str | None:
+    """Why this step's result must not be kept ("non-finite" or "spike"), or None."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return "non-finite"
+    if cfg.spike_zscore > 0 and len(window) >= cfg.spike_window:
+        mean, std = statistics.fmean(window), statistics.pstdev(window)
+        if loss > mean + cfg.spike_zscore * max(std, MIN_SPIKE_STD_FRAC * abs(mean)):
+            return "spike"
+    return None
+
+
+def _rewrite_marker(path: Path, state: dict[str, Any]) -> None:
+    """Replace a checkpoint's marker atomically (the checkpoint stays complete throughout)."""
+    tmp = path / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(state) + "\n")
+    os.replace(tmp, path / MARKER)
+
+
+def _rollback(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
+              loss: float, reason: str, cfg: LoopConfig, log: logging.Logger) -> dict[str, Any]:
+    """Restore the last complete checkpoint and skip every batch from it up to the offending one;
+    the new offset is written into that checkpoint's marker so a later resume keeps it."""
+    failed = state["step"] + 1
+    if state["rollbacks"] >= cfg.max_rollbacks:
+        raise TrainingDiverged(
+            f"training loss is {loss} ({reason}) at step {failed} after {state['rollbacks']} rollbacks "
+            f"(max_rollbacks={cfg.max_rollbacks}); lower lr, tighten grad_clip, or check the data")
+    good_step, path = complete_checkpoints(work_dir)[-1]
+    saved = _load_checkpoint(accelerator, path)
+    skipped = failed - good_step  # the batches of steps good_step+1 .. failed
+    state = {**saved, "skip_offset": state["skip_offset"] + skipped, "rollbacks": state["rollbacks"] + 1}
+    log.warning("%s loss %.4g at step %d: rolled back to step %d, skipping %d batches (rollback %d of %d)",
+                reason, loss, failed, good_step, skipped, state["rollbacks"], cfg.max_rollbacks)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _rewrite_marker(path, state)
+        metrics.truncate_after(good_step)
+        metrics.log(good_step, rollback=state["rollbacks"], rollback_from_step=failed, rollback_skipped=skipped,
+                    rollback_nonfinite=int(reason == "non-finite"), rollback_loss=loss, rollback_reason=reason)
+    accelerator.wait_for_everyone()
+    return state
 
 
 def _due(done: int, every: int, max_steps: int) -> bool:
@@ -231,39 +350,80 @@ def _prepare(model: torch.nn.Module, cfg: LoopConfig):
     """Accelerator, prepared model and optimizer, and the LR scheduler (registered for checkpoints)."""
     accelerator = make_accelerator(cfg)
     model.train()
+    model.to(accelerator.device)  # before the optimizer exists, so that it can be the fused one
+    if cfg.compile:
+        model.compile()  # in place: parameter names, and so checkpoints, are those of the eager model
     model, optimizer = accelerator.prepare(model, make_optimizer(model, cfg))
     # Stepped by us once per optimizer step (a prepared scheduler steps once per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, cfg.max_steps, cfg.warmup_frac, cfg.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
+        s, cfg.max_steps, cfg.schedule, cfg.warmup_frac, cfg.decay_frac, cfg.min_lr_ratio))
     accelerator.register_for_checkpointing(scheduler)
     return accelerator, model, optimizer, scheduler
 
 
+class _Throughput:
+    """Tokens per second of training steps (eval and checkpoint time excluded) since the last
+    report, and the MFU they amount to."""
+
+    def __init__(self, flops_per_token: float | None, peak_tflops: float | None, processes: int):
+        self.flop_budget = peak_tflops * 1e12 * processes if flops_per_token and peak_tflops else None
+        self.flops_per_token = flops_per_token
+        self.tokens, self.seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+
+    def with_mfu(self, tokens_per_s: float) -> dict[str, float]:
+        """{"tokens_per_s": ..., "mfu": ...}, the latter only when it is known."""
+        row = {"tokens_per_s": tokens_per_s}
+        if self.flop_budget:
+            row["mfu"] = tokens_per_s * self.flops_per_token / self.flop_budget
+        return row
+
+    def report(self) -> dict[str, float]:
+        row = self.with_mfu(self.tokens / max(self.seconds, 1e-9))
+        self.tokens, self.seconds = 0, 0.0
+        return row
+
+
 def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopConfig, work_dir: Path,
           metrics: MetricsLog, *, loss_fn: LossFn = causal_lm_loss, evaluate: EvalFn | None = None,
-          log: logging.Logger | None = None) -> dict[str, Any]:
+          log: logging.Logger | None = None, flops_per_token: float | None = None) -> dict[str, Any]:
     """Train `model` in place for `cfg.max_steps` optimizer steps, resuming from the latest
-    checkpoint in `work_dir`. `get_batch(step)` must return the global batch of step `step`
-    (0-based) as a pure function of the step. Returns a summary: final_train_loss (mean of the
-    last steps), steps, tokens_seen, tokens_per_s (this invocation), resumed_from_step, and the
-    last values returned by `evaluate` (also logged every `eval_every` steps and at the end)."""
+    checkpoint in `work_dir`. `get_batch(index)` must return a global batch as a pure function of
+    `index`; step s trains on index s + skip_offset (0 until a rollback skips batches). Logged
+    every step: loss, lr, grad_norm; every `log_every` steps also tokens_per_s and, given
+    `flops_per_token` (training FLOPs per token) and a known device peak, mfu. Returns a summary:
+    final_train_loss (mean of the last steps), steps, tokens_seen, tokens_per_s and mfu (this
+    invocation, wall clock), resumed_from_step, rollbacks, world_size, process_index, and the last values returned by `evaluate` (also logged every
+    `eval_every` steps and at the end)."""
     log = log or logging.getLogger("gristmill.train")
     Path(work_dir).mkdir(parents=True, exist_ok=True)
     accelerator, model, optimizer, scheduler = _prepare(model, cfg)
     state = _resume(accelerator, work_dir, metrics, log)
     resumed_from = state["step"]
+    if cfg.max_rollbacks and not complete_checkpoints(work_dir):
+        _save_checkpoint(accelerator, work_dir, state, cfg.keep_checkpoints)  # a rollback target
+    meter = _Throughput(flops_per_token, device_peak_tflops(cfg, accelerator.device), accelerator.num_processes)
     t0, tokens_now = time.perf_counter(), 0
-    for step in range(resumed_from, cfg.max_steps):
-        batch = _shard(get_batch(step), accelerator)
+    while state["step"] < cfg.max_steps:
+        step_start = time.perf_counter()
+        batch = _shard(get_batch(state["step"] + state["skip_offset"]), accelerator)
         lr = scheduler.get_last_lr()[0]
         loss, grad_norm = _train_step(model, optimizer, scheduler, batch, loss_fn, cfg, accelerator)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training loss is {loss} at step {step + 1}; lower lr or check the data")
+        reason = _anomaly(loss, grad_norm, state["loss_window"], cfg)
+        if reason:
+            state = _rollback(accelerator, work_dir, metrics, state, loss, reason, cfg, log)
+            continue
         tokens = _tokens_in(batch) * accelerator.num_processes
-        tokens_now, done = tokens_now + tokens, step + 1
+        meter.add(tokens, time.perf_counter() - step_start)
+        tokens_now, done = tokens_now + tokens, state["step"] + 1
         state = {**state, "step": done, "tokens_seen": state["tokens_seen"] + tokens,
-                 "recent_losses": (state["recent_losses"] + [loss])[-RECENT_LOSSES:]}
+                 "recent_losses": (state["recent_losses"] + [loss])[-RECENT_LOSSES:],
+                 "loss_window": (state["loss_window"] + [loss])[-cfg.spike_window:]}
         row = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        if _due(done, cfg.log_every, cfg.max_steps):
+            row.update(meter.report())
         if evaluate is not None and _due(done, cfg.eval_every, cfg.max_steps):
             with accelerator.autocast():
                 state["eval"] = evaluate(accelerator.unwrap_model(model))
@@ -271,9 +431,9 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
         if accelerator.is_main_process:
             metrics.log(done, **row)
         if _due(done, cfg.log_every, cfg.max_steps):
-            tok_s = tokens_now / max(time.perf_counter() - t0, 1e-9)
-            log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f%s", done, cfg.max_steps, loss,
-                     lr, grad_norm, tok_s, "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()))
+            log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f%s%s", done, cfg.max_steps, loss,
+                     lr, grad_norm, row["tokens_per_s"], f" mfu {row['mfu']:.1%}" if "mfu" in row else "",
+                     "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()))
         # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
         if _due(done, cfg.checkpoint_every, cfg.max_steps):
             _save_checkpoint(accelerator, work_dir, state, cfg.keep_checkpoints)
@@ -282,5 +442,6 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     recent = state["recent_losses"]
     return {"final_train_loss": sum(recent) / len(recent) if recent else float("nan"),
             "steps": state["step"], "tokens_seen": state["tokens_seen"],
-            "tokens_per_s": tokens_now / elapsed if tokens_now else 0.0,
-            "resumed_from_step": resumed_from, **state["eval"]}
+            **meter.with_mfu(tokens_now / elapsed if tokens_now else 0.0),
+            "resumed_from_step": resumed_from, "rollbacks": state["rollbacks"],
+            "world_size": accelerator.num_processes, "process_index": accelerator.process_index, **state["eval"]}

@@ -12,10 +12,11 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.export import export_model
-from model.loop import (IGNORE_INDEX, LoopConfig, causal_lm_loss, complete_checkpoints,
-                        mean_token_loss, train)
-from model.presets import ModelConfig, build_model
-from model.schedule import warmup_cosine
+from model.loop import (IGNORE_INDEX, LoopConfig, TrainingDiverged, causal_lm_loss, complete_checkpoints,
+                        make_optimizer, mean_token_loss, train)
+from model.presets import (PLAN_VOCAB_SIZE, PRESETS, ModelConfig, build_model, config_params, count_params,
+                           preset)
+from model.schedule import lr_multiplier, warmup_cosine, warmup_stable_decay
 from tasks.chat import DOC_SEPARATOR, IM_END
 from tasks.stage import MetricsLog, read_metrics
 
@@ -42,6 +43,19 @@ def test_schedule_without_warmup_starts_at_peak():
     assert warmup_cosine(0, 50, 0.0, 0.1) == pytest.approx(1.0)
 
 
+def test_warmup_stable_decay_holds_the_peak_then_decays_linearly():
+    lrs = [warmup_stable_decay(s, 100, 0.1, 0.2, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # same warmup as cosine
+    assert lrs[10:80] == [1.0] * 70  # stable phase
+    assert lrs[80] == pytest.approx(1 - 0.9 / 20) and lrs[89] == pytest.approx(1 - 0.9 * 10 / 20)
+    assert lrs[99] == pytest.approx(0.1)  # the floor at the last step
+    assert warmup_stable_decay(50, 100, 0.0, 0.0, 0.1) == 1.0  # no decay phase
+    assert lr_multiplier(95, 100, "wsd", 0.1, 0.2, 0.1) == lrs[95]
+    assert lr_multiplier(50, 100, "cosine", 0.1, 0.2, 0.1) == warmup_cosine(50, 100, 0.1, 0.1)
+    with pytest.raises(ValueError, match="schedule"):
+        lr_multiplier(0, 10, "linear", 0.1, 0.2, 0.1)
+
+
 # --- presets ----------------------------------------------------------------------------------
 
 def test_model_config_validation_names_the_field():
@@ -51,6 +65,35 @@ def test_model_config_validation_names_the_field():
         ModelConfig(hidden_sise=64)
     with pytest.raises(ValidationError, match="grad_accum_steps"):
         LoopConfig(batch_size=6, grad_accum_steps=4)
+    with pytest.raises(ValidationError, match="tokens_per_step"):
+        LoopConfig(tokens_per_step=4096, grad_accum_steps=2)
+    with pytest.raises(ValidationError, match="schedule"):
+        LoopConfig(schedule="linear")
+
+
+def test_tokens_per_step_sets_accumulation():
+    cfg = LoopConfig(batch_size=4, tokens_per_step=4 * 64 * 3).with_seq_len(64)
+    assert (cfg.batch_size, cfg.grad_accum_steps, cfg.tokens_per_step) == (12, 3, None)
+    assert LoopConfig(batch_size=4).with_seq_len(64) == LoopConfig(batch_size=4)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        LoopConfig(batch_size=4, tokens_per_step=1000).with_seq_len(64)
+
+
+def test_presets_count_parameters_of_the_built_model(tiny_tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    for cfg in (TINY, PRESETS["tiny"]):
+        assert config_params(cfg, len(tok)) == count_params(build_model(cfg, tok))
+    sizes = {name: config_params(cfg, PLAN_VOCAB_SIZE) for name, cfg in PRESETS.items()}
+    assert 110e6 < sizes["125m"] < 140e6 and 0.9e9 < sizes["1b"] < 1.2e9 and 6.3e9 < sizes["7b"] < 7.0e9
+    assert sizes["tiny"] < 10e6
+    assert preset("125m").hidden_size == 768
+    with pytest.raises(ValueError, match="known: tiny, 125m, 1b, 7b"):
+        preset("3b")
+
+
+def test_optimizer_is_fused_only_on_cuda(tiny_tokenizer_dir):
+    model = build_model(TINY, AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    assert not make_optimizer(model, LoopConfig()).defaults["fused"]
 
 
 def test_build_model_matches_tokenizer(tiny_tokenizer_dir):
@@ -87,6 +130,11 @@ def _fit(tok, work_dir: Path, max_steps: int, crash_at: int | None = None, **ove
                  evaluate=lambda m: {"val_loss": mean_token_loss(m, [_random_batch(10_000)])})
 
 
+def _untimed(rows: list[dict]) -> list[dict]:
+    """Metric rows without the wall-clock ones (tokens_per_s, mfu), which no two runs share."""
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
+
+
 def _losses(work_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(work_dir / "metrics.jsonl")]
 
@@ -116,10 +164,64 @@ def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, 
 def test_non_finite_loss_fails_naming_the_step(tiny_tokenizer_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model = build_model(TINY, tok)
-    cfg = LoopConfig(max_steps=3, batch_size=4)
-    with pytest.raises(FloatingPointError, match="step 1"):
+    cfg = LoopConfig(max_steps=3, batch_size=4, max_rollbacks=0)
+    with pytest.raises(TrainingDiverged, match="nan .non-finite. at step 1 after 0 rollbacks"):
         train(model, _random_batch, cfg, tmp_path, MetricsLog(tmp_path),
               loss_fn=lambda m, b: causal_lm_loss(m, b) * float("nan"))
+
+
+def _poisoned_fit(tok, work_dir: Path, poison, factor: float, crash_at: int | None = None, **overrides):
+    """Train on random batches; the loss of batch indices in `poison` is multiplied by `factor`."""
+    torch.manual_seed(0)
+    model = build_model(TINY, tok)
+
+    def get_batch(index: int) -> dict:
+        if index == crash_at:
+            raise RuntimeError("simulated crash")
+        batch = _random_batch(index)
+        return {**batch, "poison": torch.full((4, 1), index in poison)}
+
+    def loss_fn(m, batch):
+        loss = causal_lm_loss(m, batch)
+        return loss * factor if batch["poison"].any() else loss
+
+    cfg = LoopConfig(**{"max_steps": 10, "batch_size": 4, "checkpoint_every": 3, "log_every": 100, "lr": 1e-3,
+                        "spike_zscore": 6.0, "spike_window": 4, "max_rollbacks": 2, **overrides})
+    work_dir.mkdir(exist_ok=True)
+    return train(model, get_batch, cfg, work_dir, MetricsLog(work_dir), loss_fn=loss_fn)
+
+
+def test_loss_spike_rolls_back_skips_batches_and_resumes_exactly(tiny_tokenizer_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    clean = _poisoned_fit(tok, tmp_path / "clean", poison=(), factor=1.0)
+    spiked = _poisoned_fit(tok, tmp_path / "spiked", poison={7}, factor=1e4)  # step 8 reads batch 7
+    rows = read_metrics(tmp_path / "spiked" / "metrics.jsonl")
+    events = [r for r in rows if "rollback" in r]
+    assert events == [{"step": 6, "rollback": 1, "rollback_from_step": 8, "rollback_skipped": 2,
+                       "rollback_nonfinite": 0, "rollback_loss": events[0]["rollback_loss"],
+                       "rollback_reason": "spike"}]
+    assert events[0]["rollback_loss"] > 1e3
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 11))
+    assert losses[:6] == _losses(tmp_path / "clean")[:6]  # identical up to the rollback target
+    assert max(losses) < 10 and spiked["rollbacks"] == 1 and clean["rollbacks"] == 0
+    assert json.loads((tmp_path / "spiked" / "checkpoints" / "step-0000010" / "checkpoint.json").read_text()
+                      )["skip_offset"] == 2
+    # Killed after the rollback (step 9 reads batch 10), resumed: the same curve, step for step.
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _poisoned_fit(tok, tmp_path / "resumed", poison={7}, factor=1e4, crash_at=10)
+    resumed = _poisoned_fit(tok, tmp_path / "resumed", poison={7}, factor=1e4)
+    assert resumed["resumed_from_step"] == 6 and resumed["rollbacks"] == 1
+    assert _untimed(read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == _untimed(rows)
+
+
+def test_non_finite_losses_roll_back_until_max_rollbacks(tiny_tokenizer_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    # Batch 1 is NaN (batches 0-1 skipped); step 4 reads batch 5, NaN from there on: two rollbacks, then stop.
+    with pytest.raises(TrainingDiverged, match=r"non-finite\) at step \d+ after 2 rollbacks \(max_rollbacks=2\)"):
+        _poisoned_fit(tok, tmp_path, poison={1, *range(5, 100)}, factor=float("nan"), spike_zscore=0.0)
+    events = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "rollback" in r]
+    assert [(e["step"], e["rollback_from_step"], e["rollback_nonfinite"]) for e in events] == [(0, 2, 1), (3, 4, 1)]
 
 
 def test_checkpoint_without_marker_is_ignored(tiny_tokenizer_dir, tmp_path, caplog):

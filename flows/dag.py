@@ -25,7 +25,7 @@ class StageSpec:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("collect", collect, (), uses_ray=True),
-    StageSpec("tokenize", tokenize, ("collect",)),
+    StageSpec("tokenize", tokenize, ("collect",), uses_ray=True),
     StageSpec("pretrain", pretrain, ("tokenize",)),
     StageSpec("sft", sft, ("pretrain",)),
     StageSpec("align", align, ("sft",)),

@@ -71,7 +71,9 @@ class Config(StageConfig):
     encode_batch_docs: int = Field(1000, description="Documents per encode_batch call (memory knob; "
                                                       "does not change outputs).")
 
-    unhashed_fields: ClassVar[frozenset[str]] = frozenset({"encode_batch_docs"})
+    num_workers: int = Field(2, ge=1, description="Parallel workers (Ray actors) encoding input shards; "
+                                                 "output is identical for any count (not hashed).")
+    unhashed_fields: ClassVar[frozenset[str]] = frozenset({"encode_batch_docs", "num_workers"})
 
     @field_validator("vocab_size")
     @classmethod

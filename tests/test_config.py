@@ -70,7 +70,7 @@ def test_a_change_moves_the_key_of_its_stage_and_everything_downstream(tmp_path)
 
 def test_operational_knobs_do_not_change_keys(tmp_path):
     base = _keys(load_config(TINY), tmp_path)
-    assert _keys(load_config(TINY, ["collect.num_workers=1", "pretrain.checkpoint_every=7",
+    assert _keys(load_config(TINY, ["collect.num_workers=1", "tokenize.num_workers=3", "pretrain.checkpoint_every=7",
                                     "pretrain.log_every=3"]), tmp_path) == base
     assert _keys(load_config(TINY, ["pretrain.seed=1"]), tmp_path)["pretrain"] != base["pretrain"]
 

@@ -289,6 +289,20 @@ def test_output_does_not_depend_on_worker_order(stage_run, tmp_path):
         assert (out / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
 
 
+@pytest.mark.slow
+def test_ray_workers_write_the_same_shards(stage_run, tmp_path):
+    from infra.ray_engine import RayEngine
+
+    collect, texts, config, result, out = stage_run
+    engine = RayEngine(num_workers=2)
+    try:
+        tokenize.run(config, {"collect": collect}, tmp_path, engine=engine)
+    finally:
+        engine.shutdown()
+    for rel in OUTPUTS:
+        assert (out / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
+
+
 def test_killed_run_redoes_only_unfinished_shards(stage_run, tmp_path, caplog):
     collect, texts, config, result, out = stage_run
     with pytest.raises(KeyboardInterrupt):

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,35 +1,59 @@
-"""Input readers for the collect stage: WARC/WET via warcio and dolma-style JSONL.
+"""Input readers for the collect stage: WARC/WET, JSON lines, Parquet, Arrow and plain text, from
+any fsspec path (local, file://, memory://, s3:// with s3fs installed, ...).
 
 A reader turns one input file into a stream of events: a `RawDoc` (a record that carries a
 document: HTML bytes or plain text, with its URL) or a `Skipped` (a record that does not, or
 input that could not be decoded, with a snake_case reason the stage counts). Readers never raise
 on bad input: one corrupt record or line is counted and reading goes on where it can.
 `extract_text` turns a `RawDoc` into clean text (trafilatura for HTML, ftfy for Unicode repair).
+
+Formats, by file suffix:
+  .warc .warc.gz .wet .wet.gz          WARC/WET records (tasks/warc_reader.py)
+  .jsonl .json.gz .jsonl.gz .jsonl.zst dolma-style JSON lines: `text`, `id`, `metadata.url`/`url`
+  .parquet .arrow                      one document per row, same columns (tasks/table_reader.py);
+                                       a `datasets` save_to_disk folder is read as its .arrow files
+  .txt .txt.gz .txt.zst                one document per file (a folder of them is a corpus)
+
+Every document passes two guards in `read_file`: larger than `max_doc_bytes` → skipped_too_large;
+binary content → skipped_binary. Quarantine: a `Skipped` that carries a `sample` (errors and
+binary payloads) is input worth a look; `where` names the file and the place in it
+(`file@<byte offset>` for WARC, `file:<line>` for JSON lines, `file#<row>` for tables).
 """
 from __future__ import annotations
 
-import glob
 import gzip
+import io
 import json
 import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Callable, Iterator
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")  # Common Crawl WET: *.warc.wet.gz
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz")
-SUPPORTED_SUFFIXES = WARC_SUFFIXES + JSONL_SUFFIXES
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".jsonl.zstd", ".json.zst")
+TABLE_SUFFIXES = (".parquet", ".arrow")
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")
+SUPPORTED_SUFFIXES = WARC_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES + TEXT_SUFFIXES
+
+DEFAULT_MAX_DOC_BYTES = 10_000_000  # 10 MB: far above any real page, below a memory problem
+SAMPLE_BYTES = 512  # bytes of offending input kept with a quarantined event
+BINARY_SNIFF_BYTES = 8192  # binary detection looks at the start of a payload only
+# Share of C0 control bytes above which a payload is binary. Text in any charset has ~none
+# (8-bit and CJK encodings avoid C0; ISO-2022's ESC is allowed); compressed data has ~11%.
+MAX_CONTROL_FRAC = 0.05
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\v\f\r\x1b") + b"\x7f"
 
 # trafilatura logs an ERROR for every page it cannot parse; with millions of records that drowns
 # the stage log, and such pages are counted anyway (skipped_no_text).
 logging.getLogger("trafilatura").setLevel(logging.CRITICAL)
 
-HTML_MIMES = frozenset({"text/html", "application/xhtml+xml"})
-# Reasons that describe a whole file rather than one record (not counted as records read).
+# Reasons that describe a whole file (or a damaged stretch of one) rather than one record; the
+# stage does not count them as records read.
 FILE_LEVEL_ERRORS = frozenset({
-    "error_empty_file", "error_truncated_gzip", "error_corrupt_gzip", "error_corrupt_warc",
-    "error_not_warc",
+    "error_empty_file", "error_truncated_gzip", "error_corrupt_gzip", "error_truncated_zstd",
+    "error_corrupt_zstd", "error_corrupt_warc", "error_not_warc", "error_corrupt_parquet",
+    "error_corrupt_arrow", "error_no_text_column",
 })
 
 
@@ -42,6 +66,7 @@ class RawDoc:
     is_html: bool
     nbytes: int  # size of the raw record payload in bytes, for the funnel's bytes_in
     charset: str | None = None
+    where: str = ""  # file and place in it, as in Skipped.where
 
 
 @dataclass(frozen=True)
@@ -50,140 +75,283 @@ class Skipped:
 
     reason: str
     nbytes: int = 0
+    where: str = ""  # file and place in it: file@<byte offset>, file:<line>, file#<row>
+    sample: bytes | None = None  # first SAMPLE_BYTES of the input, set where it is quarantined
 
 
 ReadEvent = RawDoc | Skipped
+Reader = Callable[[IO[bytes], str, int], Iterator[ReadEvent]]
+
+
+def quarantine(reason: str, nbytes: int, where: str, data: bytes | str) -> Skipped:
+    """A Skipped that keeps the start of the offending input for review."""
+    head = data[:SAMPLE_BYTES]
+    return Skipped(reason, nbytes, where, head.encode("utf-8", "replace")
+                   if isinstance(head, str) else bytes(head))
+
+
+def quarantine_record(event: Skipped) -> dict[str, str | int]:
+    """A JSON-ready line for a quarantine file; undecodable sample bytes become \\x escapes."""
+    sample = (event.sample or b"").decode("utf-8", "backslashreplace")
+    return {"reason": event.reason, "where": event.where, "nbytes": event.nbytes,
+            "sample": sample}
 
 
 def is_supported(path: str | Path) -> bool:
     return str(path).lower().endswith(SUPPORTED_SUFFIXES)
 
 
-def resolve_source(source: str) -> list[Path]:
-    """The input files of a file/directory/glob source, sorted; ValueError naming it if none."""
-    path = Path(source).expanduser()
-    if path.is_file():
-        if not is_supported(path):
-            raise ValueError(f"source {source!r}: unsupported file type (expected one of "
-                             f"{', '.join(SUPPORTED_SUFFIXES)})")
-        return [path]
-    if path.is_dir():
-        candidates = [p for p in path.rglob("*") if p.is_file()]
-    else:
-        candidates = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
-    files = sorted(p for p in candidates if is_supported(p))
-    if not files:
-        raise ValueError(f"source {source!r} does not exist or matches no input files "
-                         f"({', '.join(SUPPORTED_SUFFIXES)})")
-    return files
+def _filesystem(source: str):
+    """(fsspec filesystem, path inside it); errors name the source."""
+    from fsspec.core import url_to_fs
 
-
-def read_file(path: Path) -> Iterator[ReadEvent]:
-    """Dispatch on the file suffix; an empty file is one counted error."""
-    name = str(path).lower()
-    if not name.endswith(SUPPORTED_SUFFIXES):
-        raise ValueError(f"{path}: unsupported file type "
-                         f"(expected one of {', '.join(SUPPORTED_SUFFIXES)})")
-    if path.stat().st_size == 0:
-        yield Skipped("error_empty_file")
-        return
-    yield from (read_warc if name.endswith(WARC_SUFFIXES) else read_jsonl)(path)
-
-
-def classify_mime(content_type: str) -> str:
-    """'html', 'text', or the skip reason for a MIME type we do not extract text from."""
-    mime = content_type.split(";")[0].strip().lower()
-    if mime in HTML_MIMES:
-        return "html"
-    if mime == "text/plain":
-        return "text"
-    if not mime:
-        return "skipped_mime_missing"
-    major, _, minor = mime.partition("/")
-    if major in ("image", "audio", "video", "font"):
-        return f"skipped_mime_{major}"
-    for kind in ("css", "javascript", "json", "xml", "pdf", "dns"):
-        if kind in minor:
-            return f"skipped_mime_{kind}"
-    return "skipped_mime_other"
-
-
-def _charset(content_type: str) -> str | None:
-    for part in content_type.split(";")[1:]:
-        key, _, value = part.strip().partition("=")
-        if key.lower() == "charset" and value:
-            return value.strip("\"' ").lower()
-    return None
-
-
-def _warc_event(record) -> ReadEvent:
-    """One WARC record → a RawDoc for response/conversion records with text, else a Skipped."""
-    size = int(record.length or 0)
-    if record.rec_type not in ("response", "conversion"):
-        return Skipped(f"skipped_record_{record.rec_type}", size)
-    headers = record.http_headers  # None for conversion (WET) and non-HTTP (dns:) responses
-    if headers is not None:
-        status = int(headers.get_statuscode() or 0)
-        if not 200 <= status < 300:
-            return Skipped(f"skipped_http_{status // 100}xx", size)
-    content_type = (headers or record.rec_headers).get_header("Content-Type") or ""
-    kind = classify_mime(content_type)
-    if kind.startswith("skipped_"):
-        return Skipped(kind, size)
-    try:  # content_stream() undoes chunking and gzip/br content encodings, which can be broken
-        payload = record.content_stream().read()
-    except (OSError, EOFError, ValueError, zlib.error):
-        return Skipped("error_bad_payload", size)
-    if getattr(record.raw_stream, "limit", 0) > 0:  # fewer bytes than Content-Length: cut off
-        return Skipped("error_truncated_record", size)
-    url = record.rec_headers.get_header("WARC-Target-URI") or ""
-    return RawDoc(url, payload, kind == "html", size, _charset(content_type))
-
-
-def read_warc(path: Path) -> Iterator[ReadEvent]:
-    """Records of a WARC/WET file (plain or gzip per record); stops at unrecoverable damage."""
-    from warcio.archiveiterator import ArchiveIterator
-    from warcio.exceptions import ArchiveLoadFailed
-
-    with open(path, "rb") as f:
-        try:
-            for record in ArchiveIterator(f):
-                if not record.format.startswith("warc"):  # warcio falls back to ARC on garbage
-                    yield Skipped("error_not_warc")
-                    return
-                yield _warc_event(record)
-        except (ArchiveLoadFailed, EOFError, zlib.error, OSError, ValueError):
-            yield Skipped("error_corrupt_warc")
-
-
-def _jsonl_event(line: bytes) -> ReadEvent:
     try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError:
-        return Skipped("error_invalid_utf8", len(line))
-    except json.JSONDecodeError:
-        return Skipped("error_bad_json", len(line))
+        return url_to_fs(source)
+    except ValueError as exc:  # e.g. "Protocol not known: foo"
+        raise ValueError(f"source {source!r}: {exc}") from None
+    except ImportError as exc:  # e.g. "Install s3fs to access S3"
+        raise ImportError(f"source {source!r}: {exc}") from None
+
+
+def resolve_source(source: str) -> list[Path | str]:
+    """The input files of a file, directory or glob source (any fsspec URL), sorted.
+
+    Local files come back as Path, files of other filesystems as URLs ('memory://...',
+    's3://...'). ValueError naming the source when it does not exist or holds no input file.
+    """
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, root = _filesystem(source)
+    expected = f"expected {', '.join(SUPPORTED_SUFFIXES)}"
+    if fs.isfile(root):
+        if not is_supported(root):
+            raise ValueError(f"source {source!r}: unsupported file type ({expected})")
+        files = [root]
+    elif fs.isdir(root):
+        files = [p for p in fs.find(root) if is_supported(p)]
+        if not files:
+            raise ValueError(f"source {source!r}: directory holds no input files ({expected})")
+    elif any(c in root for c in "*?["):  # a glob pattern
+        found = fs.glob(root, detail=True)
+        files = [p for p, info in found.items() if info["type"] == "file" and is_supported(p)]
+        if not files:
+            raise ValueError(f"source {source!r} matches no input files ({expected})")
+    else:
+        raise ValueError(f"source {source!r} does not exist")
+    local = isinstance(fs, LocalFileSystem)
+    return [Path(p) if local else fs.unstrip_protocol(p) for p in sorted(files)]
+
+
+def input_digest(path: str | Path) -> str:
+    """Identity of an input file: sha256 of a local file's content; elsewhere the store's own
+    version key (fsspec `checksum`: size, ETag, modification time...), as hashing the content
+    would mean downloading it."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from tasks.stage import file_digest
+
+    fs, fs_path = _filesystem(str(path))
+    if isinstance(fs, LocalFileSystem):
+        return file_digest(Path(fs_path))
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"{protocol}:{fs.checksum(fs_path):x}"
+
+
+def _reader_for(name: str) -> Reader:
+    lowered = name.lower()
+    if lowered.endswith(WARC_SUFFIXES):
+        from tasks.warc_reader import read_warc
+        return read_warc
+    if lowered.endswith(JSONL_SUFFIXES):
+        return read_jsonl
+    if lowered.endswith(".parquet"):
+        from tasks.table_reader import read_parquet
+        return read_parquet
+    if lowered.endswith(".arrow"):
+        from tasks.table_reader import read_arrow
+        return read_arrow
+    if lowered.endswith(TEXT_SUFFIXES):
+        return read_text
+    raise ValueError(f"{name}: unsupported file type "
+                     f"(expected one of {', '.join(SUPPORTED_SUFFIXES)})")
+
+
+def read_file(path: str | Path, *,
+              max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> Iterator[ReadEvent]:
+    """Events of one input file (a local path or fsspec URL); an empty file is one error."""
+    name = str(path)
+    reader = _reader_for(name)
+    fs, fs_path = _filesystem(name)
+    if fs.size(fs_path) == 0:
+        yield Skipped("error_empty_file", 0, name)
+        return
+    with fs.open(fs_path, "rb") as f:
+        for event in reader(f, name, max_doc_bytes):
+            yield guard(event, max_doc_bytes) if isinstance(event, RawDoc) else event
+
+
+def is_binary(payload: bytes | str) -> bool:
+    """NUL bytes, or more than MAX_CONTROL_FRAC other control bytes, in the first 8 KiB."""
+    head = payload[:BINARY_SNIFF_BYTES]
+    if isinstance(head, str):
+        head = head.encode("utf-8", "surrogatepass")
+    if b"\x00" in head:
+        return True
+    n_control = len(head) - len(head.translate(None, _CONTROL_BYTES))
+    return n_control > MAX_CONTROL_FRAC * len(head)
+
+
+def guard(doc: RawDoc, max_doc_bytes: int) -> ReadEvent:
+    """The document, or why it is not one: too large (in bytes or characters), or binary."""
+    if len(doc.payload) > max_doc_bytes:
+        return Skipped("skipped_too_large", doc.nbytes, doc.where)
+    if is_binary(doc.payload):
+        return quarantine("skipped_binary", doc.nbytes, doc.where, doc.payload)
+    return doc
+
+
+# --- compressed streams ----------------------------------------------------------------------
+
+class CorruptStream(OSError):
+    """Compressed data that cannot be decoded (not a truncation)."""
+
+
+class _ZstdStream(io.RawIOBase):
+    """Concatenated zstd frames, decompressed. zstandard's stream_reader ends silently on a
+    truncated frame; this raises EOFError there, as gzip does."""
+
+    def __init__(self, raw: IO[bytes], chunk_bytes: int = 1 << 20) -> None:
+        import zstandard
+
+        self._raw, self._chunk_bytes, self._error = raw, chunk_bytes, zstandard.ZstdError
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._in_frame = False
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos >= len(self._out):
+            data = self._raw.read(self._chunk_bytes)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            self._out, self._pos = self._decompress(data), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        pieces = []
+        try:
+            while data:
+                pieces.append(self._obj.decompress(data))
+                self._in_frame = not self._obj.eof
+                data = self._obj.unused_data if self._obj.eof else b""
+                if self._obj.eof:
+                    self._obj = self._dctx.decompressobj()
+        except self._error as exc:
+            raise CorruptStream(str(exc)) from None
+        return b"".join(pieces)
+
+
+def _codec(name: str) -> str | None:
+    lowered = name.lower()
+    if lowered.endswith(".gz"):
+        return "gzip"
+    return "zstd" if lowered.endswith((".zst", ".zstd")) else None
+
+
+def open_decompressed(f: IO[bytes], name: str) -> IO[bytes]:
+    """A buffered binary stream of the file's content, decompressed by its suffix."""
+    codec = _codec(name)
+    if codec == "gzip":
+        return gzip.GzipFile(fileobj=f, mode="rb")
+    return io.BufferedReader(_ZstdStream(f) if codec == "zstd" else f, 1 << 20)
+
+
+def _stream_events(events: Iterator[ReadEvent], name: str) -> Iterator[ReadEvent]:
+    """Pass events on; a damaged compressed stream ends them with one counted error."""
+    codec = _codec(name) or "stream"
+    try:
+        yield from events
+    except EOFError:  # the stream ended early: everything before it was read
+        yield Skipped(f"error_truncated_{codec}", 0, name)
+    except (gzip.BadGzipFile, zlib.error, CorruptStream):
+        yield Skipped(f"error_corrupt_{codec}", 0, name)
+
+
+# --- JSON lines and plain text ----------------------------------------------------------------
+
+def record_event(record: object, nbytes: int, where: str, raw: bytes | None = None) -> ReadEvent:
+    """A parsed dolma-style record → RawDoc (`text`; URL from metadata.url, url, or a URL id)."""
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        return Skipped("error_missing_text", len(line))
+        return quarantine("error_missing_text", nbytes, where,
+                          raw if raw is not None else repr(record))
     metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
     record_id = str(record.get("id") or "")
     url = metadata.get("url") or record.get("url") or (record_id if "://" in record_id else "")
-    return RawDoc(str(url), record["text"], False, len(line))
+    return RawDoc(str(url), record["text"], False, nbytes, where=where)
 
 
-def read_jsonl(path: Path) -> Iterator[ReadEvent]:
-    """dolma-style JSON lines (`text`, `id`, `metadata.url`), plain or gzipped."""
-    opener = gzip.open if str(path).lower().endswith(".gz") else open
+def _jsonl_event(line: bytes, where: str) -> ReadEvent:
     try:
-        with opener(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    yield _jsonl_event(line)
-    except EOFError:  # gzip stream ended early: everything before it was read
-        yield Skipped("error_truncated_gzip")
-    except (gzip.BadGzipFile, zlib.error):
-        yield Skipped("error_corrupt_gzip")
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return quarantine("error_invalid_utf8", len(line), where, line)
+    except json.JSONDecodeError:
+        return quarantine("error_bad_json", len(line), where, line)
+    return record_event(record, len(line), where, line)
 
+
+def _lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, line, its size in bytes); the line is None when it is longer than
+    max_line_bytes, and is then skipped in 1 MiB pieces instead of held in memory."""
+    lineno = 0
+    while line := stream.readline(max_line_bytes + 1):
+        lineno += 1
+        if len(line) <= max_line_bytes:
+            yield lineno, line, len(line)
+            continue
+        nbytes = len(line)
+        while not line.endswith(b"\n") and (line := stream.readline(1 << 20)):
+            nbytes += len(line)
+        yield lineno, None, nbytes
+
+
+def read_jsonl(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
+    """dolma-style JSON lines, plain, gzip or zstd; a line over max_doc_bytes is skipped."""
+    def events() -> Iterator[ReadEvent]:
+        for lineno, line, nbytes in _lines(open_decompressed(f, name), max_doc_bytes):
+            if line is None:
+                yield Skipped("skipped_too_large", nbytes, f"{name}:{lineno}")
+            elif line.strip():
+                yield _jsonl_event(line, f"{name}:{lineno}")
+
+    yield from _stream_events(events(), name)
+
+
+def read_text(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
+    """A whole plain-text file as one document (its URL is the file's path or URL)."""
+    def events() -> Iterator[ReadEvent]:
+        stream = open_decompressed(f, name)
+        data = stream.read(max_doc_bytes + 1)
+        if len(data) <= max_doc_bytes:
+            yield RawDoc(name, data, False, len(data), where=name)
+            return
+        nbytes = len(data)
+        while piece := stream.read(1 << 20):  # count it for bytes_in without holding it
+            nbytes += len(piece)
+        yield Skipped("skipped_too_large", nbytes, name)
+
+    yield from _stream_events(events(), name)
+
+
+# --- text extraction --------------------------------------------------------------------------
 
 def decode_text(payload: bytes | str, charset: str | None) -> str:
     """Bytes → str: the declared charset, then UTF-8, then cp1252 (which ftfy can repair)."""

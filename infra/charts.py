@@ -1,0 +1,50 @@
+"""PNG charts for the data funnel: the only matplotlib user. Rendered off-screen (Agg)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def funnel_chart(steps: Sequence[Mapping[str, float]], path: Path, title: str) -> Path:
+    """Horizontal bars, first step on top: documents (left panel) and MB (right) after each step."""
+    plt = _pyplot()
+    names = [s["step"] for s in steps][::-1]
+    fig, (docs_ax, mb_ax) = plt.subplots(1, 2, figsize=(11, 0.45 * len(steps) + 1.5), sharey=True)
+    for ax, values, label in ((docs_ax, [s["docs"] for s in steps], "documents"),
+                              (mb_ax, [s["bytes"] / 1e6 for s in steps], "MB")):
+        values = values[::-1]
+        bars = ax.barh(names, values, color="#4c72b0")
+        ax.bar_label(bars, labels=[f"{v:,.0f}" if label == "documents" else f"{v:,.2f}"
+                                   for v in values], padding=3, fontsize=8)
+        ax.set_xlabel(label)
+        ax.margins(x=0.25)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def histogram_chart(counts: Mapping[str, int], path: Path, title: str, top: int = 20) -> Path:
+    """Bars of the `top` largest counts (the rest summed as 'other'), largest first."""
+    plt = _pyplot()
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    shown = ranked[:top] + ([("other", sum(v for _, v in ranked[top:]))] if len(ranked) > top else [])
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(shown) + 2), 3.5))
+    bars = ax.bar([k for k, _ in shown], [v for _, v in shown], color="#55a868")
+    ax.bar_label(bars, fontsize=8)
+    ax.set_ylabel("documents")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,231 @@
+"""Near-dedup throughput and quality against datatrove and datasketch, on one labelled set.
+
+    python -m bench dedup [--docs 2000] [--repeats 3] [--shared-data DIR] [--seed 0]
+                          [--bands 18 --rows 6 --threshold 0.6]   (default: DedupConfig's)
+
+The labelled set (bench/neardup_set.py): real documents of ../shared/data, ~15% of them with 1-3
+edited copies, written once as a JSONL file in a temp dir. Every method reads that file and
+finds near-duplicate clusters (reading the file is timed for all); timings are medians over
+`--repeats` after one untimed warm-up on 100 documents, measured side by side in this process:
+
+  ours        tasks/dedup.py near_dedup (SerialEngine, one process), default DedupConfig
+  datatrove   MinhashDedupSignature -> MinhashDedupBuckets -> MinhashDedupCluster ->
+              MinhashDedupFilter, each on a LocalPipelineExecutor with one worker (tasks=1; the
+              bucket step needs tasks = bands and runs them one after another). Same shingle
+              size, bands, rows and seed as ours; its own normalization (spaCy words, numbers
+              folded) and 64-bit xxhash. It keeps every candidate pair (no Jaccard check).
+              (workers > 1 would need an `if __name__ == "__main__"` guard: bench/__main__.py
+              has one.)
+  datatrove (its default 14 x 8)  the same pipeline once more with datatrove's own banding, for
+              precision and recall only (not timed)
+  datasketch  MinHash.bulk over our shingles (num_perm = bands*rows), MinHashLSH with our
+              threshold (it picks its own bands/rows for it); a document that queries any hit is
+              a duplicate of the first hit, otherwise it is inserted (first occurrence wins).
+
+Precision and recall are pairwise (two documents in one cluster = a predicted pair) against the
+labels. The last line is one JSON object with the headline figures.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+COPIED_FRACTION = 0.15  # originals among the source documents
+MEAN_COPIES = 1.7  # copies per original: 1, 2, 3 with weights 5, 3, 2 (bench/neardup_set.py)
+WARMUP_DOCS = 100
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def run_ours(path: Path, cfg) -> np.ndarray:
+    from tasks.dedup import near_dedup
+    from tasks.stage import SerialEngine
+
+    return near_dedup(_read_jsonl(path), cfg, SerialEngine()).cluster
+
+
+def run_datasketch(path: Path, cfg) -> np.ndarray:
+    from datasketch import MinHash, MinHashLSH
+
+    from tasks.dedup import normalize
+
+    k = cfg.shingle_words
+    shingle_sets = []
+    for text in _read_jsonl(path):
+        words = normalize(text).split()
+        grams = {" ".join(words[i:i + k]).encode() for i in range(max(len(words) - k + 1, 1))}
+        shingle_sets.append(grams)
+    minhashes = MinHash.bulk(shingle_sets, num_perm=cfg.num_perm, seed=cfg.seed)
+    lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
+    survivor = np.arange(len(minhashes))
+    for i, m in enumerate(minhashes):
+        hits = lsh.query(m)
+        if hits:
+            survivor[i] = min(hits)
+        else:
+            lsh.insert(i, m)
+    return _labels_from_survivors(survivor)
+
+
+def _labels_from_survivors(survivor: np.ndarray) -> np.ndarray:
+    sizes = np.bincount(survivor, minlength=len(survivor))
+    labels = np.where(sizes[survivor] >= 2, survivor, -1)
+    return labels
+
+
+def run_datatrove(path: Path, cfg, work: Path, stage_seconds: dict[str, list[float]],
+                  bands: int | None = None, rows: int | None = None) -> np.ndarray:
+    """Cluster labels from datatrove's four MinHash steps (banding: cfg's unless given)."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashConfig,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.utils.hashing import HashConfig
+
+    mh = MinhashConfig(n_grams=cfg.shingle_words, num_buckets=bands or cfg.bands,
+                       hashes_per_bucket=rows or cfg.rows, seed=cfg.seed,
+                       hash_config=HashConfig(precision=64, hash_fc="xxhash"))
+    sigs, buckets, clusters = work / "sigs", work / "buckets", work / "clusters"
+    reader = lambda: JsonlReader(str(path.parent), glob_pattern=path.name)
+    stages = {
+        "signature": ([reader(), MinhashDedupSignature(str(sigs), config=mh)], 1),
+        "buckets": ([MinhashDedupBuckets(str(sigs), str(buckets), config=mh)], mh.num_buckets),
+        "cluster": ([MinhashDedupCluster(str(buckets), str(clusters), config=mh,
+                                         save_cluster_id=True)], 1),
+        "filter": ([reader(), MinhashDedupFilter(str(clusters), load_cluster_ids=True)], 1),
+    }
+    # Each task logs to stderr (a sink added per task) and to its log file; stderr goes to
+    # /dev/null so the table stays readable, the writes still happen.
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+        for name, (pipeline, tasks) in stages.items():
+            start = time.perf_counter()
+            LocalPipelineExecutor(pipeline, tasks=tasks, workers=1,
+                                  logging_dir=str(work / f"logs-{name}"), skip_completed=False).run()
+            stage_seconds[name].append(time.perf_counter() - start)
+    labels = np.full(len(_read_jsonl(path)), -1, np.int64)
+    cluster_file = clusters / "000000.clusters"
+    if cluster_file.exists():
+        doc_cluster = np.fromfile(cluster_file, dtype="<u4").reshape(-1, 2).astype(np.int64)
+        labels[doc_cluster[:, 0]] = doc_cluster[:, 1]
+    return labels
+
+
+def _write_jsonl(texts: list[str], path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"id": str(i), "text": text}) + "\n" for i, text in enumerate(texts))
+
+
+def _timed(fn: Callable[[int], np.ndarray], repeats: int) -> tuple[float, np.ndarray]:
+    times, labels = [], None
+    for r in range(repeats):
+        start = time.perf_counter()
+        labels = fn(r)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), labels
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench dedup", description=__doc__.split("\n")[0])
+    parser.add_argument("--docs", type=int, default=2000, help="documents in the labelled set")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the labelled set")
+    parser.add_argument("--shared-data", type=Path, default=REPO.parent / "shared" / "data")
+    for name in ("bands", "rows", "threshold"):
+        parser.add_argument(f"--{name}", type=float if name == "threshold" else int,
+                            help="DedupConfig field for ours and the peers (default: its default)")
+    return parser.parse_args(argv)
+
+
+def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, root: Path):
+    """{method: (median seconds or None, precision, recall)}, datatrove's per-step seconds."""
+    from bench.neardup_set import precision_recall
+
+    data, warm = root / "data" / "docs.jsonl", root / "warm" / "docs.jsonl"
+    for path, docs in ((data, texts), (warm, texts[:WARMUP_DOCS])):
+        path.parent.mkdir()
+        _write_jsonl(docs, path)
+    steps: dict[str, list[float]] = defaultdict(list)
+    methods = {
+        "ours": lambda p, r: run_ours(p, cfg),
+        "datatrove": lambda p, r: run_datatrove(p, cfg, root / f"dt-{p.parent.name}-{r}", steps),
+        "datasketch": lambda p, r: run_datasketch(p, cfg),
+    }
+    results = {}
+    for name, method in methods.items():
+        method(warm, 0)
+        seconds, labels = _timed(lambda r, method=method: method(data, r), repeats)
+        results[name] = (seconds, *precision_recall(labels, truth))
+    default_labels = run_datatrove(data, cfg, root / "dt-default", defaultdict(list), 14, 8)
+    results["datatrove 14x8"] = (None, *precision_recall(default_labels, truth))
+    return results, {k: v[1:] for k, v in steps.items()}  # minus the warm-up
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    from bench.neardup_set import build_labelled_set, pair_jaccards
+    from tasks.dedup import DedupConfig
+
+    cfg = DedupConfig(**{k: getattr(args, k) for k in ("bands", "rows", "threshold")
+                         if getattr(args, k) is not None})
+    n_originals = round(args.docs * COPIED_FRACTION / (1 + COPIED_FRACTION * MEAN_COPIES))
+    n_distinct = max(0, args.docs - round(n_originals * (1 + MEAN_COPIES)))
+    texts, truth = build_labelled_set(args.shared_data, n_originals, args.seed, n_distinct)
+    with tempfile.TemporaryDirectory(prefix="bench-dedup-") as tmp:
+        results, steps = _measure(texts, truth, cfg, args.repeats, Path(tmp))
+    _report(args, cfg, texts, truth, pair_jaccards(texts, truth, cfg), results, steps)
+    return 0
+
+
+def _report(args, cfg, texts, truth, jaccards, results, stage_seconds) -> None:
+    from datasketch import MinHashLSH
+
+    lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
+    print(f"{len(texts)} docs, {len(truth)} labelled pairs (exact Jaccard of 5-word shingles: "
+          f"median {np.median(jaccards):.2f}, {np.mean(jaccards >= cfg.threshold):.0%} >= "
+          f"{cfg.threshold}), bands x rows = {cfg.bands} x {cfg.rows}, threshold "
+          f"{cfg.threshold}; datasketch chose {lsh.b} x {lsh.r}; median of {args.repeats}")
+    print(f"{'method':<16}{'seconds':>10}{'docs/s':>10}{'precision':>11}{'recall':>9}")
+    for name, (seconds, precision, recall) in results.items():
+        timing = (f"{seconds:>10.3f}{len(texts) / seconds:>10.0f}" if seconds
+                  else f"{'(untimed)':>20}")
+        print(f"{name:<16}{timing}{precision:>11.4f}{recall:>9.4f}")
+    print("datatrove steps (median s): " + ", ".join(
+        f"{name} {statistics.median(v):.3f}" for name, v in stage_seconds.items()))
+    docs_s = {name: len(texts) / r[0] for name, r in results.items() if r[0]}
+    print(json.dumps({
+        "bench": "dedup", "docs": len(texts), "repeats": args.repeats,
+        "labelled_pairs": len(truth), "bands": cfg.bands, "rows": cfg.rows,
+        "threshold": cfg.threshold, **{f"{k}_docs_s": round(v, 1) for k, v in docs_s.items()},
+        "ratio_vs_datatrove": round(docs_s["ours"] / docs_s["datatrove"], 3),
+        "ratio_vs_datasketch": round(docs_s["ours"] / docs_s["datasketch"], 3),
+        "precision": round(results["ours"][1], 4), "recall": round(results["ours"][2], 4),
+        "datatrove_precision": round(results["datatrove"][1], 4),
+        "datatrove_recall": round(results["datatrove"][2], 4),
+        "datasketch_precision": round(results["datasketch"][1], 4),
+        "datasketch_recall": round(results["datasketch"][2], 4),
+        "datatrove_14x8_precision": round(results["datatrove 14x8"][1], 4),
+        "datatrove_14x8_recall": round(results["datatrove 14x8"][2], 4)}))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

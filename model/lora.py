@@ -1,0 +1,76 @@
+"""LoRA adapters (PEFT) for the fine-tuning stages: the settings, wrapping a model, and export.
+
+`LoraSettings` is the one typed config of low-rank adapters; a stage config holds
+`lora: LoraSettings | None` (None: full fine-tuning). `apply_lora` freezes the base model and
+adds trainable rank-`rank` matrices A, B beside each targeted linear layer W, so the layer computes
+W x + (alpha / rank) * B A x; B starts at zero, so the wrapped model starts equal to the base.
+`export_lora` writes the adapter alone (`adapter/`, loadable with peft onto the base model) and the
+merged plain model (W + (alpha / rank) * B A folded into W), which loads with
+`AutoModelForCausalLM` and needs no peft.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from model.export import export_model
+from tasks.stage import StageConfig
+
+# Every linear layer of a Llama block: attention projections and the SwiGLU MLP. Adapting all of
+# them (not only q/v) is what QLoRA found to match full fine-tuning.
+LLAMA_LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_PARAM_MARKER = "lora_"  # PEFT names the adapter matrices lora_A / lora_B
+
+
+class LoraSettings(StageConfig):
+    """Low-rank adapter shape and regularisation (PEFT's LoraConfig, the knobs that matter)."""
+
+    rank: int = Field(8, gt=0, description="Rank r of each adapter (A is r x in, B is out x r).")
+    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LLAMA_LINEAR_MODULES), min_length=1,
+        description="Names of the linear submodules that get adapters (Llama: q/k/v/o_proj, gate/up/down_proj).")
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as exc:  # an optional dependency of the LoRA path only
+        raise ImportError("LoRA fine-tuning needs peft: pip install peft") from exc
+    return peft
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """`model` wrapped as a PEFT model: base weights frozen, adapters trainable. Adapter A is drawn
+    from torch's global RNG, so seed it first for a reproducible start."""
+    peft = _peft()
+    missing = [name for name in settings.target_modules
+               if not any(n.split(".")[-1] == name for n, _ in model.named_modules())]
+    if missing:
+        raise ValueError(f"lora.target_modules {missing} name no submodule of {type(model).__name__}")
+    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                             target_modules=list(settings.target_modules), bias="none",
+                             task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, int]:
+    """{"params_trainable": ..., "params_total": ...} (tied weights counted once)."""
+    params = list(model.parameters())
+    return {"params_trainable": sum(p.numel() for p in params if p.requires_grad),
+            "params_total": sum(p.numel() for p in params)}
+
+
+def export_lora(peft_model: Any, tokenizer: Any, model_dir: Path, adapter_dir: Path) -> torch.nn.Module:
+    """Save the adapter to `adapter_dir`, then merge it into the base weights and export the plain
+    model to `model_dir` (see model.export). Returns the merged model; `peft_model` is consumed
+    (its layers are unwrapped in place)."""
+    adapter_dir = Path(adapter_dir)
+    peft_model.save_pretrained(adapter_dir)
+    merged = peft_model.merge_and_unload()
+    export_model(merged, tokenizer, model_dir)
+    return merged

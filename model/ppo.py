@@ -1,0 +1,378 @@
+"""PPO for a chat model against a reward function, with a KL penalty to a frozen reference model.
+
+TRL 1.x no longer has a PPO trainer, so this is our own loop, after InstructGPT and TRL 0.x:
+
+- rollout: sample one response per prompt from the policy (transformers `generate`, plain sampling
+  at `temperature`), stopping at the end of the assistant turn or after `max_new_tokens`;
+- per-token rewards: -kl_coef * (log pi - log pi_ref) of each sampled token, plus the reward
+  function's score of the whole response on its last token;
+- advantages by GAE(gamma, lam) from a value head, whitened over the rollout; returns = A + V;
+- `ppo_epochs` passes over shuffled minibatches minimising the clipped policy objective plus
+  vf_coef * the clipped value loss, with AdamW (LR decayed linearly to 0) and gradient clipping.
+
+Log-probabilities are those of logits / temperature, the distribution the tokens were sampled
+from. Policy and reference run without dropout (eval mode), so before its first update the policy
+reproduces its rollout log-probabilities exactly and the PPO ratio starts at 1.
+
+Value head: a linear layer on the policy's final hidden states (the shared trunk of TRL 0.x's
+AutoModelForCausalLMWithValueHead) rather than a separate value model initialised from the reward
+model (InstructGPT). One forward pass yields logits and values, so a step costs one model's compute
+and optimizer state instead of two, which is what a CPU or a memory-bound GPU can afford. The price:
+the value loss also moves the trunk the policy reads; vf_coef weighs it. The head starts at zero.
+
+Resume: every `checkpoint_every` steps (and after the last) the policy, value head, optimizer and
+step go to `out_dir/checkpoints/step-%07d` (model.loop's layout: written to a temporary directory,
+completion marker last, then renamed). All randomness of a step (which prompts, the sampled
+tokens, the minibatch order) is drawn after seeding torch from (seed, step), so a resumed run
+repeats exactly what an uninterrupted one does without carrying RNG states across.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field, model_validator
+
+from model.export import generation_config
+from model.loop import MARKER, _clear_partial_checkpoints, complete_checkpoints
+from tasks.chat import Message, prompt_ids
+from tasks.stage import MetricsLog, StageConfig
+
+log = logging.getLogger("gristmill.ppo")
+
+# (prompts, response texts) -> scores, shape [n]: a reward model's scorer, or a rule in tests
+RewardFn = Callable[[list[list[Message]], list[str]], torch.Tensor]
+KEEP_CHECKPOINTS = 2
+FINAL_WINDOW = 10  # steps averaged into the final score/KL stats
+
+
+class PPOSettings(StageConfig):
+    """PPO hyperparameters; clip ranges, vf_coef, kl_coef, gamma and lam default to TRL 0.x's PPOConfig."""
+
+    rollout_batch_size: int = Field(16, ge=1, description="Prompts sampled (one response each) per PPO step.")
+    minibatch_size: int = Field(4, ge=1, description="Responses per optimizer update; divides rollout_batch_size.")
+    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout's minibatches.")
+    clip_range: float = Field(0.2, gt=0, description="Policy ratio clip: ratios outside 1 +- this give no gradient.")
+    value_clip_range: float = Field(0.2, gt=0, description="How far a value may move from its rollout value "
+                                                            "before the clipped value loss takes over.")
+    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
+    kl_coef: float = Field(0.05, ge=0, description="beta: per-token reward penalty per nat of log(pi / pi_ref).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount per response token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1) of the advantages.")
+    max_new_tokens: int = Field(32, ge=1, description="Longest sampled response, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are of logits / temperature.")
+    missing_eos_penalty: float = Field(0.0, ge=0, description=(
+        "Subtracted from the score of a response cut at max_new_tokens before it ended its turn; 0: none."))
+    lr: float = Field(1e-5, gt=0, description="Peak AdamW learning rate, decayed linearly to 0 over max_steps.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient L2 norm clip per update.")
+    max_steps: int = Field(100, ge=1, description="PPO steps (rollout + optimisation) to run.")
+    checkpoint_every: int = Field(20, ge=1, description="Steps between resumable checkpoints (and after the last).")
+    seed: int = Field(0, description="Seed of prompt order, sampling and minibatch order.")
+
+    unhashed_fields: ClassVar[frozenset[str]] = frozenset({"checkpoint_every"})
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> PPOSettings:
+        if self.rollout_batch_size % self.minibatch_size:
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by "
+                             f"minibatch_size ({self.minibatch_size})")
+        return self
+
+
+# ---------------------------------------------------------------- the PPO arithmetic (tensors [batch, tokens])
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """x shifted and scaled to mean 0, variance 1 over the masked entries (0 elsewhere)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def token_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, scores: torch.Tensor,
+                  kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards, kl) per response token: kl = log pi - log pi_ref of the sampled token (nats),
+    reward = -kl_coef * kl, plus the sequence's score on its last token. Responses occupy a prefix
+    of each row (mask 1 then 0)."""
+    kl = (logps - ref_logps) * mask
+    rewards = -kl_coef * kl
+    last = mask.sum(1).long() - 1
+    rewards[torch.arange(len(scores), device=rewards.device), last] += scores
+    return rewards, kl
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimates and returns (A + V). The value after a response's last
+    token is 0: the episode ends there."""
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, float, float]:
+    """(PPO-clip loss, share of tokens where the clipped term is the larger loss, approximate KL
+    between the rollout and current policy as mean 0.5 * (log ratio)^2)."""
+    log_ratio = logps - old_logps
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    clip_frac = masked_mean((clipped > unclipped).float(), mask).item()
+    approx_kl = masked_mean(0.5 * log_ratio.detach() ** 2, mask).item()
+    return loss, clip_frac, approx_kl
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       mask: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """0.5 * the larger of the squared errors of the new value and of the value kept within
+    clip_range of its rollout value."""
+    kept_close = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (kept_close - returns) ** 2), mask)
+
+
+# ---------------------------------------------------------------- models
+
+class ValueHead(torch.nn.Module):
+    """Value of each state from the policy's final hidden state; zero at initialisation."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden).squeeze(-1)
+
+
+def response_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, prompt_len: int,
+                      temperature: float, value_head: ValueHead | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities over the vocabulary at each response position, [batch, tokens, vocab], and
+    with a value head the values of the states those tokens are chosen in, [batch, tokens].
+    `ids` is left-padded prompts followed by responses; positions count real tokens only, as in
+    `generate`, so these are the distributions the responses were sampled from."""
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    n_response = ids.shape[1] - prompt_len
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                output_hidden_states=value_head is not None, logits_to_keep=n_response + 1)
+    logprobs = (out.logits[:, :-1].float() / temperature).log_softmax(-1)
+    values = value_head(out.hidden_states[-1][:, prompt_len - 1:-1].float()) if value_head else None
+    return logprobs, values
+
+
+def _left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):], attention[row, width - len(seq):] = torch.tensor(seq), 1
+    return ids, attention
+
+
+@dataclass
+class Rollout:
+    ids: torch.Tensor  # [batch, prompt_len + tokens]: left-padded prompts, then responses
+    attention: torch.Tensor  # same shape: 1 on real prompt and response tokens
+    prompt_len: int
+    mask: torch.Tensor  # [batch, tokens]: 1 on response tokens (up to and including the stop token)
+    texts: list[str]  # decoded responses without special tokens
+    ended: torch.Tensor  # [batch] bool: the response ended its turn before max_new_tokens
+
+
+@torch.no_grad()
+def sample_responses(policy: Any, tokenizer: Any, prompts: Sequence[Sequence[Message]],
+                     settings: PPOSettings) -> Rollout:
+    """One sampled response per prompt, cut after its first stop token."""
+    device = next(policy.parameters()).device
+    config = generation_config(tokenizer)  # the stop tokens: end of turn, end of document
+    ids, attention = _left_pad([prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id)
+    # Plain sampling: top_k=0 and top_p=1 turn off the filters generate applies by default.
+    out = policy.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
+                          eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                          do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0,
+                          max_new_tokens=settings.max_new_tokens)
+    prompt_len = ids.shape[1]
+    response = out[:, prompt_len:]
+    is_stop = torch.isin(response, torch.tensor(config.eos_token_id, device=device))
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    response = response.masked_fill(after_stop, tokenizer.pad_token_id)
+    mask = (~after_stop).long()
+    texts = tokenizer.batch_decode([r[m.bool()] for r, m in zip(response, mask)], skip_special_tokens=True)
+    return Rollout(ids=torch.cat([ids.to(device), response], 1),
+                   attention=torch.cat([attention.to(device), mask], 1), prompt_len=prompt_len,
+                   mask=mask, texts=texts, ended=is_stop.any(1))
+
+
+# ---------------------------------------------------------------- one PPO step
+
+def _scores(reward_fn: RewardFn, prompts: list[list[Message]], texts: list[str]) -> torch.Tensor:
+    scores = torch.as_tensor(reward_fn(prompts, texts), dtype=torch.float32).cpu()
+    if scores.shape != (len(texts),) or not torch.isfinite(scores).all():
+        raise ValueError(f"reward_fn must return {len(texts)} finite scores, got shape {tuple(scores.shape)}: {scores}")
+    return scores
+
+
+@torch.no_grad()
+def score_rollout(policy: Any, value_head: ValueHead, reference: Any, roll: Rollout, scores: torch.Tensor,
+                  settings: PPOSettings) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Rollout log-probs, values, advantages and returns, and the rollout's metrics."""
+    tokens = roll.ids[:, roll.prompt_len:, None]
+    mask = roll.mask.float()
+    logprobs, values = response_logprobs(policy, roll.ids, roll.attention, roll.prompt_len,
+                                         settings.temperature, value_head)
+    ref_logprobs, _ = response_logprobs(reference, roll.ids, roll.attention, roll.prompt_len, settings.temperature)
+    logps, ref_logps = logprobs.gather(-1, tokens).squeeze(-1), ref_logprobs.gather(-1, tokens).squeeze(-1)
+    penalised = scores.to(mask.device) - settings.missing_eos_penalty * (~roll.ended).float()
+    rewards, kl = token_rewards(logps, ref_logps, mask, penalised, settings.kl_coef)
+    values = values * mask
+    advantages, returns = gae(rewards, values, mask, settings.gamma, settings.lam)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    metrics = {"ppo/score": scores.mean().item(), "ppo/kl": kl.sum(1).mean().item(),
+               "ppo/reward": rewards.sum(1).mean().item(), "ppo/entropy": masked_mean(entropy, mask).item(),
+               "ppo/response_tokens": mask.sum(1).mean().item(), "ppo/ended_frac": roll.ended.float().mean().item()}
+    batch = {"logps": logps, "values": values, "advantages": whiten(advantages, mask), "returns": returns}
+    return batch, metrics
+
+
+def optimise(policy: Any, value_head: ValueHead, optimizer: torch.optim.Optimizer, roll: Rollout,
+             batch: dict[str, torch.Tensor], settings: PPOSettings) -> dict[str, float]:
+    """`ppo_epochs` passes of clipped-loss updates over shuffled minibatches of one rollout."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    tokens, mask = roll.ids[:, roll.prompt_len:, None], roll.mask.float()
+    sums: dict[str, float] = {}
+    updates = 0
+    for _ in range(settings.ppo_epochs):
+        for mb in torch.randperm(len(mask)).split(settings.minibatch_size):
+            logprobs, values = response_logprobs(policy, roll.ids[mb], roll.attention[mb], roll.prompt_len,
+                                                 settings.temperature, value_head)
+            logps = logprobs.gather(-1, tokens[mb]).squeeze(-1)
+            pg_loss, clip_frac, approx_kl = clipped_policy_loss(
+                logps, batch["logps"][mb], batch["advantages"][mb], mask[mb], settings.clip_range)
+            vf_loss = clipped_value_loss(values, batch["values"][mb], batch["returns"][mb], mask[mb],
+                                         settings.value_clip_range)
+            optimizer.zero_grad(set_to_none=True)
+            (pg_loss + settings.vf_coef * vf_loss).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            optimizer.step()
+            row = {"policy_loss": pg_loss.item(), "value_loss": vf_loss.item(), "clip_frac": clip_frac,
+                   "approx_kl": approx_kl, "grad_norm": grad_norm.item()}
+            sums = {k: sums.get(k, 0.0) + v for k, v in row.items()}
+            updates += 1
+    return {f"ppo/{k}": v / updates for k, v in sums.items()}
+
+
+def prompt_indices(step: int, batch_size: int, n_prompts: int, seed: int) -> list[int]:
+    """Prompts of step `step` (0-based): consecutive slices of a seeded permutation per pass over
+    the prompts, so every prompt is used once per pass."""
+    out = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, index = divmod(position, n_prompts)
+        order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.append(int(order[index]))
+    return out
+
+
+def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, optimizer: torch.optim.Optimizer,
+             tokenizer: Any, prompts: list[list[Message]], reward_fn: RewardFn, settings: PPOSettings
+             ) -> dict[str, float]:
+    """Step `step` (0-based): a rollout, its scores, and the updates on it; returns its metrics."""
+    torch.manual_seed(settings.seed * 1_000_003 + step)  # the step's sampling and minibatch order
+    chosen = [prompts[i] for i in prompt_indices(step, settings.rollout_batch_size, len(prompts), settings.seed)]
+    roll = sample_responses(policy, tokenizer, chosen, settings)
+    batch, row = score_rollout(policy, value_head, reference, roll, _scores(reward_fn, chosen, roll.texts), settings)
+    # Linear decay to 0 (TRL's PPO default): a pure function of the step, so resume needs no
+    # scheduler state; the shrinking steps let the policy settle instead of jittering around the
+    # optimum, which whitened advantages never let die down at a constant LR.
+    lr = settings.lr * (1 - step / settings.max_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return {**row, **optimise(policy, value_head, optimizer, roll, batch, settings), "ppo/lr": lr}
+
+
+# ---------------------------------------------------------------- checkpoints and the loop
+
+def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any]) -> None:
+    root = Path(out_dir) / "checkpoints"
+    final, tmp = root / f"step-{state['step']:07d}", root / f"tmp-step-{state['step']:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({name: m.state_dict() for name, m in modules.items()}, tmp / "state.pt")
+    (tmp / MARKER).write_text(json.dumps(state) + "\n")  # last: the checkpoint is complete
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for _, old in complete_checkpoints(out_dir)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old)
+
+
+def _resume(out_dir: Path, modules: dict[str, Any]) -> dict[str, Any]:
+    _clear_partial_checkpoints(out_dir)
+    done = complete_checkpoints(out_dir)
+    if not done:
+        return {"step": 0, "scores": [], "kls": []}
+    step, path = done[-1]
+    saved = torch.load(path / "state.pt", map_location=next(modules["policy"].parameters()).device,
+                       weights_only=True)
+    for name, module in modules.items():
+        module.load_state_dict(saved[name])
+    log.info("resuming PPO from step %d (%s)", step, path)
+    return json.loads((path / MARKER).read_text())
+
+
+def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Sequence[Message]],
+              reward_fn: RewardFn, settings: PPOSettings, out_dir: Path, metrics: MetricsLog, *,
+              metrics_step_offset: int = 0) -> dict[str, Any]:
+    """Train `policy` in place with PPO for `settings.max_steps` steps, resuming from the last
+    checkpoint in `out_dir/checkpoints` (the caller exports the policy, then may delete them with
+    model.loop.remove_checkpoints). `reference` is the frozen policy before training, on the same
+    device. Step s is logged to `metrics` as step s + metrics_step_offset (to follow, e.g., the
+    reward model's steps in the same metrics.jsonl) with: ppo/score (mean reward_fn score),
+    ppo/kl (summed log pi/pi_ref per response), ppo/reward, ppo/entropy, ppo/policy_loss,
+    ppo/value_loss, ppo/clip_frac, ppo/approx_kl, ppo/grad_norm, ppo/response_tokens,
+    ppo/ended_frac, ppo/lr. Seeds torch's global RNG at every step. Returns ppo_steps,
+    ppo_resumed_from_step, ppo_score_initial (step 1), ppo_score_final and ppo_kl_final (means
+    over the last steps)."""
+    if not prompts:
+        raise ValueError("ppo_train needs at least one prompt")
+    out_dir, prompts = Path(out_dir), [list(p) for p in prompts]
+    device = next(policy.parameters()).device
+    policy.eval()  # no dropout: rollout and update log-probs must agree (see module docstring)
+    reference.to(device).eval().requires_grad_(False)
+    value_head = ValueHead(policy.config.get_text_config().hidden_size).to(device)
+    optimizer = torch.optim.AdamW([*policy.parameters(), *value_head.parameters()], lr=settings.lr,
+                                  eps=1e-5, weight_decay=0.0)
+    modules = {"policy": policy, "value_head": value_head, "optimizer": optimizer}
+    state = _resume(out_dir, modules)
+    resumed_from = state["step"]
+    metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
+    while state["step"] < settings.max_steps:
+        step = state["step"]
+        row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, settings)
+        state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
+                 "kls": state["kls"] + [row["ppo/kl"]]}
+        metrics.log(metrics_step_offset + step + 1, **row)
+        if state["step"] % settings.checkpoint_every == 0 or state["step"] == settings.max_steps:
+            _save(out_dir, state, modules)
+    recent = slice(-FINAL_WINDOW, None)
+    return {"ppo_steps": state["step"], "ppo_resumed_from_step": resumed_from,
+            "ppo_score_initial": state["scores"][0],
+            "ppo_score_final": sum(state["scores"][recent]) / len(state["scores"][recent]),
+            "ppo_kl_final": sum(state["kls"][recent]) / len(state["kls"][recent])}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretrain": "bench.pretrain"}
+BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretrain": "bench.pretrain",
+              "dedup": "bench.dedup", "langid": "bench.langid", "clean": "bench.clean"}
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ from prefect.runtime import flow_run
 
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, plan
+from flows.reports import PUBLISHERS
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.tracking import Tracker
@@ -65,6 +66,11 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
     return compute
 
 
+def _publish(name: str, manifest: Manifest, runtime: Runtime, run_id: str) -> None:
+    if name in PUBLISHERS:
+        PUBLISHERS[name](manifest, runtime.tracker, run_id)
+
+
 @task(cache_policy=NO_CACHE)
 def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runtime) -> Manifest:
     """Reuse or compute one stage; `upstream` carries the manifests this stage depends on."""
@@ -77,12 +83,14 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
         if existing is not None:
             logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
                         existing.meta.get("mlflow_run_id"))
+            _publish(name, existing, runtime, run_id)
             runtime.tracker.finish_stage(run_id, existing, [], replay_metrics=False)
             return existing
         logger.info("%s: computing %s-%s", name, name, stage.key)
         artifacts: list[str] = []
         manifest, reused = runtime.store.materialize(
             name, stage.key, _compute(stage, upstream, run_id, artifacts))
+        _publish(name, manifest, runtime, run_id)
         runtime.tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
         logger.info("%s: done in %.1f s -> %s", name, manifest.meta.get("seconds", 0), manifest.path)
         return manifest

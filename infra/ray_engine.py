@@ -2,7 +2,9 @@
 
 `RayEngine.map(fn, items)` runs `fn` over `items` on a pool of Ray actors and returns results in
 input order, so a stage's output does not depend on the worker count. It joins the cluster named
-by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use.
+by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use. The actors live
+from the first map to `shutdown()`, so a stage that maps several times (collect: units, then
+MinHash signatures and buckets) pays their start-up and warm caches (spaCy, fastText) once.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class RayEngine:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
         self._started_here = False
+        self._actors: list = []
 
     def start(self) -> None:
         """Join the cluster named by RAY_ADDRESS, or start a local Ray; idempotent."""
@@ -50,15 +53,17 @@ class RayEngine:
         if not items:
             return []
         self.start()
-        actors = [_Worker.remote() for _ in range(min(self.num_workers, len(items)))]
-        try:
-            return list(ActorPool(actors).map(lambda actor, item: actor.call.remote(fn, item), items))
-        finally:
-            for actor in actors:
-                ray.kill(actor)
+        if not self._actors:
+            self._actors = [_Worker.remote() for _ in range(self.num_workers)]
+        pool = ActorPool(self._actors[: len(items)])
+        return list(pool.map(lambda actor, item: actor.call.remote(fn, item), items))
 
     def shutdown(self) -> None:
-        """Stop the local Ray instance this engine started (a joined cluster is left running)."""
+        """Stop the actors, and the local Ray instance this engine started (a joined cluster is
+        left running)."""
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors = []
         if self._started_here and ray.is_initialized():
             ray.shutdown()
             self._started_here = False

@@ -113,6 +113,9 @@ class Tracker:
     def log_text(self, run_id: str, text: str, name: str) -> None:
         self.client.log_text(run_id, text, name)
 
+    def log_file(self, run_id: str, path: Path, folder: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), folder)
+
     def _log_params(self, run_id: str, config: Mapping[str, Any]) -> None:
         params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
         for start in range(0, len(params), 100):  # MLflow caps params per batch at 100

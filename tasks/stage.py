@@ -114,13 +114,19 @@ def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
 
 
 def data_fingerprint(sources: Iterable[str], demo_prefix: str = "demo:") -> str:
-    """Digest of data sources named in a config: each name, and each file's content. Generated
-    (`demo:`) sources are code, covered by the stage version instead."""
+    """Digest of data sources named in a config: each name, and the content of each file (every
+    file under it, for a directory). Generated (`demo:`) sources are code, covered by the stage
+    version instead."""
     digest = hashlib.sha256()
     for source in sources:
         digest.update(f"source {source}\n".encode())
-        if not source.startswith(demo_prefix) and Path(source).is_file():
-            digest.update(f"{file_digest(Path(source))}\n".encode())
+        path = Path(source)
+        if source.startswith(demo_prefix) or not path.exists():
+            continue
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            digest.update(f"{file.relative_to(path) if path.is_dir() else ''} "
+                          f"{file_digest(file)}\n".encode())
     return digest.hexdigest()
 
 

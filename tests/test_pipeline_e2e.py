@@ -125,6 +125,20 @@ def test_mlflow_has_parent_and_stage_runs_with_lineage(first_run):
         t.value for d in evaluate.inputs.dataset_inputs for t in d.tags}
     artifacts = {a.path for a in client.list_artifacts(evaluate.info.run_id)}
     assert {"report.md", "manifest.json", "config.json"} <= artifacts
+    collect = children["collect"]
+    charts = {a.path for a in client.list_artifacts(collect.info.run_id, "charts")}
+    assert charts == {"charts/funnel.png", "charts/languages.png"}
+    assert collect.data.metrics["docs_after_language"] <= collect.data.metrics["docs_after_extracted"]
+
+
+def test_prefect_shows_the_funnel_and_the_report_card(first_run):
+    home, _ = first_run
+    import sqlite3
+
+    with sqlite3.connect(home / "prefect" / "prefect.db") as db:
+        artifacts = dict(db.execute("select key, data from artifact"))
+    assert {"collect-funnel", "pipeline-summary", "report-card"} <= set(artifacts)
+    assert "| quality_heuristics |" in artifacts["collect-funnel"]
 
 
 def test_final_model_loads_with_auto_classes_and_chats(first_run):

@@ -1,0 +1,61 @@
+"""What a finished stage shows beyond its stats: charts in its MLflow run, Prefect artifacts.
+
+Rendered from the committed artifact (never written into it, so a re-run changes no file), for
+computed and reused stages alike. One publisher per stage that has something to show.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from prefect.artifacts import create_markdown_artifact
+
+from infra.charts import funnel_chart, histogram_chart
+from infra.tracking import Tracker
+from tasks.stage import Manifest
+
+FUNNEL = "funnel.json"
+
+
+def funnel_markdown(funnel: dict) -> str:
+    """The funnel as Markdown tables: documents and MB after each step, then languages."""
+    rows = ["| step | documents | MB | kept of previous |", "|---|---:|---:|---:|"]
+    previous = None
+    for step in funnel["steps"]:
+        share = f"{step['docs'] / previous:.1%}" if previous else ""
+        rows.append(f"| {step['step']} | {step['docs']:,} | {step['bytes'] / 1e6:,.2f} | {share} |")
+        previous = step["docs"] or None
+    drops = {**funnel.get("dropped", {}), **funnel.get("skipped", {}), **funnel.get("errors", {})}
+    if drops:
+        rows += ["", "| reason | records |", "|---|---:|"]
+        rows += [f"| {k} | {v:,} |" for k, v in sorted(drops.items(), key=lambda kv: -kv[1])]
+    languages = funnel.get("languages", {})
+    if languages:
+        rows += ["", "| language | documents |", "|---|---:|"]
+        rows += [f"| {k} | {v:,} |" for k, v in sorted(languages.items(), key=lambda kv: -kv[1])]
+    return "\n".join(rows)
+
+
+def publish_collect(manifest: Manifest, tracker: Tracker, run_id: str) -> None:
+    """Funnel chart + language histogram (PNG) into the stage's MLflow run; tables in Prefect."""
+    path = manifest.path / FUNNEL
+    if not path.is_file():
+        return
+    funnel = json.loads(path.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        charts = [funnel_chart(funnel["steps"], Path(tmp) / "funnel.png",
+                               f"collect funnel ({manifest.key})")]
+        if funnel.get("languages"):
+            charts.append(histogram_chart(funnel["languages"], Path(tmp) / "languages.png",
+                                          "documents per detected language (before filtering)"))
+        for chart in charts:
+            tracker.log_file(run_id, chart, "charts")
+    create_markdown_artifact(
+        f"## Collect funnel `{manifest.key}`\n\nCharts: MLflow run `{run_id}`, "
+        f"`charts/funnel.png` and `charts/languages.png`.\n\n{funnel_markdown(funnel)}",
+        key="collect-funnel", description="Documents and bytes after each cleaning step")
+
+
+PUBLISHERS: dict[str, Callable[[Manifest, Tracker, str], None]] = {"collect": publish_collect}

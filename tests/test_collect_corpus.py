@@ -1,0 +1,197 @@
+"""collect+clean at corpus level: resume of unfinished units, near dedup across sources and
+against an earlier run's index, decontamination, mixing, the quality model, quarantine and
+review samples, and a Common Crawl source served over HTTP."""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_common_crawl import CRAWL, server  # noqa: F401 (fixture)
+
+from tasks import collect
+from tasks.stage import SerialEngine
+
+DOLMA = Path("jsonl") / "dolma_cc"
+
+
+def _run(out: Path, engine=None, **config) -> collect.StageResult:
+    out.mkdir(parents=True, exist_ok=True)
+    return collect.run(collect.Config(**config), {}, out, engine=engine or SerialEngine())
+
+
+def _docs(out: Path) -> list[dict]:
+    return [json.loads(line) for part in sorted((out / "docs").iterdir())
+            for line in gzip.open(part, "rt")]
+
+
+def _review(out: Path, name: str = "dropped.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (out / "review" / name).open()]
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t, "url": f"https://example.org/{i}"}) + "\n"
+                            for i, t in enumerate(texts)))
+    return path
+
+
+def _originals(shared_data: Path, n: int) -> list[str]:
+    """Real web documents (of 200+ words in 5+ paragraphs) that pass the default filters."""
+    texts = [json.loads(line)["text"] for p in sorted((shared_data / DOLMA).glob("*.jsonl"))
+             for line in p.open()]
+    texts = [t for t in texts if len(t.split()) >= 200 and t.count("\n") >= 4]
+    return [t for t in texts if collect.clean_document(t, "", collect.Config()).kept][:n]
+
+
+def _edited(text: str) -> str:
+    """A near-copy: boilerplate around it and one paragraph dropped."""
+    paragraphs = text.split("\n")
+    del paragraphs[len(paragraphs) // 2]
+    return "Home | About | Contact\n" + "\n".join(paragraphs) + "\nCopyright 2024 Example Ltd."
+
+
+class FailingEngine:
+    """Runs the first `n` items, then dies as a killed worker would."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def map(self, fn, items):
+        for item in items[: self.n]:
+            fn(item)
+            self.calls += 1
+        raise RuntimeError("worker killed")
+
+
+class CountingEngine(SerialEngine):
+    def __init__(self):
+        self.items = []
+
+    def map(self, fn, items):
+        self.items += list(items)
+        return super().map(fn, items)
+
+
+def test_killed_stage_redoes_only_unfinished_units(shared_data, tmp_path):
+    sources = [str(shared_data / "warc" / "ukwa_test_suite"), str(shared_data / DOLMA)]
+    n_units = len(collect.plan_units(collect.Config(sources=sources), tmp_path))
+    with pytest.raises(RuntimeError, match="killed"):
+        _run(tmp_path / "out", FailingEngine(2), sources=sources)
+    assert len(list((tmp_path / "out" / "units").glob("unit-*.jsonl.gz"))) == 2
+    counting = CountingEngine()
+    resumed = _run(tmp_path / "out", counting, sources=sources)
+    unit_jobs = [job for job in counting.items if isinstance(job, tuple)
+                 and isinstance(job[0], collect.WorkUnit)]
+    assert len(unit_jobs) == n_units - 2
+    fresh = _run(tmp_path / "fresh", sources=sources)
+    assert resumed.stats == fresh.stats
+    assert _docs(tmp_path / "out") == _docs(tmp_path / "fresh")
+
+
+def test_near_duplicates_across_sources_keep_the_first(shared_data, tmp_path):
+    originals = _originals(shared_data, 6)
+    a = _write_jsonl(tmp_path / "a.jsonl", originals)
+    b = _write_jsonl(tmp_path / "b.jsonl", [_edited(t) for t in originals[:3]])
+    result = _run(tmp_path / "out", sources=[str(a), str(b)])
+    docs = _docs(tmp_path / "out")
+    assert result.stats["near_duplicates"] == 3 and len(docs) == 6
+    assert {d["source"] for d in docs} == {str(a)}
+    removed = [r for r in _review(tmp_path / "out") if r["reason"] == "near_duplicates"]
+    assert {r["duplicate_of"] for r in removed} <= {d["id"] for d in docs}
+
+
+def test_refresh_against_an_earlier_index(shared_data, tmp_path):
+    originals = _originals(shared_data, 8)
+    old = _write_jsonl(tmp_path / "old.jsonl", originals[:5])
+    _run(tmp_path / "first", sources=[str(old)])
+    new = _write_jsonl(tmp_path / "new.jsonl", [_edited(originals[1]), *originals[5:]])
+    refreshed = _run(tmp_path / "second", sources=[str(new)],
+                     dedup_index_from=str(tmp_path / "first"))
+    assert refreshed.stats["near_dedup_removed_by_index"] == 1
+    assert len(_docs(tmp_path / "second")) == 3
+    config = collect.Config(sources=[str(new)], dedup_index_from=str(tmp_path / "first"))
+    before = collect.fingerprint(config)
+    shutil.rmtree(tmp_path / "first" / "dedup_index")
+    (tmp_path / "first" / "dedup_index").mkdir()
+    assert collect.fingerprint(config) != before  # the index is an input
+
+
+def test_decontamination_removes_benchmark_text_and_reports_it(shared_data, tmp_path):
+    gsm8k = shared_data / "eval" / "gsm8k"
+    item = json.loads(next(gsm8k.glob("*.jsonl")).open().readline())
+    originals = _originals(shared_data, 4)
+    leaked = originals[0] + "\n\nPractice problem: " + item["question"] + "\n" + originals[1][:400]
+    path = _write_jsonl(tmp_path / "docs.jsonl", [leaked, *originals[2:]])
+    result = _run(tmp_path / "out", sources=[str(path)],
+                  decontam={"eval_sets": [str(gsm8k)]}, near_dedup=False)
+    assert result.stats["dropped_benchmark_contamination"] == 1
+    assert len(_docs(tmp_path / "out")) == 2
+    report = json.loads((tmp_path / "out" / "decontamination.json").read_text())
+    assert report["documents_checked"] == 3 and report["documents_flagged"] == 1
+    gsm = next(b for name, b in report["benchmarks"].items() if "gsm8k" in name)
+    assert gsm["items_found"] == 1 and len(gsm["found"]) == 1
+
+
+def test_mix_weights_repeat_and_subsample_sources(shared_data, tmp_path):
+    originals = _originals(shared_data, 10)
+    a = _write_jsonl(tmp_path / "a.jsonl", originals[:4])
+    b = _write_jsonl(tmp_path / "b.jsonl", originals[4:])
+    result = _run(tmp_path / "out", sources=[str(a), str(b)],
+                  mix={"weights": {str(a): 2.0, str(b): 0.0}})
+    docs = _docs(tmp_path / "out")
+    assert len(docs) == 8 == result.stats["docs_out"] and {d["source"] for d in docs} == {str(a)}
+    record = json.loads((tmp_path / "out" / "mix.json").read_text())
+    assert record["sources"][str(a)]["docs_taken"] == 8
+    assert record["sources"][str(b)]["docs_taken"] == 0 and record["docs"] == 8
+    with pytest.raises(ValueError, match="nope"):
+        _run(tmp_path / "bad", sources=[str(a)], mix={"weights": {"nope": 1.0}})
+
+
+def test_quality_model_drops_low_scores_and_is_saved(shared_data, tmp_path):
+    sources = [str(shared_data / "warc"), str(shared_data / DOLMA)]
+    reference = [str(shared_data / "corpus" / "nltk_inaugural")]
+    result = _run(tmp_path / "out", sources=sources, near_dedup=False,
+                  quality={"enabled": True, "reference": reference, "threshold": 0.5})
+    stats = result.stats
+    assert stats["quality_model_heldout_auc"] > 0.9
+    assert stats["dropped_low_quality_score"] > 0
+    assert stats["docs_out"] == stats["docs_after_exact_dedup"] - stats["dropped_low_quality_score"]
+    assert (tmp_path / "out" / "quality_model" / "quality_model.npz").is_file()
+    scores = [r["score"] for r in _review(tmp_path / "out") if r["reason"] == "dropped_low_quality_score"]
+    assert scores and max(scores) < 0.5
+
+
+def test_bad_inputs_are_quarantined_and_the_stage_completes(shared_data, tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    good = shared_data / DOLMA / "cc_en_head-0174.jsonl"
+    shutil.copy(good, inputs / "good.jsonl")
+    (inputs / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{oops\n\xff\xfe not json\n')
+    (inputs / "empty.jsonl.gz").write_bytes(b"")
+    (inputs / "binary.jsonl").write_bytes(
+        json.dumps({"text": "\x00\x01\x02" * 1000}).encode() + b"\n")
+    truncated = gzip.compress(good.read_bytes())
+    (inputs / "truncated.jsonl.gz").write_bytes(truncated[: len(truncated) // 2])
+    result = _run(tmp_path / "out", sources=[str(inputs)])
+    stats = result.stats
+    assert stats["error_bad_json"] == 1 and stats["error_invalid_utf8"] == 1
+    assert stats["error_empty_file"] == 1
+    assert stats["error_truncated_gzip"] == 1 and stats["skipped_binary"] == 1
+    alone = _run(tmp_path / "alone", sources=[str(inputs / "good.jsonl")])
+    assert stats["docs_out"] == alone.stats["docs_out"] > 5  # nothing good was lost
+    quarantined = _review(tmp_path / "out", "quarantine.jsonl")
+    assert {"error_bad_json", "error_invalid_utf8", "skipped_binary"} <= \
+        {q["reason"] for q in quarantined}
+    assert all(q["where"] and q["source"] == str(inputs) for q in quarantined)
+
+
+def test_common_crawl_source_end_to_end(server, tmp_path):  # noqa: F811 (fixture)
+    result = _run(tmp_path / "out", sources=[f"cc:{CRAWL}?files=2"], cc_base_url=server.base_url,
+                  min_alpha_word_frac=0.8)
+    assert result.stats["records_read"] > 0 and result.stats["docs_out"] > 0
+    assert result.stats["skipped_record_request"] > 0
+    assert not (tmp_path / "out" / "downloads").exists()  # raw files are not kept
+    fetched = [path for path, _ in server.requests if path.endswith(".warc.gz")]
+    assert len(fetched) == 2

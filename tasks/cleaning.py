@@ -16,27 +16,28 @@ have run, so it comes last: the whole chain ran at 64-69 ms a document with Fine
 at 77-97 ms with C4 then FineWeb (the FineWeb recipe's order), keeping the same documents. PII
 is scrubbed only in kept documents (~2.5 ms): it changes text, never the verdict.
 
-The thresholds of the Gopher rules live on the collect stage's Config; `CleaningConfig` holds
-the rest, and `cfg` is anything with both (the collect Config inherits `CleaningConfig`).
+`CleaningConfig` holds every threshold of the chain; the collect stage's Config inherits it.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks import text_filters
 from tasks.langid import detect_language, model_languages
 from tasks.pii import PII_KINDS, PiiKind, scrub_pii
 from tasks.stage import StageConfig
 
+# (n-gram length in words, fraction of the document's characters)
+NgramFrac = tuple[Annotated[int, Field(ge=1)], Annotated[float, Field(ge=0, le=1)]]
 _DOMAIN = re.compile(r"^[a-z0-9_-]+(?:\.[a-z0-9_-]+)*$")
 
 
 class CleaningConfig(StageConfig):
-    """URL, language, C4, FineWeb and PII settings of the cleaning chain."""
+    """URL, language, Gopher, FineWeb, C4 and PII settings of the cleaning chain."""
 
     blocked_domains: tuple[str, ...] = Field(
         (), description="Drop documents whose URL host is one of these domains or a subdomain "
@@ -102,11 +103,69 @@ class CleaningConfig(StageConfig):
                     "Use 0.01 for web crawls.")
     fineweb_max_newlines_per_word: float = Field(
         0.3, ge=0, description="FineWeb: drop if newlines per word exceed this (lists, menus).")
+    # Gopher quality rules (datatrove GopherQualityFilter). "Words" are spaCy tokens that are not
+    # pure punctuation; datatrove skips a check whose threshold is 0.
+    min_words: int = Field(50, ge=1, description="Drop documents with fewer words.")
+    max_words: int = Field(100_000, ge=1, description="Drop documents with more words.")
+    min_mean_word_len: float = Field(
+        3.0, ge=0, description="Drop if the mean word length (characters) is below this.")
+    max_mean_word_len: float = Field(
+        10.0, ge=0, description="Drop if the mean word length (characters) is above this.")
+    max_symbol_word_ratio: float = Field(
+        0.1, ge=0, description="Drop if '#' occurrences, or '...'/'…' occurrences, per word "
+                               "exceed this.")
+    max_bullet_line_frac: float = Field(
+        0.9, ge=0, le=1, description="Drop if more than this fraction of lines start with a "
+                                     "bullet ('•' or '-').")
+    max_ellipsis_line_frac: float = Field(
+        0.3, ge=0, le=1,
+        description="Drop if more than this fraction of lines end with '...' or '…'.")
+    min_alpha_word_frac: float = Field(
+        0.5, ge=0, le=1,
+        description="Drop if fewer than this fraction of tokens contain a letter. Gopher's 0.8 "
+                    "was set on whitespace words; datatrove counts every punctuation mark as a "
+                    "token, so web prose scores 0.75-0.95 but Markdown/reST package docs (the "
+                    "demo source) score 0.5-0.6 and 0.8 keeps 11 of 391 of them. 0.5 still drops "
+                    "number tables and code dumps; use 0.8 for web crawls.")
+    min_stop_words: int = Field(
+        2, ge=0, description="Drop if fewer than this many distinct English stop words "
+                             "(the, be, to, of, and, that, have, with) occur.")
+    # Gopher repetition rules (datatrove GopherRepetitionFilter), Rae et al. 2021 Table A1.
+    max_duplicate_line_frac: float = Field(
+        0.3, ge=0, le=1,
+        description="Drop if more than this fraction of lines repeat an earlier line.")
+    max_duplicate_para_frac: float = Field(
+        0.3, ge=0, le=1, description="Drop if more than this fraction of paragraphs (split at "
+                                     "blank lines) repeat an earlier paragraph.")
+    max_duplicate_line_char_frac: float = Field(
+        0.2, ge=0, le=1,
+        description="Drop if repeated lines hold more than this fraction of the characters.")
+    max_duplicate_para_char_frac: float = Field(
+        0.2, ge=0, le=1,
+        description="Drop if repeated paragraphs hold more than this fraction of the characters.")
+    max_top_ngram_char_frac: tuple[NgramFrac, ...] = Field(
+        ((2, 0.2), (3, 0.18), (4, 0.16)),
+        description="(n, frac) pairs: drop if the most frequent word n-gram, times its count, "
+                    "covers more than frac of the characters.")
+    max_duplicate_ngram_char_frac: tuple[NgramFrac, ...] = Field(
+        ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)),
+        description="(n, frac) pairs: drop if repeated word n-grams cover more than frac of "
+                    "the characters.")
     pii_kinds: tuple[PiiKind, ...] = Field(
         PII_KINDS, description="Personal data replaced in kept documents: email -> <EMAIL>, "
                                "ip_address -> <IP_ADDRESS>, iban -> <IBAN>, credit_card -> "
                                "<CREDIT_CARD>, phone -> <PHONE> (see tasks/pii.py); () turns "
                                "scrubbing off.")
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> "CleaningConfig":
+        if self.max_words < self.min_words:
+            raise ValueError(f"max_words ({self.max_words}) must be >= min_words "
+                             f"({self.min_words})")
+        if self.max_mean_word_len < self.min_mean_word_len:
+            raise ValueError(f"max_mean_word_len ({self.max_mean_word_len}) must be >= "
+                             f"min_mean_word_len ({self.min_mean_word_len})")
+        return self
 
     @field_validator("blocked_domains")
     @classmethod
@@ -165,8 +224,8 @@ QUALITY_FILTERS: tuple[tuple[str | None, Callable[[str, Any], str | None]], ...]
 
 
 def clean_document(text: str, url: str, cfg: Any) -> CleanOutcome:
-    """Run the chain on one extracted document; `cfg` has CleaningConfig's and the collect
-    Config's Gopher fields."""
+    """Run the chain on one extracted document; `cfg` is a CleaningConfig (or the collect
+    Config)."""
     reason = text_filters.url_blocked(url, cfg)
     if reason is not None:
         return CleanOutcome(reason, text)

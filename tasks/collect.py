@@ -28,7 +28,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Iterator, Mapping
+from typing import Any, ClassVar, Iterator, Mapping
 
 from pydantic import Field, model_validator
 
@@ -52,8 +52,6 @@ log = logging.getLogger("gristmill.collect")
 
 DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
 UNITS_DIR, DOWNLOADS_DIR, DEDUP_INDEX_DIR = "units", "downloads", "dedup_index"
-# (n-gram length in words, fraction of the document's characters)
-NgramFrac = tuple[Annotated[int, Field(ge=1)], Annotated[float, Field(ge=0, le=1)]]
 
 
 class Config(CleaningConfig):
@@ -75,54 +73,6 @@ class Config(CleaningConfig):
     download_timeout_s: float = Field(60.0, gt=0, description="Socket timeout of a download, s.")
     max_doc_bytes: int = Field(10_000_000, ge=1, description="Records larger than this are "
                                                              "skipped (skipped_too_large).")
-    # Gopher quality rules (datatrove GopherQualityFilter). "Words" are spaCy tokens that are not
-    # pure punctuation; datatrove skips a check whose threshold is 0.
-    min_words: int = Field(50, ge=1, description="Drop documents with fewer words.")
-    max_words: int = Field(100_000, ge=1, description="Drop documents with more words.")
-    min_mean_word_len: float = Field(
-        3.0, ge=0, description="Drop if the mean word length (characters) is below this.")
-    max_mean_word_len: float = Field(
-        10.0, ge=0, description="Drop if the mean word length (characters) is above this.")
-    max_symbol_word_ratio: float = Field(
-        0.1, ge=0, description="Drop if '#' occurrences, or '...'/'…' occurrences, per word "
-                               "exceed this.")
-    max_bullet_line_frac: float = Field(
-        0.9, ge=0, le=1, description="Drop if more than this fraction of lines start with a "
-                                     "bullet ('•' or '-').")
-    max_ellipsis_line_frac: float = Field(
-        0.3, ge=0, le=1,
-        description="Drop if more than this fraction of lines end with '...' or '…'.")
-    min_alpha_word_frac: float = Field(
-        0.5, ge=0, le=1,
-        description="Drop if fewer than this fraction of tokens contain a letter. Gopher's 0.8 "
-                    "was set on whitespace words; datatrove counts every punctuation mark as a "
-                    "token, so web prose scores 0.75-0.95 but Markdown/reST package docs (the "
-                    "demo source) score 0.5-0.6 and 0.8 keeps 11 of 391 of them. 0.5 still drops "
-                    "number tables and code dumps; use 0.8 for web crawls.")
-    min_stop_words: int = Field(
-        2, ge=0, description="Drop if fewer than this many distinct English stop words "
-                             "(the, be, to, of, and, that, have, with) occur.")
-    # Gopher repetition rules (datatrove GopherRepetitionFilter), Rae et al. 2021 Table A1.
-    max_duplicate_line_frac: float = Field(
-        0.3, ge=0, le=1,
-        description="Drop if more than this fraction of lines repeat an earlier line.")
-    max_duplicate_para_frac: float = Field(
-        0.3, ge=0, le=1, description="Drop if more than this fraction of paragraphs (split at "
-                                     "blank lines) repeat an earlier paragraph.")
-    max_duplicate_line_char_frac: float = Field(
-        0.2, ge=0, le=1,
-        description="Drop if repeated lines hold more than this fraction of the characters.")
-    max_duplicate_para_char_frac: float = Field(
-        0.2, ge=0, le=1,
-        description="Drop if repeated paragraphs hold more than this fraction of the characters.")
-    max_top_ngram_char_frac: tuple[NgramFrac, ...] = Field(
-        ((2, 0.2), (3, 0.18), (4, 0.16)),
-        description="(n, frac) pairs: drop if the most frequent word n-gram, times its count, "
-                    "covers more than frac of the characters.")
-    max_duplicate_ngram_char_frac: tuple[NgramFrac, ...] = Field(
-        ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)),
-        description="(n, frac) pairs: drop if repeated word n-grams cover more than frac of "
-                    "the characters.")
     max_docs_per_source: int | None = Field(
         None, ge=1,
         description="Cap on documents extracted per source, in input order (None: all).")
@@ -147,17 +97,10 @@ class Config(CleaningConfig):
         description="Parallel workers the engine may use (not hashed: output is the same).")
 
     @model_validator(mode="after")
-    def _check_ranges(self) -> "Config":
+    def _check_sources(self) -> "Config":
         if not self.sources:
             raise ValueError("sources: give at least one source")
-        if self.max_words < self.min_words:
-            raise ValueError(f"max_words ({self.max_words}) must be >= min_words "
-                             f"({self.min_words})")
-        if self.max_mean_word_len < self.min_mean_word_len:
-            raise ValueError(f"max_mean_word_len ({self.max_mean_word_len}) must be >= "
-                             f"min_mean_word_len ({self.min_mean_word_len})")
         return self
-
 
 
 # ---------------------------------------------------------------- work units (per input file)

@@ -6,7 +6,7 @@ None keeps the document, a string is a snake_case drop reason: datatrove's own f
 "gopher_short_doc", "dup_line_frac"), datatrove's prefixed with "c4_"/"fineweb_" for those
 blocks (datatrove's bare "empty" or "too_few_sentences" would not say which filter spoke); the
 stage turns reasons into `dropped_<reason>` counters. `cfg` is anything with the attributes
-named in the field maps below (the collect stage's Config, see tasks/cleaning.py).
+named in the field maps below (a tasks.cleaning.CleaningConfig).
 
 The datatrove blocks are called through their `.filter(Document)` method, without a datatrove
 executor, and each one is built once per process and per threshold set (building loads spaCy).
@@ -19,7 +19,7 @@ rewrite flattens code indentation and paragraphs.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from datatrove.data import Document
@@ -170,17 +170,3 @@ def language_drop_reason(language: str, score: float, cfg: Any) -> str | None:
 def language_filter(text: str, cfg: Any) -> str | None:
     """`language_drop_reason` of the language fastText detects in `text` (tasks/langid.py)."""
     return language_drop_reason(*detect_language(text), cfg)
-
-
-# Applied in this order; the first reason wins (so each dropped document is counted once).
-# Quality first: it is cheaper than the n-gram scans and rejects most of what both would.
-FILTERS: tuple[Callable[[str, Any], str | None], ...] = (gopher_quality, gopher_repetition)
-
-
-def first_drop_reason(text: str, cfg: Any) -> str | None:
-    """The reason of the first filter that rejects `text`, or None when every filter keeps it."""
-    for text_filter in FILTERS:
-        reason = text_filter(text, cfg)
-        if reason is not None:
-            return reason
-    return None

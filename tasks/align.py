@@ -1,18 +1,25 @@
-"""Align stage: preference-tune the SFT model (DPO for now) and export it as `model/`.
+"""Align stage: tune the SFT model with DPO or GRPO and export it as `model/`.
 
-Reads `inputs["sft"].path / "model"` (HF model dir with the chat-template tokenizer), loads
-preference pairs (tasks.preferences), keeps a seeded held-out share, and trains with TRL's
-`DPOTrainer` against a frozen copy of the SFT model. Checkpoints live in `out_dir/checkpoints`, so
-calling `run` again on the same `out_dir` after a crash resumes from the last one; they are deleted
-once the model is exported. Held-out preference accuracy and implicit-reward margin are measured
-before and after training.
+Reads `inputs["sft"].path / "model"` (HF model dir with the chat-template tokenizer). `method`
+picks the algorithm from `METHODS`; each method has its own settings section (`dpo:`, `grpo:`)
+and shares the optimisation knobs, resume, metrics and export here:
 
-`method` selects the trainer; a new method (ppo, grpo) adds an entry to `TRAINERS` and its own
-config fields, and reuses the data loading, held-out split, evaluation and export here.
+- dpo: preference pairs (tasks.preferences), a seeded held-out share, TRL's `DPOTrainer` against
+  the frozen SFT model; held-out preference accuracy and implicit-reward margin before and after;
+- grpo: math prompts with reference answers and verifiable rewards (tasks.rewards), TRL's
+  `GRPOTrainer` (tasks.align_grpo); held-out greedy accuracy before and after.
+
+With `lora:` set, only low-rank adapters train (model/lora.py); the reference is the same model
+with its adapters switched off, and the export merges them (`adapter/` keeps them alone).
+Checkpoints live in `out_dir/checkpoints`, so calling `run` again on the same `out_dir` after a
+crash resumes from the last one; they are deleted once the model is exported.
+
+A new method adds a settings class (with `sources()`: the data files it reads), a `Config` field
+named after the method, and a `METHODS` entry `(config, model, tokenizer, out_dir, use_cpu) ->
+(trained model, stats)`; only the chosen method's section is hashed.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import random
 import shutil
@@ -22,38 +29,31 @@ from typing import Any, Callable, ClassVar, Literal, Mapping
 import torch
 from pydantic import Field, field_validator
 
+from model.lora import LoraSettings
 from tasks.preferences import DEMO_PREFIX, Pair, load_preference_pairs
 from tasks.stage import Engine, Manifest, MetricsLog, StageConfig, StageResult, data_fingerprint
 
-VERSION = 1
+VERSION = 2
 log = logging.getLogger("gristmill.align")
 
 CHECKPOINT_DIR = "checkpoints"
 
 
-class Config(StageConfig):
-    method: Literal["dpo"] = Field("dpo", description="Alignment algorithm (only 'dpo' so far).")
+class DPOSettings(StageConfig):
+    """Direct preference optimisation on (prompt, chosen, rejected) pairs."""
+
     data: list[str] = Field(["demo:arithmetic"], description=(
         "Preference sources: 'demo:arithmetic' or JSONL(.gz) paths in prompt/chosen/rejected, "
         "hh-rlhf or AlpacaEval-annotation format (see tasks.preferences)."))
     max_pairs: int | None = Field(None, ge=1, description=(
         "At most this many usable pairs from each source (None: all; demo: 256)."))
     beta: float = Field(0.1, gt=0, description="DPO beta: strength of the pull towards the reference model.")
-    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (linear decay after warmup).")
-    max_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
-    batch_size: int = Field(8, ge=1, description="Preference pairs per optimizer step.")
-    max_seq_len: int = Field(256, ge=8, description=(
-        "Tokens per prompt+response sequence; longer ones are cut at the end, pairs whose prompt "
-        "alone fills it are dropped."))
-    warmup_frac: float = Field(0.1, ge=0, lt=1, description="Share of max_steps spent warming the LR up from 0.")
+    sft_weight: float = Field(0.0, ge=0, description=(
+        "Weight of an added NLL loss on the chosen responses (RPO). DPO alone can lower a rejected "
+        "reply by garbling the tokens after the point where it departs from the chosen one; this "
+        "keeps the chosen replies likely. 0: plain DPO."))
     heldout_fraction: float = Field(0.1, gt=0, lt=1, description=(
         "Share of the pairs held out of training to measure preference accuracy and margin."))
-    seed: int = Field(0, description="Seed for the demo data, held-out split, data order and init.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' uses CUDA when available.")
-    checkpoint_every: int = Field(50, ge=1, description="Steps between resumable checkpoints in out_dir.")
-    log_every_steps: int = Field(1, ge=1, description="Steps between metric lines in metrics.jsonl.")
-
-    unhashed_fields: ClassVar[frozenset[str]] = frozenset({"checkpoint_every", "log_every_steps"})
 
     @field_validator("data")
     @classmethod
@@ -62,20 +62,144 @@ class Config(StageConfig):
             raise ValueError("data must name at least one preference source")
         return value
 
+    def sources(self) -> list[str]:
+        return self.data
+
+
+class GRPOSettings(StageConfig):
+    """Group relative policy optimisation with verifiable rewards (tasks.rewards)."""
+
+    prompts: list[str] = Field(["demo:arithmetic"], min_length=1, description=(
+        "Prompt sources with reference answers: 'demo:arithmetic' or JSONL(.gz) math word problems "
+        "(SVAMP context/answer, GSM8K question/answer, question|prompt + answer; see tasks.rewards)."))
+    max_prompts: int | None = Field(None, ge=1, description="At most this many training prompts (None: all).")
+    heldout_prompts: int = Field(64, ge=1, description=(
+        "Held-out prompts (those hashing into the test bucket, tasks.arithmetic.split_of) whose "
+        "greedy accuracy is measured before and after training."))
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt: the group whose "
+                                                      "mean reward is each completion's baseline.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the training completions.")
+    max_completion_len: int = Field(16, ge=1, description="Tokens generated per completion at most.")
+    kl_beta: float = Field(0.0, ge=0, description=(
+        "Weight of the per-token KL penalty to the reference (SFT) model; 0 skips the reference."))
+    format_weight: float = Field(0.1, ge=0, description=(
+        "Weight of the format reward (ends with the answer sentence) beside the numeric match (weight 1)."))
+    scale_rewards: Literal["group", "batch", "none"] = Field("batch", description=(
+        "Advantage = reward - group mean, divided by the std of its group, of the whole batch, or "
+        "nothing. 'group' blows a small format difference within an all-wrong group up to the "
+        "size of a right answer, rewarding wrong answers; 'batch' keeps the rewards' proportions."))
+
+    def sources(self) -> list[str]:
+        return self.prompts
+
+
+class Config(StageConfig):
+    method: Literal["dpo", "grpo"] = Field("dpo", description="Alignment algorithm; its settings are the "
+                                                              "section of the same name.")
+    dpo: DPOSettings = Field(default_factory=DPOSettings, description="Settings of method 'dpo'.")
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="Settings of method 'grpo'.")
+    lora: LoraSettings | None = Field(None, description="Train LoRA adapters on the frozen SFT model "
+                                                        "(None: full fine-tuning). The export merges them.")
+    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (linear decay after warmup).")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    batch_size: int = Field(8, ge=1, description=(
+        "Per optimizer step: preference pairs (dpo) or prompts, each sampled num_generations times (grpo)."))
+    max_seq_len: int = Field(256, ge=8, description=(
+        "Tokens per prompt+response sequence; longer ones are cut at the end (counted), examples "
+        "whose prompt alone leaves no room for a response are dropped."))
+    warmup_frac: float = Field(0.1, ge=0, lt=1, description="Share of max_steps spent warming the LR up from 0.")
+    seed: int = Field(0, description="Seed for the demo data, held-out split, data order, sampling and init.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' uses CUDA when available.")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between resumable checkpoints in out_dir.")
+    log_every_steps: int = Field(1, ge=1, description="Steps between metric lines in metrics.jsonl.")
+
+    unhashed_fields: ClassVar[frozenset[str]] = frozenset({"checkpoint_every", "log_every_steps"})
+
+    def hashed_dict(self) -> dict[str, Any]:
+        """Only the chosen method's settings section changes the output."""
+        data = super().hashed_dict()
+        for method in METHODS.keys() - {self.method}:
+            data.pop(method, None)
+        return data
+
 
 def fingerprint(config: Config) -> str:
-    """Digest of the preference files `config.data` points at."""
-    return data_fingerprint(config.data, DEMO_PREFIX)
+    """Digest of the data files the chosen method reads (its settings' `sources()`)."""
+    return data_fingerprint(getattr(config, config.method).sources(), DEMO_PREFIX)
 
 
-# ---------------------------------------------------------------- data
+# ---------------------------------------------------------------- shared trainer plumbing
+
+def trainer_args(config: Config, ckpt_dir: Path, use_cpu: bool) -> dict[str, Any]:
+    """TRL/transformers TrainingArguments common to every method."""
+    return dict(
+        output_dir=str(ckpt_dir), max_steps=config.max_steps, learning_rate=config.lr,
+        lr_scheduler_type="linear", warmup_steps=config.warmup_frac,
+        seed=config.seed, data_seed=config.seed, use_cpu=use_cpu,
+        # TRL turns bf16 autocast and gradient checkpointing on by default; on CPU bf16 only adds
+        # noise, and the models this stage sees on one device fit without checkpointing.
+        bf16=not use_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False,
+        save_strategy="steps", save_steps=config.checkpoint_every, save_total_limit=2,
+        logging_steps=config.log_every_steps, report_to="none", disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def _metrics_callback(metrics: MetricsLog) -> Any:
+    from transformers import TrainerCallback
+
+    class _ToMetricsLog(TrainerCallback):
+        """Copies each step's logged numbers (loss, rewards, margins, KL, ...) to metrics.jsonl;
+        the end-of-training summary (no 'loss') is left to the stage stats."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                metrics.log(state.global_step, **{k: float(v) for k, v in logs.items()
+                                                  if isinstance(v, (int, float)) and k != "epoch"})
+
+    return _ToMetricsLog()
+
+
+def _last_checkpoint(ckpt_dir: Path) -> tuple[str | None, int]:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
+    return last, int(Path(last).name.split("-")[-1]) if last else 0
+
+
+def train_resumably(trainer: Any, out_dir: Path) -> tuple[Any, int]:
+    """Train from the last checkpoint in `out_dir/checkpoints` if there is one; (train summary,
+    resumed step). Step metrics go to metrics.jsonl, not to stdout."""
+    from transformers import PrinterCallback
+
+    metrics = MetricsLog(out_dir)
+    resume_from, resumed_step = _last_checkpoint(out_dir / CHECKPOINT_DIR)
+    metrics.truncate_after(resumed_step)  # lines past the checkpoint belong to steps redone now
+    if resume_from:
+        log.info("resuming from %s", resume_from)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(_metrics_callback(metrics))
+    return trainer.train(resume_from_checkpoint=resume_from), resumed_step
+
+
+def prepare_model(config: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """The model to train: itself, or wrapped with LoRA adapters (seeded) when `lora` is set."""
+    if config.lora is None:
+        return model
+    from model.lora import apply_lora
+
+    torch.manual_seed(config.seed)
+    return apply_lora(model, config.lora)
+
+
+# ---------------------------------------------------------------- dpo: data
 
 def load_pairs(config: Config) -> tuple[list[Pair], dict[str, int]]:
     """All sources' pairs, and dropped-record counts summed per reason."""
     pairs: list[Pair] = []
     drops: dict[str, int] = {}
-    for source in config.data:
-        got, dropped = load_preference_pairs(source, config.max_pairs, seed=config.seed)
+    for source in config.dpo.data:
+        got, dropped = load_preference_pairs(source, config.dpo.max_pairs, seed=config.seed)
         log.info("%s: %d pairs, dropped %s", source, len(got), dropped or "none")
         pairs += got
         for reason, n in dropped.items():
@@ -100,7 +224,13 @@ def to_trl_rows(pairs: list[Pair]) -> list[dict[str, Any]]:
              "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in pairs]
 
 
-# ---------------------------------------------------------------- held-out evaluation
+def count_truncated(rows: Any, max_seq_len: int) -> int:
+    """Tokenized pairs whose prompt plus longer response exceeds `max_seq_len` (cut at the end)."""
+    return sum(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) > max_seq_len
+               for r in rows)
+
+
+# ---------------------------------------------------------------- dpo: held-out evaluation
 
 @torch.no_grad()
 def response_logps(model: torch.nn.Module, rows: Any, collate: Callable, batch_size: int,
@@ -129,76 +259,70 @@ def preference_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float)
             "logp_acc": (policy[:, 0] > policy[:, 1]).float().mean().item()}
 
 
-# ---------------------------------------------------------------- training
-
-def _metrics_callback(metrics: MetricsLog) -> Any:
-    from transformers import TrainerCallback
-
-    class _ToMetricsLog(TrainerCallback):
-        """Copies each step's logged numbers (loss, rewards/margins, rewards/accuracies, ...) to
-        metrics.jsonl; the end-of-training summary (no 'loss') is left to the stage stats."""
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                metrics.log(state.global_step, **{k: float(v) for k, v in logs.items()
-                                                  if isinstance(v, (int, float)) and k != "epoch"})
-
-    return _ToMetricsLog()
-
-
-def _last_checkpoint(ckpt_dir: Path) -> tuple[str | None, int]:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
-    return last, int(Path(last).name.split("-")[-1]) if last else 0
-
+# ---------------------------------------------------------------- dpo: training
 
 def build_dpo_trainer(config: Config, model: Any, tokenizer: Any, train: list[Pair],
-                      heldout: list[Pair], ckpt_dir: Path, use_cpu: bool) -> Any:
+                      heldout: list[Pair], out_dir: Path, use_cpu: bool) -> Any:
+    import copy
+
     from datasets import Dataset
-    from transformers import PrinterCallback
     from trl import DPOConfig, DPOTrainer
 
-    reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen SFT model
-    args = DPOConfig(
-        output_dir=str(ckpt_dir), max_steps=config.max_steps, per_device_train_batch_size=config.batch_size,
-        learning_rate=config.lr, lr_scheduler_type="linear", warmup_steps=config.warmup_frac,
-        beta=config.beta, loss_type=["sigmoid"], max_length=config.max_seq_len, truncation_mode="keep_start",
-        seed=config.seed, data_seed=config.seed, use_cpu=use_cpu,
-        # TRL turns bf16 autocast and gradient checkpointing on by default; on CPU bf16 only adds
-        # noise, and the models this stage sees on one device fit without checkpointing.
-        bf16=not use_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False,
-        save_strategy="steps", save_steps=config.checkpoint_every, save_total_limit=2,
-        logging_steps=config.log_every_steps, report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0, dataset_num_proc=None,
-    )
-    trainer = DPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer,
-                         train_dataset=Dataset.from_list(to_trl_rows(train)),
-                         eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
-    # Step metrics go to metrics.jsonl (and MLflow); without tqdm the Trainer would also print
-    # every step's dict to stdout.
-    trainer.remove_callback(PrinterCallback)
-    return trainer
+    losses = {"sigmoid": 1.0, **({"sft": config.dpo.sft_weight} if config.dpo.sft_weight else {})}
+    args = DPOConfig(**trainer_args(config, out_dir / CHECKPOINT_DIR, use_cpu),
+                     per_device_train_batch_size=config.batch_size, beta=config.dpo.beta,
+                     loss_type=list(losses), loss_weights=list(losses.values()),
+                     max_length=config.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
+    # The frozen SFT model is the reference; with LoRA, TRL switches the adapters off instead.
+    reference = None if config.lora else copy.deepcopy(model).eval().requires_grad_(False)
+    return DPOTrainer(model=prepare_model(config, model), ref_model=reference, args=args,
+                      processing_class=tokenizer, train_dataset=Dataset.from_list(to_trl_rows(train)),
+                      eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
 
 
-def train_resumably(trainer: Any, out_dir: Path, ckpt_dir: Path) -> tuple[Any, int]:
-    """Train from the last checkpoint in `ckpt_dir` if there is one; (train summary, resumed step)."""
-    metrics = MetricsLog(out_dir)
-    resume_from, resumed_step = _last_checkpoint(ckpt_dir)
-    metrics.truncate_after(resumed_step)  # lines past the checkpoint belong to steps redone now
-    if resume_from:
-        log.info("resuming from %s", resume_from)
-    trainer.add_callback(_metrics_callback(metrics))
-    return trainer.train(resume_from_checkpoint=resume_from), resumed_step
+def run_dpo(config: Config, model: Any, tokenizer: Any, out_dir: Path,
+            use_cpu: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    pairs, drops = load_pairs(config)
+    train, heldout = split_heldout(pairs, config.dpo.heldout_fraction, config.seed)
+    trainer = build_dpo_trainer(config, model, tokenizer, train, heldout, out_dir, use_cpu)
+    n_train, n_heldout = len(trainer.train_dataset), len(trainer.eval_dataset)
+    drops["prompt_too_long"] = len(pairs) - n_train - n_heldout
+    if not n_train or not n_heldout:
+        raise ValueError(f"max_seq_len={config.max_seq_len} leaves {n_train} training and {n_heldout} "
+                         f"held-out pairs of {config.dpo.data} (prompts that fill it are dropped)")
+
+    def heldout_logps() -> torch.Tensor:
+        return response_logps(trainer.model, trainer.eval_dataset, trainer.data_collator,
+                              config.batch_size, trainer.accelerator.device)
+
+    # Before training the policy is the reference (a copy, or LoRA's zero-initialised adapters),
+    # so its implicit rewards are 0 by definition; a resume loads trained weights only in train().
+    ref_logps = heldout_logps()
+    before = preference_stats(ref_logps, ref_logps, config.dpo.beta)
+    summary, resumed_step = train_resumably(trainer, out_dir)
+    after = preference_stats(heldout_logps(), ref_logps, config.dpo.beta)
+    log.info("held-out preference accuracy %.3f -> %.3f, margin %.4f -> %.4f",
+             before["pref_acc"], after["pref_acc"], before["margin"], after["margin"])
+    return trainer.model, {
+        "pairs_train": n_train, "pairs_heldout": n_heldout, "steps": trainer.state.global_step,
+        "resumed_from_step": resumed_step, "train_loss": summary.training_loss,
+        "truncated_too_long": count_truncated(trainer.train_dataset, config.max_seq_len),
+        **{f"heldout_{k}_before": v for k, v in before.items()},
+        **{f"heldout_{k}_after": v for k, v in after.items()},
+        **{f"dropped_{reason}": n for reason, n in sorted(drops.items())},
+    }
 
 
-# method -> builder of a transformers Trainer exposing `.ref_model`, `.eval_dataset`, `.data_collator`
-TRAINERS: dict[str, Callable[..., Any]] = {"dpo": build_dpo_trainer}
+def run_grpo(config: Config, model: Any, tokenizer: Any, out_dir: Path,
+             use_cpu: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from tasks.align_grpo import run_grpo as run  # imports this module: loaded on use
+
+    return run(config, model, tokenizer, out_dir, use_cpu)
 
 
-def _heldout_logps(trainer: Any, model: torch.nn.Module, batch_size: int) -> torch.Tensor:
-    return response_logps(model, trainer.eval_dataset, trainer.data_collator, batch_size,
-                          trainer.accelerator.device)
+# method -> trains `model` (the SFT model) in out_dir; returns the trained model and its stats
+METHODS: dict[str, Callable[..., tuple[torch.nn.Module, dict[str, Any]]]] = {
+    "dpo": run_dpo, "grpo": run_grpo}
 
 
 def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
@@ -206,39 +330,20 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine
 
     from model.export import export_model
     from model.loop import resolve_device
+    from model.lora import export_lora, trainable_parameters
 
     out_dir, sft_dir = Path(out_dir), Path(inputs["sft"].path) / "model"
     use_cpu = resolve_device(config.device).type == "cpu"
     log.info("aligning %s with %s on %s", sft_dir, config.method, "cpu" if use_cpu else "cuda")
-
-    pairs, drops = load_pairs(config)
-    train, heldout = split_heldout(pairs, config.heldout_fraction, config.seed)
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32)
-    ckpt_dir = out_dir / CHECKPOINT_DIR
-    trainer = TRAINERS[config.method](config, model, tokenizer, train, heldout, ckpt_dir, use_cpu)
-    drops["prompt_too_long"] = len(pairs) - len(trainer.train_dataset) - len(trainer.eval_dataset)
-    if not len(trainer.train_dataset) or not len(trainer.eval_dataset):
-        raise ValueError(f"max_seq_len={config.max_seq_len} leaves {len(trainer.train_dataset)} training and "
-                         f"{len(trainer.eval_dataset)} held-out pairs (prompts that fill it are dropped)")
-
-    # Before training the policy is the reference, so its implicit rewards are 0 by definition.
-    ref_logps = _heldout_logps(trainer, trainer.ref_model, config.batch_size)
-    before = preference_stats(ref_logps, ref_logps, config.beta)
-
-    summary, resumed_step = train_resumably(trainer, out_dir, ckpt_dir)
-
-    after = preference_stats(_heldout_logps(trainer, trainer.model, config.batch_size), ref_logps, config.beta)
-    export_model(trainer.model, tokenizer, out_dir / "model")
-    shutil.rmtree(ckpt_dir, ignore_errors=True)  # the committed artifact is the exported model
-    log.info("held-out preference accuracy %.3f -> %.3f, margin %.4f -> %.4f",
-             before["pref_acc"], after["pref_acc"], before["margin"], after["margin"])
-    stats: dict[str, Any] = {
-        "method": config.method, "pairs_train": len(trainer.train_dataset),
-        "pairs_heldout": len(trainer.eval_dataset), "steps": trainer.state.global_step,
-        "resumed_from_step": resumed_step, "train_loss": summary.training_loss,
-        **{f"heldout_{k}_before": v for k, v in before.items()},
-        **{f"heldout_{k}_after": v for k, v in after.items()},
-        **{f"dropped_{reason}": n for reason, n in sorted(drops.items())},
-    }
-    return StageResult(stats=stats, artifacts=["metrics.jsonl"])
+    trained, stats = METHODS[config.method](config, model, tokenizer, out_dir, use_cpu)
+    params = trainable_parameters(trained)
+    artifacts = ["metrics.jsonl"]
+    if config.lora is not None:
+        export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
+        artifacts.append("adapter/adapter_config.json")
+    else:
+        export_model(trained, tokenizer, out_dir / "model")
+    shutil.rmtree(out_dir / CHECKPOINT_DIR, ignore_errors=True)  # the committed artifact is the export
+    return StageResult(stats={"method": config.method, **stats, **params}, artifacts=artifacts)

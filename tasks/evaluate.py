@@ -7,7 +7,9 @@ For each model (inputs "pretrain", "sft", "align", labelled base / sft / aligned
 3. optionally, multiple-choice tasks in the llm-foundry JSONL format `{"query", "choices", "gold"}`,
    scored by the summed log-likelihood of each choice given the query.
 
-Writes `results.json` (nested by model) and `report.md` (a Markdown table base → SFT → aligned).
+Writes `results.json` (nested by model) and `report.md` (a Markdown table base → SFT → aligned),
+plus the align stage's own held-out measurements before and after alignment (its manifest stats:
+preference accuracy and margin for DPO, greedy accuracy on held-out problems for GRPO).
 Each model's results are also kept in `per_model/<label>.json` as it finishes, so a killed run
 resumes with the next model.
 """
@@ -276,6 +278,40 @@ def flat_stats(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     return stats
 
 
+# --- alignment ----------------------------------------------------------------------------------
+
+_BEFORE_AFTER = re.compile(r"heldout_(?P<metric>.+)_(?P<when>before|after)")
+ALIGN_COUNTS = ("pairs_heldout", "prompts_heldout", "steps")  # align stats shown beside the numbers
+
+
+def alignment_summary(align_stats: Mapping[str, Any]) -> dict[str, Any]:
+    """The align stage's held-out numbers as {"method", "<count>"..., "heldout": {metric: {"before",
+    "after"}}}; empty when the stats hold none (an align artifact without them)."""
+    heldout: dict[str, dict[str, float]] = {}
+    for key, value in align_stats.items():
+        match = _BEFORE_AFTER.fullmatch(key)
+        if match and isinstance(value, (int, float)):
+            heldout.setdefault(match["metric"], {})[match["when"]] = value
+    heldout = {m: v for m, v in sorted(heldout.items()) if v.keys() == {"before", "after"}}
+    if not heldout:
+        return {}
+    counts = {k: align_stats[k] for k in ALIGN_COUNTS if k in align_stats}
+    return {"method": align_stats.get("method", "?"), **counts, "heldout": heldout}
+
+
+def alignment_lines(summary: Mapping[str, Any]) -> list[str]:
+    if not summary:
+        return []
+    items = [f"{summary[k]} held-out {k.split('_')[0]}" for k in ALIGN_COUNTS[:2] if k in summary]
+    items += [f"{summary['steps']} alignment steps"] if "steps" in summary else []
+    lines = ["", f"## Alignment ({summary['method']}, measured by the align stage on held-out data)", "",
+             "| metric | before (SFT) | after (aligned) | change |", "|---|---:|---:|---:|"]
+    for metric, v in summary["heldout"].items():
+        lines.append(f"| {metric.replace('_', ' ')} | {v['before']:.4f} | {v['after']:.4f} | "
+                     f"{v['after'] - v['before']:+.4f} |")
+    return lines + (["", "Measured on " + ", ".join(items) + "."] if items else [])
+
+
 # --- report -------------------------------------------------------------------------------------
 
 def _row(name: str, values: list[float], items: Any, fmt: str = "{:.4f}") -> str:
@@ -283,7 +319,7 @@ def _row(name: str, values: list[float], items: Any, fmt: str = "{:.4f}") -> str
 
 
 def render_report(results: Mapping[str, Mapping[str, Any]], upstream: Mapping[str, str],
-                  device: str) -> str:
+                  device: str, alignment: Mapping[str, Any] | None = None) -> str:
     labels = list(results)
     first = results[labels[0]]
     col = lambda key: [results[label][key] for label in labels]  # noqa: E731
@@ -300,7 +336,9 @@ def render_report(results: Mapping[str, Mapping[str, Any]], upstream: Mapping[st
                           f"{scores['n']} items", "{:.3f}"))
     lines += ["", "Bits per byte: total NLL (nats) / (ln 2 × bytes), where bytes = the val split's "
               "UTF-8 bytes × (tokens evaluated / val tokens); document separators count as tokens "
-              "but add no bytes.", "", f"Device: {device}.", "", "## Upstream artifacts", ""]
+              "but add no bytes."]
+    lines += alignment_lines(alignment or {})
+    lines += ["", f"Device: {device}.", "", "## Upstream artifacts", ""]
     lines += [f"- {name}: `{key}`" for name, key in upstream.items()]
     return "\n".join(lines) + "\n"
 
@@ -328,7 +366,11 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine
                  results[label]["val_bpb"], results[label]["arith_acc"])
 
     upstream = {name: inputs[name].key for name in ("tokenize", *MODELS.values())}
-    payload = {"models": results, "upstream": upstream, "device": device}
+    alignment = alignment_summary(inputs["align"].stats)
+    payload = {"models": results, "alignment": alignment, "upstream": upstream, "device": device}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    (out_dir / "report.md").write_text(render_report(results, upstream, device))
-    return StageResult(stats=flat_stats(results), artifacts=["report.md", "results.json"])
+    (out_dir / "report.md").write_text(render_report(results, upstream, device, alignment))
+    stats = flat_stats(results)
+    for metric, values in alignment.get("heldout", {}).items():
+        stats.update({f"align_heldout_{metric}_{when}": v for when, v in values.items()})
+    return StageResult(stats=stats, artifacts=["report.md", "results.json"])

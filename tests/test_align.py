@@ -1,8 +1,11 @@
-"""Preference-data loading (format detection, drop counts) and the align stage (DPO) end to end."""
+"""Preference-data loading (format detection, drop counts) and the align stage end to end: DPO and
+GRPO with verifiable rewards (training, held-out measurements, LoRA, resume), and the alignment
+section of the evaluation report."""
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tasks import align
+from tasks import align, arithmetic
 from tasks.preferences import detect_format, load_preference_pairs, split_transcript
 from tasks.stage import Manifest, MetricsLog, SerialEngine, read_metrics
 
@@ -105,28 +108,48 @@ def test_demo_arithmetic_is_seeded():
 def test_fingerprint_follows_file_contents(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
-    config = align.Config(data=["demo:arithmetic", str(path)])
+    config = align.Config(dpo={"data": ["demo:arithmetic", str(path)]})
     first = align.fingerprint(config)
     assert align.fingerprint(config) == first
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "d"}) + "\n")
     assert align.fingerprint(config) != first
+    # GRPO reads its prompt files, not the preference files
+    grpo = align.Config(method="grpo", dpo={"data": [str(path)]}, grpo={"prompts": [str(path)]})
+    before = align.fingerprint(grpo)
+    path.write_text(json.dumps({"question": "a", "answer": "1"}) + "\n")
+    assert align.fingerprint(grpo) != before
 
 
 def test_config_validation_names_the_field():
-    with pytest.raises(ValidationError, match="beta"):
-        align.Config(beta=0)
-    with pytest.raises(ValidationError, match="data"):
-        align.Config(data=[])
+    with pytest.raises(ValidationError, match="dpo.beta"):
+        align.Config(dpo={"beta": 0})
+    with pytest.raises(ValidationError, match="dpo.data"):
+        align.Config(dpo={"data": []})
+    with pytest.raises(ValidationError, match="grpo.num_generations"):
+        align.Config(grpo={"num_generations": 1})
+    with pytest.raises(ValidationError, match="grpo.unknown"):
+        align.Config(grpo={"unknown": 1})
     with pytest.raises(ValidationError, match="method"):
-        align.Config(method="ppo")
+        align.Config(method="rlhf")
     assert "checkpoint_every" not in align.Config().hashed_dict()
-    assert all(f.description for f in align.Config.model_fields.values())
+    for model in (align.Config, align.DPOSettings, align.GRPOSettings):
+        assert all(f.description for f in model.model_fields.values())
+
+
+def test_only_the_chosen_methods_settings_are_hashed():
+    dpo, grpo = align.Config(), align.Config(method="grpo")
+    assert "dpo" in dpo.hashed_dict() and "grpo" not in dpo.hashed_dict()
+    assert "grpo" in grpo.hashed_dict() and "dpo" not in grpo.hashed_dict()
+    assert align.Config(grpo={"kl_beta": 0.5}).hashed_dict() == dpo.hashed_dict()
+    assert align.Config(method="grpo", grpo={"kl_beta": 0.5}).hashed_dict() != grpo.hashed_dict()
+    assert {"dpo", "grpo"} <= set(align.METHODS) <= set(align.Config.model_fields)
 
 
 # ---------------------------------------------------------------- the stage
 
-CONFIG = dict(max_pairs=96, max_steps=20, batch_size=8, lr=5e-3, beta=0.1, max_seq_len=64,
-              heldout_fraction=0.25, warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10)
+DPO = dict(max_pairs=96, beta=0.1, heldout_fraction=0.25)
+CONFIG = dict(dpo=DPO, max_steps=20, batch_size=8, lr=5e-3, max_seq_len=64,
+              warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,6 +195,7 @@ def test_dpo_stage_trains_and_exports(arithmetic_run):
     assert s["steps"] == 20 and s["resumed_from_step"] == 0
     assert s["pairs_train"] + s["pairs_heldout"] + s["dropped_prompt_too_long"] == 96
     assert s["pairs_heldout"] == 24 and s["dropped_prompt_too_long"] == 0
+    assert s["truncated_too_long"] == 0 and s["method"] == "dpo"
     # before training the policy is the reference: implicit rewards are exactly 0
     assert s["heldout_margin_before"] == 0.0 and s["heldout_pref_acc_before"] == 0.0
     assert 0.0 <= s["heldout_logp_acc_before"] <= 1.0
@@ -200,7 +224,8 @@ def test_heldout_margin_grows_on_a_learnable_preference(tmp_path, tiny_model_dir
     path = tmp_path / "courtesy.jsonl"
     path.write_text("".join(json.dumps({"prompt": p["prompt"], "chosen": "Gladly, here it is.",
                                         "rejected": "No. Go away."}) + "\n" for p in pairs))
-    config = align.Config(**{**CONFIG, "data": [str(path)], "max_steps": 10, "checkpoint_every": 100})
+    config = align.Config(**{**CONFIG, "dpo": {**DPO, "data": [str(path)]}, "max_steps": 10,
+                             "checkpoint_every": 100})
     s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["pairs_heldout"] == 12
     assert s["heldout_margin_after"] > s["heldout_margin_before"] + 1.0
@@ -232,3 +257,174 @@ def test_killed_stage_resumes_from_checkpoint(tmp_path, tiny_model_dir, arithmet
     # resuming restores weights, optimizer, schedule and data order: same model as never stopping
     resumed, uninterrupted = _weights(out / "model"), _weights(arithmetic_run[1] / "model")
     assert all(torch.allclose(resumed[k], uninterrupted[k], atol=1e-5) for k in uninterrupted)
+
+
+def test_overlong_pairs_are_truncated_or_dropped_and_counted(tmp_path, tiny_model_dir):
+    rows = [{"prompt": f"Question {i}?", "chosen": "Yes, gladly.", "rejected": "No."} for i in range(12)]
+    rows += [{"prompt": "Tell me more.", "chosen": "word " * 200, "rejected": "No."}] * 2  # long reply
+    rows += [{"prompt": "ramble " * 200, "chosen": "Yes.", "rejected": "No."}] * 2  # prompt fills it
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = align.Config(**{**CONFIG, "dpo": {**DPO, "data": [str(path)]}, "max_steps": 2})
+    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    assert s["dropped_prompt_too_long"] == 2
+    assert s["pairs_train"] + s["pairs_heldout"] == 14
+    assert 0 <= s["truncated_too_long"] <= 2 and s["truncated_too_long"] + s["pairs_heldout"] >= 2
+
+
+def test_dpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, tiny_model_dir):
+    config = align.Config(**{**CONFIG, "max_steps": 4, "lora": {"rank": 4}})
+    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    assert s["heldout_margin_before"] == 0.0  # adapters start at zero: policy == reference
+    assert s["heldout_margin_after"] != 0.0
+    assert 0 < s["params_trainable"] < s["params_total"] / 2
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    before, after = _weights(tiny_model_dir), _weights(tmp_path / "out" / "model")
+    assert set(before) == set(after)  # merged export: plain weights, no adapter names
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------- grpo
+
+GRPO = dict(heldout_prompts=8, num_generations=4, max_completion_len=12, temperature=1.0)
+GRPO_CONFIG = dict(method="grpo", grpo=GRPO, max_steps=6, batch_size=4, lr=5e-3, max_seq_len=64,
+                   warmup_frac=0.0, seed=0, device="cpu", checkpoint_every=3)
+
+
+@pytest.fixture(scope="module")
+def answering_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model after a short SFT on the demo arithmetic: it answers in the demonstrators'
+    two styles, committed ("The answer is N.") or hedged, mostly with a wrong number, so
+    verifiable rewards vary within a group (a random model scores 0 on all)."""
+    from tasks import sft
+
+    root = tmp_path_factory.mktemp("sft")
+    config = sft.Config(max_steps=80, lr=3e-3, batch_size=16, max_seq_len=64, device="cpu",
+                        checkpoint_every=1000)
+    sft.run(config, _pretrain_inputs(root, tiny_model_dir), root / "out", engine=SerialEngine())
+    return root / "out" / "model"
+
+
+def _pretrain_inputs(root: Path, model_dir: Path) -> dict[str, Manifest]:
+    shutil.copytree(model_dir, root / "pretrain" / "model")
+    return {"pretrain": Manifest(stage="pretrain", key="pretrain-test", path=root / "pretrain", config={},
+                                 upstream={}, files={}, stats={})}
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, answering_model_dir):
+    """One uninterrupted GRPO run on demo:arithmetic: (inputs, out_dir, stats)."""
+    root = tmp_path_factory.mktemp("grpo")
+    inputs = _sft_inputs(root, answering_model_dir)
+    result = _run(align.Config(**GRPO_CONFIG), inputs, root / "align.partial")
+    return inputs, root / "align.partial", result.stats
+
+
+def test_grpo_stage_trains_measures_and_exports(grpo_run):
+    from transformers import AutoModelForCausalLM
+
+    inputs, out, s = grpo_run
+    assert s["method"] == "grpo" and s["steps"] == 6 and s["resumed_from_step"] == 0
+    assert s["prompts_heldout"] == 8 and s["dropped_prompt_too_long"] == 0
+    assert s["prompts_train"] == sum(arithmetic.split_of(p.question) == "train" for p in arithmetic.universe())
+    # the short SFT taught the reply styles, hardly the arithmetic
+    assert s["heldout_accuracy_before"] <= 0.5
+    for key in ("heldout_format_before", "heldout_accuracy_after", "heldout_format_after"):
+        assert 0.0 <= s[key] <= 1.0
+    assert 0.0 <= s["train_reward_start"] <= 1.1 and 0.0 <= s["train_reward_end"] <= 1.1
+    assert math.isfinite(s["train_loss"]) and math.isfinite(s["train_reward_end"])
+    before, after = _weights(inputs["sft"].path / "model"), _weights(out / "model")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not (out / align.CHECKPOINT_DIR).exists()
+    logged = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(1, 7))
+    assert {"loss", "reward", "reward_std", "rewards/numeric_match_reward/mean",
+            "rewards/format_reward/mean", "entropy"} <= logged[-1].keys()
+    assert all(math.isfinite(v) for r in logged for v in r.values())
+    AutoModelForCausalLM.from_pretrained(out / "model")
+
+
+def test_grpo_kl_to_reference_is_logged(tmp_path, answering_model_dir):
+    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "kl_beta": 0.1}, "max_steps": 3})
+    _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out")
+    logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
+    assert all(r["kl"] >= 0 and math.isfinite(r["kl"]) for r in logged) and logged[-1]["kl"] > 0
+
+
+def test_grpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, answering_model_dir):
+    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "kl_beta": 0.1}, "max_steps": 3,
+                             "lora": {"rank": 4}})
+    s = _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out").stats
+    assert 0 < s["params_trainable"] < s["params_total"] / 2
+    logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6) and all(math.isfinite(r["kl"]) for r in logged)
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    assert set(_weights(tmp_path / "out" / "model")) == set(_weights(answering_model_dir))
+
+
+def test_grpo_drops_the_hedging_habit_and_raises_the_reward(tmp_path, answering_model_dir):
+    """The demo's learnable rule: hedged replies never verify, committed ones carry the format
+    reward and sometimes the right number; GRPO must shift the model to committing."""
+    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "num_generations": 8, "format_weight": 1.0},
+                             "max_steps": 20, "lr": 3e-3, "checkpoint_every": 100})
+    s = _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out").stats
+    logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    formats = [r["rewards/format_reward/mean"] for r in logged]
+    assert sum(formats[-5:]) / 5 > sum(formats[:5]) / 5 + 0.2, formats
+    assert s["train_reward_end"] > s["train_reward_start"]
+    assert s["heldout_format_after"] > s["heldout_format_before"]
+
+
+def test_killed_grpo_run_resumes_from_checkpoint(tmp_path, answering_model_dir, grpo_run, monkeypatch):
+    inputs, out = _sft_inputs(tmp_path, answering_model_dir), tmp_path / "align.partial"
+    config = align.Config(**GRPO_CONFIG)
+    real_log = MetricsLog.log
+
+    def crash_at_step_5(self, step, **values):
+        if step == 5:
+            raise KeyboardInterrupt("simulated kill")
+        real_log(self, step, **values)
+
+    monkeypatch.setattr(MetricsLog, "log", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        _run(config, inputs, out)
+    assert (out / align.CHECKPOINT_DIR / "checkpoint-3").is_dir()
+    monkeypatch.setattr(MetricsLog, "log", real_log)
+
+    stats = _run(config, inputs, out).stats
+    assert stats["resumed_from_step"] == 3 and stats["steps"] == 6
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 7))
+    # sampling RNG, weights, optimizer and data order are restored: same model as never stopping
+    resumed, uninterrupted = _weights(out / "model"), _weights(grpo_run[1] / "model")
+    assert all(torch.allclose(resumed[k], uninterrupted[k], atol=1e-5) for k in uninterrupted)
+    assert stats["heldout_accuracy_before"] == grpo_run[2]["heldout_accuracy_before"]
+
+
+def test_grpo_without_usable_prompts_names_the_file(tmp_path, tiny_model_dir):
+    path = tmp_path / "no_answers.jsonl"
+    path.write_text(json.dumps({"question": "How many?", "answer": "lots"}) + "\n")
+    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "prompts": [str(path)]}})
+    with pytest.raises(ValueError, match="no_answers.jsonl.*no_numeric_answer"):
+        _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out")
+
+
+# ---------------------------------------------------------------- the report
+
+def test_evaluate_report_shows_the_align_stages_heldout_numbers():
+    from tasks import evaluate
+
+    stats = {"method": "grpo", "prompts_heldout": 186, "steps": 40, "train_loss": 0.1,
+             "heldout_accuracy_before": 0.14, "heldout_accuracy_after": 0.25,
+             "heldout_format_before": 0.3, "heldout_format_after": 1.0,
+             "heldout_only_before": 1.0, "dropped_prompt_too_long": 0}
+    summary = evaluate.alignment_summary(stats)
+    assert summary == {"method": "grpo", "prompts_heldout": 186, "steps": 40,
+                       "heldout": {"accuracy": {"before": 0.14, "after": 0.25},
+                                   "format": {"before": 0.3, "after": 1.0}}}
+    lines = evaluate.alignment_lines(summary)
+    assert "## Alignment (grpo, measured by the align stage on held-out data)" in lines
+    assert "| accuracy | 0.1400 | 0.2500 | +0.1100 |" in lines
+    assert lines[-1] == "Measured on 186 held-out prompts, 40 alignment steps."
+    assert evaluate.alignment_summary({"method": "dpo", "steps": 3}) == {}
+    assert evaluate.alignment_lines({}) == []

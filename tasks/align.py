@@ -1,13 +1,16 @@
-"""Align stage: tune the SFT model with DPO or GRPO and export it as `model/`.
+"""Align stage: tune the SFT model with DPO, GRPO or PPO (RLHF) and export it as `model/`.
 
 Reads `inputs["sft"].path / "model"` (HF model dir with the chat-template tokenizer). `method`
-picks the algorithm from `METHODS`; each method has its own settings section (`dpo:`, `grpo:`)
+picks the algorithm from `METHODS`; each method has its own settings section (`dpo:`, `grpo:`, `ppo:`)
 and shares the optimisation knobs, resume, metrics and export here:
 
 - dpo: preference pairs (tasks.preferences), a seeded held-out share, TRL's `DPOTrainer` against
   the frozen SFT model; held-out preference accuracy and implicit-reward margin before and after;
 - grpo: math prompts with reference answers and verifiable rewards (tasks.rewards), TRL's
-  `GRPOTrainer` (tasks.align_grpo); held-out greedy accuracy before and after.
+  `GRPOTrainer` (tasks.align_grpo); held-out greedy accuracy before and after;
+- ppo: a Bradley-Terry reward model on preference pairs, then our PPO against it with a KL
+  penalty to the SFT model (tasks.align_ppo, model/ppo.py); held-out reward-model accuracy and
+  the held-out reward-model score of greedy responses before and after.
 
 With `lora:` set, only low-rank adapters train (model/lora.py); the reference is the same model
 with its adapters switched off, and the export merges them (`adapter/` keeps them alone).
@@ -30,6 +33,8 @@ import torch
 from pydantic import Field, field_validator
 
 from model.lora import LoraSettings
+from model.ppo import PPOSettings
+from tasks.reward_model import RewardModelSettings
 from tasks.preferences import DEMO_PREFIX, Pair, load_preference_pairs
 from tasks.stage import Engine, Manifest, MetricsLog, StageConfig, StageResult, data_fingerprint
 
@@ -93,11 +98,30 @@ class GRPOSettings(StageConfig):
         return self.prompts
 
 
+class PPOMethodSettings(StageConfig):
+    """RLHF: a reward model trained on preference pairs, then PPO against it (tasks.align_ppo).
+    Both models carry their own optimisation settings (`reward_model`, `policy`); the stage's
+    lr, max_steps and batch_size are not used by this method."""
+
+    data: list[str] = Field(["demo:arithmetic"], min_length=1, description=(
+        "Preference sources for the reward model (formats as dpo.data); their prompts are PPO's prompts."))
+    max_pairs: int | None = Field(None, ge=1, description="At most this many usable pairs per source.")
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description=(
+        "Share of the pairs held out: reward-model accuracy and the policy's held-out score."))
+    reward_model: RewardModelSettings = Field(default_factory=RewardModelSettings,
+                                              description="Reward-model training (Bradley-Terry).")
+    policy: PPOSettings = Field(default_factory=PPOSettings, description="PPO rollouts and updates.")
+
+    def sources(self) -> list[str]:
+        return self.data
+
+
 class Config(StageConfig):
-    method: Literal["dpo", "grpo"] = Field("dpo", description="Alignment algorithm; its settings are the "
+    method: Literal["dpo", "grpo", "ppo"] = Field("dpo", description="Alignment algorithm; its settings are the "
                                                               "section of the same name.")
     dpo: DPOSettings = Field(default_factory=DPOSettings, description="Settings of method 'dpo'.")
     grpo: GRPOSettings = Field(default_factory=GRPOSettings, description="Settings of method 'grpo'.")
+    ppo: PPOMethodSettings = Field(default_factory=PPOMethodSettings, description="Settings of method 'ppo'.")
     lora: LoraSettings | None = Field(None, description="Train LoRA adapters on the frozen SFT model "
                                                         "(None: full fine-tuning). The export merges them.")
     lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (linear decay after warmup).")
@@ -194,12 +218,12 @@ def prepare_model(config: Config, model: torch.nn.Module) -> torch.nn.Module:
 
 # ---------------------------------------------------------------- dpo: data
 
-def load_pairs(config: Config) -> tuple[list[Pair], dict[str, int]]:
+def load_pairs(sources: list[str], max_pairs: int | None, seed: int) -> tuple[list[Pair], dict[str, int]]:
     """All sources' pairs, and dropped-record counts summed per reason."""
     pairs: list[Pair] = []
     drops: dict[str, int] = {}
-    for source in config.dpo.data:
-        got, dropped = load_preference_pairs(source, config.dpo.max_pairs, seed=config.seed)
+    for source in sources:
+        got, dropped = load_preference_pairs(source, max_pairs, seed=seed)
         log.info("%s: %d pairs, dropped %s", source, len(got), dropped or "none")
         pairs += got
         for reason, n in dropped.items():
@@ -282,7 +306,7 @@ def build_dpo_trainer(config: Config, model: Any, tokenizer: Any, train: list[Pa
 
 def run_dpo(config: Config, model: Any, tokenizer: Any, out_dir: Path,
             use_cpu: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
-    pairs, drops = load_pairs(config)
+    pairs, drops = load_pairs(config.dpo.data, config.dpo.max_pairs, config.seed)
     train, heldout = split_heldout(pairs, config.dpo.heldout_fraction, config.seed)
     trainer = build_dpo_trainer(config, model, tokenizer, train, heldout, out_dir, use_cpu)
     n_train, n_heldout = len(trainer.train_dataset), len(trainer.eval_dataset)
@@ -320,9 +344,16 @@ def run_grpo(config: Config, model: Any, tokenizer: Any, out_dir: Path,
     return run(config, model, tokenizer, out_dir, use_cpu)
 
 
+def run_ppo(config: Config, model: Any, tokenizer: Any, out_dir: Path,
+            use_cpu: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    from tasks.align_ppo import run_ppo as run  # imports this module: loaded on use
+
+    return run(config, model, tokenizer, out_dir, use_cpu)
+
+
 # method -> trains `model` (the SFT model) in out_dir; returns the trained model and its stats
 METHODS: dict[str, Callable[..., tuple[torch.nn.Module, dict[str, Any]]]] = {
-    "dpo": run_dpo, "grpo": run_grpo}
+    "dpo": run_dpo, "grpo": run_grpo, "ppo": run_ppo}
 
 
 def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:

@@ -142,7 +142,7 @@ def test_only_the_chosen_methods_settings_are_hashed():
     assert "grpo" in grpo.hashed_dict() and "dpo" not in grpo.hashed_dict()
     assert align.Config(grpo={"kl_beta": 0.5}).hashed_dict() == dpo.hashed_dict()
     assert align.Config(method="grpo", grpo={"kl_beta": 0.5}).hashed_dict() != grpo.hashed_dict()
-    assert {"dpo", "grpo"} <= set(align.METHODS) <= set(align.Config.model_fields)
+    assert {"dpo", "grpo", "ppo"} <= set(align.METHODS) <= set(align.Config.model_fields)
 
 
 # ---------------------------------------------------------------- the stage
@@ -428,3 +428,36 @@ def test_evaluate_report_shows_the_align_stages_heldout_numbers():
     assert lines[-1] == "Measured on 186 held-out prompts, 40 alignment steps."
     assert evaluate.alignment_summary({"method": "dpo", "steps": 3}) == {}
     assert evaluate.alignment_lines({}) == []
+
+
+# ---------------------------------------------------------------- ppo (reward model + PPO)
+
+def _courtesy_pairs(path: Path, n: int) -> Path:
+    """Pairs whose preference generalises across prompts: a courteous reply over a curt one."""
+    pairs, _ = load_preference_pairs("demo:arithmetic", n)
+    path.write_text("".join(json.dumps({"prompt": p["prompt"], "chosen": "Gladly, here it is.",
+                                        "rejected": "No. Go away."}) + "\n" for p in pairs))
+    return path
+
+
+def test_ppo_stage_trains_a_reward_model_then_the_policy(tmp_path, tiny_model_dir):
+    data = _courtesy_pairs(tmp_path / "courtesy.jsonl", 40)
+    ppo = {"data": [str(data)], "heldout_fraction": 0.25,
+           "reward_model": {"lr": 1e-3, "max_steps": 15, "batch_size": 8, "max_seq_len": 64, "device": "cpu"},
+           "policy": {"rollout_batch_size": 8, "minibatch_size": 4, "ppo_epochs": 2, "max_new_tokens": 6,
+                      "lr": 1e-3, "max_steps": 6, "kl_coef": 0.05, "checkpoint_every": 3}}
+    config = align.Config(method="ppo", ppo=ppo, device="cpu", max_seq_len=64)
+    inputs = _sft_inputs(tmp_path, tiny_model_dir)
+    s = _run(config, inputs, tmp_path / "out").stats
+    assert s["method"] == "ppo" and s["prompts_train"] == 30 and s["prompts_heldout"] == 10
+    assert s["rm_heldout_accuracy"] == 1.0 and s["rm_heldout_margin"] > s["rm_heldout_margin_before"]
+    assert s["ppo_steps"] == 6 and math.isfinite(s["ppo_kl_final"])
+    assert math.isfinite(s["heldout_rm_score_before"]) and math.isfinite(s["heldout_rm_score_after"])
+    before, after = _weights(inputs["sft"].path / "model"), _weights(tmp_path / "out" / "model")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert (tmp_path / "out" / "reward_model" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / align.CHECKPOINT_DIR).exists()
+    logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert any("ppo/kl" in row for row in logged) and any("rm/loss" in row for row in logged)
+    with pytest.raises(ValueError, match="lora"):
+        _run(config.model_copy(update={"lora": {"rank": 4}}), inputs, tmp_path / "lora")

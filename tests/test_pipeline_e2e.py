@@ -154,3 +154,45 @@ def test_final_model_loads_with_auto_classes_and_chats(first_run):
     out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] > ids["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(out[0, ids["input_ids"].shape[1]:]), str)
+
+
+# ---------------------------------------------------------------- the alignment claims, tiny preset
+
+@pytest.fixture(scope="module")
+def tiny_preset_methods(first_run):
+    """The tiny preset as shipped (full pretraining and SFT), aligned with each method; collect and
+    tokenize are reused from the first run. Returns method -> the align stage's stats, and the
+    SFT stats."""
+    home, _ = first_run
+    reference_vocab = next(o for o in FAST if o.startswith("tokenize.reference_vocab="))
+    for method in ("grpo", "dpo", "ppo"):
+        gristmill(home, "run", "configs/tiny.yaml", reference_vocab, f"align.method={method}",
+                  "--until", "align", timeout=1800)
+    manifests = {stage: [json.loads(p.read_text()) for p in (home / "artifacts" / stage).glob("*/manifest.json")]
+                 for stage in ("sft", "align")}
+    sft = next(m for m in manifests["sft"] if m["config"]["max_steps"] == 1500)
+    stats = {m["config"]["method"]: m["stats"] for m in manifests["align"]
+             if m["upstream"]["sft"] == sft["key"]}
+    return {**stats, "sft": sft["stats"]}
+
+
+def test_sft_lowers_heldout_assistant_loss(tiny_preset_methods):
+    sft = tiny_preset_methods["sft"]
+    assert sft["heldout_loss_after"] < 0.5 * sft["heldout_loss_before"]
+
+
+def test_grpo_raises_heldout_verifiable_accuracy(tiny_preset_methods):
+    grpo = tiny_preset_methods["grpo"]
+    assert grpo["heldout_accuracy_after"] >= grpo["heldout_accuracy_before"] + 0.05
+
+
+def test_dpo_raises_heldout_preference_accuracy_and_margin(tiny_preset_methods):
+    dpo = tiny_preset_methods["dpo"]
+    assert dpo["heldout_margin_after"] > dpo["heldout_margin_before"] == 0.0
+    assert dpo["heldout_pref_acc_after"] > 0.6
+
+
+def test_reward_model_beats_chance_and_ppo_raises_its_heldout_score(tiny_preset_methods):
+    ppo = tiny_preset_methods["ppo"]
+    assert ppo["rm_heldout_accuracy"] > 0.6
+    assert ppo["heldout_rm_score_after"] > ppo["heldout_rm_score_before"]

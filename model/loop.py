@@ -132,10 +132,23 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda" if use_cuda else "cpu")
 
 
+def model_inputs(batch: Batch) -> dict[str, Any]:
+    """Forward arguments of a batch. A packed batch (model/packing.py) carries position ids that
+    restart at each example and no attention mask; the model then keeps examples from attending
+    across each other, but only without a KV cache, hence use_cache=False."""
+    if "position_ids" not in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
+    if "attention_mask" in batch:
+        raise ValueError("a packed batch must not carry an attention_mask: it would disable the "
+                         "per-example masking that position_ids give")
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+
+
 def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of next-token cross-entropy in nats, number of labelled tokens). `labels[:, t]` is the
-    target for position t (already shifted); IGNORE_INDEX positions carry no loss."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    """(sum of next-token cross-entropy in nats, number of labelled tokens) of a padded or packed
+    batch. `labels[:, t]` is the target for position t (already shifted); IGNORE_INDEX positions
+    carry no loss."""
+    logits = model(**model_inputs(batch)).logits
     labels = batch["labels"]
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")

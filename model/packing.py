@@ -7,7 +7,7 @@ padding at a row's end its own run from 0. The model is then called with those `
 no `attention_mask`: transformers (>= 4.54; checked on 5.24 with sdpa and eager attention) reads
 each restart as a sequence boundary and builds a block-diagonal causal mask, so each example's
 logits equal those of the example run alone (tests/test_sft.py checks it). That detection is off
-whenever a 2D attention mask or a KV cache is passed, hence `use_cache=False` in `packed_logits`.
+whenever a 2D attention mask or a KV cache is passed, hence `use_cache=False` (`model.loop.model_inputs`).
 Labels are already shifted within each example, so no label crosses from one example to the next.
 With no attention_mask, the loop's `tokens_seen` / `tokens_per_s` count a packed batch's padding too
 (a few percent: rows come out nearly full).
@@ -18,9 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
-from model.loop import IGNORE_INDEX, Batch
+from model.loop import IGNORE_INDEX, Batch, model_inputs
 
 Example = tuple[list[int], list[int]]  # (input ids, labels aligned to them; IGNORE_INDEX = no loss)
 PackedRow = tuple[list[int], list[int], list[int]]  # (input ids, labels, lengths of its examples)
@@ -82,23 +81,4 @@ def collate_packed(rows: list[PackedRow], pad_id: int) -> Batch:
 
 def packed_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Logits of a packed batch, each example attending only to itself."""
-    if "attention_mask" in batch:
-        raise ValueError("a packed batch must not carry an attention_mask: it would disable the "
-                         "per-example masking that position_ids give")
-    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-
-
-def packed_token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of next-token cross-entropy in nats over labelled tokens, their count) of a packed
-    batch; the packed counterpart of model.loop.token_loss_sum."""
-    logits = packed_logits(model, batch)
-    labels = batch["labels"]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (labels != IGNORE_INDEX).sum()
-
-
-def packed_causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled tokens of a packed batch (a loop loss_fn)."""
-    loss, count = packed_token_loss_sum(model, batch)
-    return loss / count.clamp(min=1)
+    return model(**model_inputs(batch)).logits

@@ -39,7 +39,7 @@ from model.export import export_model
 from model.loop import (IGNORE_INDEX, Batch, LoopConfig, causal_lm_loss, mean_token_loss, remove_checkpoints,
                         resolve_device, train)
 from model.lora import LoraSettings, apply_lora, export_lora, trainable_parameters
-from model.packing import Example, collate_packed, pack_examples, packed_causal_lm_loss
+from model.packing import Example, collate_packed, pack_examples
 from tasks.chat import Message, render_with_mask
 from tasks.conversations import load_conversations
 from tasks.stage import Engine, Manifest, MetricsLog, StageResult, data_fingerprint
@@ -174,7 +174,7 @@ def batch_source(config: Config, train_set: list[Example], pad_id: int):
     else:
         units = pack_examples(train_set, config.max_seq_len)
         tokens = sum(len(ids) for ids, _ in train_set)
-        collate_fn, loss_fn = collate_packed, packed_causal_lm_loss
+        collate_fn, loss_fn = collate_packed, causal_lm_loss
         stats = {"packed_rows": len(units), "packed_fill": tokens / (len(units) * config.max_seq_len)}
     loop_config = config.with_seq_len(config.max_seq_len) if config.packing else config
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import tasks.sft as sft
 from model.loop import IGNORE_INDEX, token_loss_sum
 from model.lora import LoraSettings, apply_lora
-from model.packing import collate_packed, pack_examples, packed_logits, packed_token_loss_sum
+from model.packing import collate_packed, pack_examples, packed_logits
 from tasks.chat import render_with_mask
 from tasks.conversations import drop_reason, load_conversations, oasst_threads
 from tasks.stage import Manifest, SerialEngine, read_metrics
@@ -118,7 +118,7 @@ def test_packed_examples_do_not_see_each_other(tiny_model_dir, tiny_tokenizer_di
         leaky = model(input_ids=packed["input_ids"]).logits[0]
         assert not torch.allclose(leaky[rows[0][2][0]:], logits[rows[0][2][0]:], atol=1e-3)
         # Summed loss of the packed batch = the sum of each example's loss run alone (padded batch).
-        packed_sum, packed_count = packed_token_loss_sum(model, packed)
+        packed_sum, packed_count = token_loss_sum(model, packed)
         alone_sums = [token_loss_sum(model, sft.collate([e], tok.pad_token_id)) for e in examples]
     assert torch.allclose(packed_sum, sum(s for s, _ in alone_sums), atol=1e-4)
     assert int(packed_count) == sum(int(n) for _, n in alone_sums) > 0

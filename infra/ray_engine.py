@@ -61,8 +61,9 @@ class RayEngine:
     def shutdown(self) -> None:
         """Stop the actors, and the local Ray instance this engine started (a joined cluster is
         left running)."""
-        for actor in self._actors:
-            ray.kill(actor)
+        if ray.is_initialized():  # another engine may have stopped the Ray it joined
+            for actor in self._actors:
+                ray.kill(actor)
         self._actors = []
         if self._started_here and ray.is_initialized():
             ray.shutdown()

@@ -190,7 +190,7 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
     training continues from the last checkpoint in `out_dir/rm_checkpoints`. Metrics are logged as
     `rm/<name>` at the reward trainer's steps. Returns (rm_dir, stats): rm_pairs_train/heldout,
     dropped_rm_too_long, rm_steps, rm_resumed_from_step, rm_train_loss,
-    rm_heldout_accuracy(_before) and rm_heldout_margin(_before)."""
+    heldout_rm_accuracy_before/after and heldout_rm_margin_before/after."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from model.export import export_model
@@ -228,8 +228,8 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
     stats = {"rm_pairs_train": len(train_rows), "rm_pairs_heldout": len(heldout_rows),
              "dropped_rm_too_long": dropped_train + dropped_heldout, "rm_steps": trainer.state.global_step,
              "rm_resumed_from_step": resumed_step, "rm_train_loss": summary.training_loss,
-             "rm_heldout_accuracy_before": before["accuracy"], "rm_heldout_accuracy": after["accuracy"],
-             "rm_heldout_margin_before": before["margin"], "rm_heldout_margin": after["margin"]}
+             "heldout_rm_accuracy_before": before["accuracy"], "heldout_rm_accuracy_after": after["accuracy"],
+             "heldout_rm_margin_before": before["margin"], "heldout_rm_margin_after": after["margin"]}
     export_model(trainer.model, tokenizer, rm_dir)
     (rm_dir / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")  # last: marks it complete
     shutil.rmtree(ckpt_dir, ignore_errors=True)

@@ -450,7 +450,7 @@ def test_ppo_stage_trains_a_reward_model_then_the_policy(tmp_path, tiny_model_di
     inputs = _sft_inputs(tmp_path, tiny_model_dir)
     s = _run(config, inputs, tmp_path / "out").stats
     assert s["method"] == "ppo" and s["prompts_train"] == 30 and s["prompts_heldout"] == 10
-    assert s["rm_heldout_accuracy"] == 1.0 and s["rm_heldout_margin"] > s["rm_heldout_margin_before"]
+    assert s["heldout_rm_accuracy_after"] == 1.0 and s["heldout_rm_margin_after"] > s["heldout_rm_margin_before"]
     assert s["ppo_steps"] == 6 and math.isfinite(s["ppo_kl_final"])
     assert math.isfinite(s["heldout_rm_score_before"]) and math.isfinite(s["heldout_rm_score_after"])
     before, after = _weights(inputs["sft"].path / "model"), _weights(tmp_path / "out" / "model")

@@ -1,4 +1,4 @@
-"""SFT → DPO → GRPO on real data at small scale: OpenAssistant and self-instruct conversations,
+"""SFT → DPO, GRPO and RM+PPO on real data at small scale: OpenAssistant and self-instruct conversations,
 hh-rlhf and AlpacaEval preference pairs, SVAMP word problems (all from shared/data).
 
 A few steps each on a tiny model: the stages must run on these formats, count what they drop,
@@ -141,3 +141,20 @@ def test_grpo_on_svamp_trains_resumes_and_exports(tmp_path, sft_dir, shared_data
     assert {"reward", "kl", "rewards/numeric_match_reward/mean", "rewards/format_reward/mean"} <= logged[0].keys()
     assert _changed(sft_dir / "model", out / "model")
     _generates(out / "model")
+
+
+def test_ppo_with_a_reward_model_on_hh_rlhf(tmp_path, sft_dir, shared_data):
+    ppo = {"data": [str(shared_data / HH)], "max_pairs": 32, "heldout_fraction": 0.25,
+           "reward_model": {"lr": 1e-3, "max_steps": 4, "batch_size": 4, "max_seq_len": 256, "device": "cpu"},
+           "policy": {"rollout_batch_size": 4, "minibatch_size": 2, "ppo_epochs": 1, "max_new_tokens": 8,
+                      "lr": 1e-4, "max_steps": 2}}
+    config = align.Config(method="ppo", ppo=ppo, **COMMON)
+    s = align.run(config, {"sft": _manifest("sft", sft_dir)}, tmp_path, engine=SerialEngine()).stats
+    # multi-turn transcripts longer than max_seq_len cannot be scored at their last token: dropped
+    assert s["rm_pairs_train"] + s["rm_pairs_heldout"] + s["dropped_rm_too_long"] == 32
+    assert s["dropped_rm_too_long"] > 0 and s["rm_steps"] == 4 and s["ppo_steps"] == 2
+    assert all(math.isfinite(s[k]) for k in ("rm_train_loss", "ppo_kl_final", "heldout_rm_score_after"))
+    logged = _finite_metrics(tmp_path)
+    assert any("rm/loss" in row for row in logged) and any("ppo/kl" in row for row in logged)
+    assert _changed(sft_dir / "model", tmp_path / "model")
+    _generates(tmp_path / "model")

@@ -194,5 +194,5 @@ def test_dpo_raises_heldout_preference_accuracy_and_margin(tiny_preset_methods):
 
 def test_reward_model_beats_chance_and_ppo_raises_its_heldout_score(tiny_preset_methods):
     ppo = tiny_preset_methods["ppo"]
-    assert ppo["rm_heldout_accuracy"] > 0.6
+    assert ppo["heldout_rm_accuracy_after"] > 0.6
     assert ppo["heldout_rm_score_after"] > ppo["heldout_rm_score_before"]

@@ -67,8 +67,8 @@ def test_reward_model_learns_a_generalising_preference(trained):
     assert s["rm_steps"] == 12 and s["rm_resumed_from_step"] == 0
     # All held-out pairs share one (chosen, rejected) text pair, so before training the random head
     # orders them nearly all the same way: the accuracy is 0 or 1 by chance, the margin tiny.
-    assert abs(s["rm_heldout_margin_before"]) < 0.5
-    assert s["rm_heldout_accuracy"] == 1.0 and s["rm_heldout_margin"] > 1.0
+    assert abs(s["heldout_rm_margin_before"]) < 0.5
+    assert s["heldout_rm_accuracy_after"] == 1.0 and s["heldout_rm_margin_after"] > 1.0
     assert not (out / rm.RM_CHECKPOINT_DIR).exists()
     logged = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in logged] == list(range(1, 13))
@@ -121,7 +121,7 @@ def test_killed_training_resumes_to_the_same_model(tmp_path, tiny_model_dir, tra
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 13))
     resumed, uninterrupted = load_file(rm_dir / "model.safetensors"), load_file(trained[1] / "model.safetensors")
     assert all(torch.allclose(resumed[k], uninterrupted[k], atol=1e-5) for k in uninterrupted)
-    assert stats["rm_heldout_accuracy"] == trained[2]["rm_heldout_accuracy"]
+    assert stats["heldout_rm_accuracy_after"] == trained[2]["heldout_rm_accuracy_after"]
 
 
 def test_too_short_max_seq_len_names_the_setting(tmp_path, tiny_model_dir):

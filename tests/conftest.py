@@ -16,6 +16,37 @@ def _shared_data_dir() -> Path:
     return Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads; on a shared 2-core machine OpenMP threads that wait
+    on each other make every step many times slower. Modules that train use it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kill_at_metrics_step(monkeypatch):
+    """`kill(step)` makes the step-`step` metrics line raise KeyboardInterrupt, as a kill -9 would
+    stop a training stage there; `kill(None)` lets training run normally again."""
+    from tasks.stage import MetricsLog
+
+    real_log = MetricsLog.log
+
+    def kill(step: int | None) -> None:
+        def log(self, at, **values):
+            if at == step:
+                raise KeyboardInterrupt("simulated kill")
+            real_log(self, at, **values)
+
+        monkeypatch.setattr(MetricsLog, "log", real_log if step is None else log)
+
+    return kill
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Real data written by others (see its SOURCES.md). In CI its absence is a failure."""

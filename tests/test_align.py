@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from tasks import align, arithmetic
 from tasks.preferences import detect_format, load_preference_pairs, split_transcript
-from tasks.stage import Manifest, MetricsLog, SerialEngine, read_metrics
+from tasks.stage import Manifest, SerialEngine, read_metrics
 
 HH = "prefs/hh_rlhf_harmless_base_test_part1.jsonl.gz"
 ALPACA = "prefs/alpaca_eval_gpt4_vs_davinci003_annotations.jsonl"
@@ -152,14 +152,7 @@ CONFIG = dict(dpo=DPO, max_steps=20, batch_size=8, lr=5e-3, max_seq_len=64,
               warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads that
-    wait on each other make every step ~50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _sft_inputs(root: Path, model_dir: Path) -> dict[str, Manifest]:
@@ -233,22 +226,15 @@ def test_heldout_margin_grows_on_a_learnable_preference(tmp_path, tiny_model_dir
     assert s["heldout_logp_acc_after"] == 1.0
 
 
-def test_killed_stage_resumes_from_checkpoint(tmp_path, tiny_model_dir, arithmetic_run, monkeypatch):
+def test_killed_stage_resumes_from_checkpoint(tmp_path, tiny_model_dir, arithmetic_run, kill_at_metrics_step):
     inputs, out = _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "align.partial"
     config = align.Config(**CONFIG)
-    real_log = MetricsLog.log
-
-    def crash_at_step_15(self, step, **values):
-        if step == 15:
-            raise KeyboardInterrupt("simulated kill")
-        real_log(self, step, **values)
-
-    monkeypatch.setattr(MetricsLog, "log", crash_at_step_15)
+    kill_at_metrics_step(15)
     with pytest.raises(KeyboardInterrupt):
         _run(config, inputs, out)
     assert (out / align.CHECKPOINT_DIR / "checkpoint-10").is_dir()
     assert not (out / "model").exists()
-    monkeypatch.setattr(MetricsLog, "log", real_log)
+    kill_at_metrics_step(None)
 
     stats = _run(config, inputs, out).stats
     assert stats["resumed_from_step"] == 10 and stats["steps"] == 20
@@ -376,21 +362,14 @@ def test_grpo_drops_the_hedging_habit_and_raises_the_reward(tmp_path, answering_
     assert s["heldout_format_after"] > s["heldout_format_before"]
 
 
-def test_killed_grpo_run_resumes_from_checkpoint(tmp_path, answering_model_dir, grpo_run, monkeypatch):
+def test_killed_grpo_run_resumes_from_checkpoint(tmp_path, answering_model_dir, grpo_run, kill_at_metrics_step):
     inputs, out = _sft_inputs(tmp_path, answering_model_dir), tmp_path / "align.partial"
     config = align.Config(**GRPO_CONFIG)
-    real_log = MetricsLog.log
-
-    def crash_at_step_5(self, step, **values):
-        if step == 5:
-            raise KeyboardInterrupt("simulated kill")
-        real_log(self, step, **values)
-
-    monkeypatch.setattr(MetricsLog, "log", crash_at_step_5)
+    kill_at_metrics_step(5)
     with pytest.raises(KeyboardInterrupt):
         _run(config, inputs, out)
     assert (out / align.CHECKPOINT_DIR / "checkpoint-3").is_dir()
-    monkeypatch.setattr(MetricsLog, "log", real_log)
+    kill_at_metrics_step(None)
 
     stats = _run(config, inputs, out).stats
     assert stats["resumed_from_step"] == 3 and stats["steps"] == 6

@@ -15,7 +15,7 @@ import torch
 
 from tasks import align, arithmetic, sft
 from tasks.rewards import load_math_prompts
-from tasks.stage import Manifest, MetricsLog, SerialEngine, read_metrics
+from tasks.stage import Manifest, SerialEngine, read_metrics
 
 OASST = "sft/oasst1_en_validation.jsonl"
 SELF_INSTRUCT = "sft/self_instruct_seed_tasks.jsonl"
@@ -26,12 +26,7 @@ SVAMP = "rl/svamp.jsonl"
 COMMON = dict(max_seq_len=128, seed=0, device="cpu", warmup_frac=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a shared machine: threads only wait on each other
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _manifest(stage: str, path: Path) -> Manifest:
@@ -107,24 +102,17 @@ def test_svamp_prompts_split_by_hash_and_none_dropped(shared_data):
     assert 30 < len(heldout) < 90  # about TEST_PERCENT of 300
 
 
-def test_grpo_on_svamp_trains_resumes_and_exports(tmp_path, sft_dir, shared_data, monkeypatch):
+def test_grpo_on_svamp_trains_resumes_and_exports(tmp_path, sft_dir, shared_data, kill_at_metrics_step):
     config = align.Config(method="grpo", grpo={"prompts": [str(shared_data / SVAMP)], "heldout_prompts": 8,
                                                "num_generations": 8, "max_completion_len": 24,
                                                "kl_beta": 0.05},
                           max_steps=4, batch_size=4, lr=1e-3, checkpoint_every=2, **COMMON)
     inputs, out = {"sft": _manifest("sft", sft_dir)}, tmp_path / "align.partial"
-    real_log = MetricsLog.log
-
-    def crash_at_step_3(self, step, **values):
-        if step == 3:
-            raise KeyboardInterrupt("simulated kill")
-        real_log(self, step, **values)
-
-    monkeypatch.setattr(MetricsLog, "log", crash_at_step_3)
+    kill_at_metrics_step(3)
     with pytest.raises(KeyboardInterrupt):
         align.run(config, inputs, out, engine=SerialEngine())
     assert (out / align.CHECKPOINT_DIR / "checkpoint-2" / "model.safetensors").is_file()
-    monkeypatch.setattr(MetricsLog, "log", real_log)
+    kill_at_metrics_step(None)
 
     s = align.run(config, inputs, out, engine=SerialEngine()).stats
     assert s["resumed_from_step"] == 2 and s["steps"] == 4

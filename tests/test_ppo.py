@@ -18,13 +18,7 @@ from tasks.stage import MetricsLog, read_metrics
 PROMPT = [{"role": "user", "content": "Say a word."}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from threads; on a shared 2-core machine they only wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------- settings and arithmetic

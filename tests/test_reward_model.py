@@ -16,13 +16,7 @@ SETTINGS = {"lr": 3e-3, "max_steps": 12, "batch_size": 8, "max_seq_len": 64, "wa
             "seed": 0, "device": "cpu", "checkpoint_every": 6}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from threads; on a shared 2-core machine they only wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def courtesy_pairs(n: int) -> list[dict]:
@@ -100,21 +94,14 @@ def test_finished_reward_model_is_reused(trained, tiny_model_dir):
     assert (rm_dir / "model.safetensors").stat().st_mtime_ns == weights
 
 
-def test_killed_training_resumes_to_the_same_model(tmp_path, tiny_model_dir, trained, monkeypatch):
+def test_killed_training_resumes_to_the_same_model(tmp_path, tiny_model_dir, trained, kill_at_metrics_step):
     from safetensors.torch import load_file
 
-    real_log = MetricsLog.log
-
-    def crash_at_step_9(self, step, **values):
-        if step == 9:
-            raise KeyboardInterrupt("simulated kill")
-        real_log(self, step, **values)
-
-    monkeypatch.setattr(MetricsLog, "log", crash_at_step_9)
+    kill_at_metrics_step(9)
     with pytest.raises(KeyboardInterrupt):
         _train(tiny_model_dir, tmp_path)
     assert (tmp_path / rm.RM_CHECKPOINT_DIR / "checkpoint-6").is_dir()
-    monkeypatch.setattr(MetricsLog, "log", real_log)
+    kill_at_metrics_step(None)
 
     rm_dir, stats = _train(tiny_model_dir, tmp_path)
     assert stats["rm_resumed_from_step"] == 6 and stats["rm_steps"] == 12

@@ -353,7 +353,7 @@ def test_grpo_drops_the_hedging_habit_and_raises_the_reward(tmp_path, answering_
     """The demo's learnable rule: hedged replies never verify, committed ones carry the format
     reward and sometimes the right number; GRPO must shift the model to committing."""
     config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "num_generations": 8, "format_weight": 1.0},
-                             "max_steps": 20, "lr": 3e-3, "checkpoint_every": 100})
+                             "max_steps": 30, "lr": 2e-3, "checkpoint_every": 100})
     s = _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out").stats
     logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
     formats = [r["rewards/format_reward/mean"] for r in logged]

@@ -42,8 +42,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks import collect
-from tasks.cleaning import CleanOutcome, clean_documents
+import tasks.collect.stage as collect
+from tasks.collect.cleaning import CleanOutcome, clean_documents
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -55,7 +55,7 @@ Doc = tuple[str, str]  # (text, url)
 def load_docs(n_docs: int) -> tuple[list[Doc], int]:
     """Extracted (text, url) of every shared WARC page and JSONL document, repeated to n_docs;
     also how many are distinct."""
-    from tasks.readers import RawDoc, extract_text, read_file, resolve_source
+    from tasks.collect.readers import RawDoc, extract_text, read_file, resolve_source
 
     unique: list[Doc] = []
     for source in (SHARED / "warc", SHARED / "jsonl"):
@@ -72,7 +72,7 @@ def chunked(docs: list[Doc], n_chunks: int) -> list[list[Doc]]:
 
 
 def run_ours(chunks: list[list[Doc]], cfg: collect.Config) -> list[CleanOutcome]:
-    from tasks.stage import SerialEngine
+    from core.stage import SerialEngine
 
     return [o for part in SerialEngine().map(partial(clean_documents, cfg=cfg), chunks)
             for o in part]
@@ -86,7 +86,7 @@ def bundled_ft176(languages: list[str]) -> Any:
     import numpy as np
     from datatrove.utils.lid import FT176LID
 
-    from tasks import langid
+    import tasks.collect.langid as langid
 
     class NumpyScores:
         def __init__(self, model: Any):
@@ -109,12 +109,17 @@ def bundled_ft176(languages: list[str]) -> Any:
 def datatrove_pipeline(docs: list[Doc], cfg: collect.Config, kept_ids: list[str]) -> list[Any]:
     """The equivalent datatrove chain, built fresh (LanguageFilter loads its model lazily)."""
     from datatrove.data import Document
-    from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter,
-                                            GopherQualityFilter, GopherRepetitionFilter,
-                                            LambdaFilter, LanguageFilter)
+    from datatrove.pipeline.filters import (
+        C4QualityFilter,
+        FineWebQualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+        LambdaFilter,
+        LanguageFilter,
+    )
     from datatrove.pipeline.formatters import PIIFormatter
 
-    from tasks import text_filters
+    import tasks.collect.filters as text_filters
 
     def sink(data, rank: int = 0, world_size: int = 1):
         for doc in data:
@@ -162,7 +167,7 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
 def compare_verdicts(docs: list[Doc], ours: list[CleanOutcome], datatrove_kept: set[str],
                      n_unique: int) -> dict[str, int]:
     """Print and count the distinct documents the two chains judge differently."""
-    from tasks.langid import load_model
+    from tasks.collect.langid import load_model
 
     n_unique = min(n_unique, len(ours))
     differ = [i for i in range(n_unique) if ours[i].kept != (str(i) in datatrove_kept)]

@@ -53,8 +53,8 @@ def _read_jsonl(path: Path) -> list[str]:
 
 
 def run_ours(path: Path, cfg) -> np.ndarray:
-    from tasks.dedup import near_dedup
-    from tasks.stage import SerialEngine
+    from core.stage import SerialEngine
+    from tasks.collect.dedup import near_dedup
 
     return near_dedup(_read_jsonl(path), cfg, SerialEngine()).cluster
 
@@ -62,7 +62,7 @@ def run_ours(path: Path, cfg) -> np.ndarray:
 def run_datasketch(path: Path, cfg) -> np.ndarray:
     from datasketch import MinHash, MinHashLSH
 
-    from tasks.dedup import normalize
+    from tasks.collect.dedup import normalize
 
     k = cfg.shingle_words
     shingle_sets = []
@@ -183,7 +183,7 @@ def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, r
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     from bench.neardup_set import build_labelled_set, pair_jaccards
-    from tasks.dedup import DedupConfig
+    from tasks.collect.dedup import DedupConfig
 
     cfg = DedupConfig(**{k: getattr(args, k) for k in ("bands", "rows", "threshold")
                          if getattr(args, k) is not None})

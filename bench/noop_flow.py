@@ -10,12 +10,12 @@ from typing import Any, Mapping
 
 from prefect import flow
 
+from core.stage import Manifest, StageConfig, StageResult
 from flows.dag import PlannedStage, StageSpec
 from flows.pipeline import Runtime, run_stage
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.tracking import Tracker
-from tasks.stage import Manifest, StageConfig, StageResult
 
 VERSION = 1
 _SALT = uuid.uuid4().hex  # fresh keys per benchmark process, identical within it (so reuse hits)

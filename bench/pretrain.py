@@ -24,11 +24,18 @@ from typing import Callable
 
 import torch
 
-from model.loop import LoopConfig, causal_lm_loss, device_peak_tflops, make_optimizer, resolve_device, train
+from core.stage import MetricsLog
+from model.loop import (
+    LoopConfig,
+    causal_lm_loss,
+    device_peak_tflops,
+    make_optimizer,
+    resolve_device,
+    train,
+)
 from model.plan import flops_per_token
 from model.presets import PRESETS, build_model
 from model.schedule import lr_multiplier
-from tasks.stage import MetricsLog
 
 
 class _Vocab:

@@ -77,7 +77,7 @@ def write_collect(docs: list[str], root: Path) -> list[Path]:
 
 
 def time_raw(tokenizer_json: Path, docs: list[str]) -> None:
-    from tasks.tokenize import open_encoder
+    from tasks.tokenize.stage import open_encoder
 
     tok = open_encoder(tokenizer_json)
     for i in range(0, len(docs), BATCH_DOCS):
@@ -85,8 +85,8 @@ def time_raw(tokenizer_json: Path, docs: list[str]) -> None:
 
 
 def time_stage(tokenizer_json: Path, collect_paths: list[Path], work: Path) -> None:
-    from tasks import tokenize
-    from tasks.stage import SerialEngine
+    import tasks.tokenize.stage as tokenize
+    from core.stage import SerialEngine
 
     config = tokenize.Config(encode_batch_docs=BATCH_DOCS, val_fraction=0.05)
     parts, tokens = work / "parts", work / "tokens"
@@ -113,7 +113,7 @@ def time_datatrove(tokenizer_json: Path, collect_dir: Path, work: Path) -> None:
 
 
 def median_seconds(fn: Callable[[Path], None], scratch: Path, repeats: int) -> float:
-    from tasks.tokenize import _cached_encoder
+    from tasks.tokenize.stage import _cached_encoder
 
     times = []
     for r in range(repeats):
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     # Read by the tokenizers library when it first runs in parallel: set before any encoding.
     os.environ.update(TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS=str(args.threads))
-    from tasks.tokenize import save_tokenizer, train_tokenizer
+    from tasks.tokenize.stage import save_tokenizer, train_tokenizer
 
     docs = build_docs(args.corpus, int(args.mb * 1e6))
     text_mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6

@@ -49,11 +49,24 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+# Keys renamed when every trainer started sharing core.settings.TrainSettings: where they went.
+MOVED_KEYS = {
+    **{f"align.{knob}": f"align.<method>.{knob}" for knob in
+       ("lr", "max_steps", "batch_size", "warmup_frac", "seed", "device", "checkpoint_every", "max_seq_len")},
+    "align.log_every_steps": "align.<method>.log_every",
+    "align.ppo.reward_model.log_every_steps": "align.ppo.reward_model.log_every",
+    "align.ppo.policy.rollout_batch_size": "align.ppo.policy.batch_size",
+    "align.ppo.policy.max_grad_norm": "align.ppo.policy.grad_clip",
+}
+
+
 def _describe(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
-        if item["type"] == "extra_forbidden":
+        if item["type"] == "extra_forbidden" and key in MOVED_KEYS:
+            lines.append(f"unknown config key {key!r} (it moved: use {MOVED_KEYS[key]!r})")
+        elif item["type"] == "extra_forbidden":
             lines.append(f"unknown config key {key!r}")
         else:
             lines.append(f"{key}: {item['msg']}")

@@ -8,17 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
+from core.stage import StageConfig
+from flows.config import PipelineConfig
 from infra.artifacts import ArtifactStore, stage_key
 from tasks import align, collect, evaluate, pretrain, sft, tokenize
-from tasks.stage import StageConfig
-
-from flows.config import PipelineConfig
 
 
 @dataclass(frozen=True)
 class StageSpec:
     name: str
-    module: ModuleType  # a tasks/ module following the contract in tasks/stage.py
+    module: ModuleType  # a tasks/ package exposing the contract of core/stage.py
     deps: tuple[str, ...]
     uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
 
@@ -56,10 +55,8 @@ def plan(config: PipelineConfig, store: ArtifactStore, until: str | None = None)
     planned = []
     for spec in stages_until(until):
         stage_config = getattr(config, spec.name)
-        fingerprint = getattr(spec.module, "fingerprint", None)
         key = stage_key(spec.name, spec.module.VERSION, stage_config.hashed_dict(),
-                        {dep: keys[dep] for dep in spec.deps},
-                        fingerprint(stage_config) if fingerprint else None)
+                        {dep: keys[dep] for dep in spec.deps}, spec.module.fingerprint(stage_config))
         keys[spec.name] = key
         planned.append(PlannedStage(spec, stage_config, key, store.load(spec.name, key) is not None))
     return planned

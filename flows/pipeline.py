@@ -15,13 +15,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from core.stage import Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, plan
 from flows.reports import PUBLISHERS
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.tracking import Tracker
-from tasks.stage import Engine, Manifest, SerialEngine
 
 REPORT = "report.md"
 
@@ -38,7 +38,9 @@ class Runtime:
 def _engine(stage: PlannedStage) -> Engine:
     if not stage.spec.uses_ray:
         return SerialEngine()
-    from infra.ray_engine import RayEngine  # imported lazily: only data stages pay Ray's start-up
+    from infra.ray_engine import (
+        RayEngine,  # imported lazily: only data stages pay Ray's start-up
+    )
 
     return RayEngine(num_workers=getattr(stage.config, "num_workers", 1))
 

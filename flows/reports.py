@@ -12,9 +12,9 @@ from typing import Callable
 
 from prefect.artifacts import create_markdown_artifact
 
+from core.stage import Manifest
 from infra.charts import funnel_chart, histogram_chart
 from infra.tracking import Tracker
-from tasks.stage import Manifest
 
 FUNNEL = "funnel.json"
 

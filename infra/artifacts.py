@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from tasks.stage import Manifest, file_digest
+from core.files import file_digest
+from core.stage import Manifest
 
 MANIFEST = "manifest.json"
 CONFIG = "config.json"

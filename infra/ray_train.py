@@ -29,8 +29,8 @@ def train_worker(args: dict[str, Any]) -> None:
     """One Ray Train worker: run the pretrain stage as one data-parallel process."""
     import torch.distributed as dist
 
-    from tasks.pretrain import Config, run
-    from tasks.stage import Manifest, SerialEngine
+    from core.stage import Manifest, SerialEngine
+    from tasks.pretrain.stage import Config, run
 
     out_dir = Path(args["out_dir"])
     manifest = Manifest(stage="tokenize", key="ray", path=Path(args["tokenize_dir"]), config={}, upstream={},

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Mapping
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
+from core.stage import METRICS_FILE, Manifest, read_metrics
 from infra.artifacts import CONFIG, MANIFEST
-from tasks.stage import METRICS_FILE, Manifest, read_metrics
 
 EXPERIMENT = "gristmill"
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value

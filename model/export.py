@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from tasks.chat import DOC_SEPARATOR, IM_END
+from core.chat import DOC_SEPARATOR, IM_END
 
 
 def generation_config(tokenizer: Any) -> GenerationConfig:

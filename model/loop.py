@@ -16,11 +16,8 @@ after a rollback stays exact. After `max_rollbacks` rollbacks the run stops with
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import shutil
 import statistics
 import time
 from contextlib import nullcontext
@@ -33,15 +30,22 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from pydantic import Field, model_validator
 
+from core.settings import TrainSettings
+from core.stage import MetricsLog
+from model.checkpoint import (
+    clear_partial_checkpoints,
+    complete_checkpoints,
+    read_marker,
+    rewrite_marker,
+    save_checkpoint,
+)
 from model.schedule import lr_multiplier
-from tasks.stage import MetricsLog, StageConfig
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
-MARKER = "checkpoint.json"  # written last inside a checkpoint: its completion marker
 RECENT_LOSSES = 10  # steps averaged into the reported final train loss
 # Floor of the rolling std as a fraction of the rolling mean loss: on a flat loss curve (std near
 # 0) ordinary batch-to-batch noise must not count as a spike.
@@ -54,38 +58,23 @@ class TrainingDiverged(RuntimeError):
     """Training kept producing non-finite or spiking losses after `max_rollbacks` rollbacks."""
 
 
-class LoopConfig(StageConfig):
-    """Optimisation and checkpointing knobs shared by every training stage config."""
+class LoopConfig(TrainSettings):
+    """The shared training settings (core.settings) plus the knobs only this loop has: gradient
+    accumulation, the LR schedule's shape, evaluation cadence, compilation, MFU and spike rollback."""
 
-    unhashed_fields: ClassVar[frozenset[str]] = frozenset(
-        {"checkpoint_every", "keep_checkpoints", "log_every", "eval_every", "compile", "peak_tflops"})
+    unhashed_fields: ClassVar[frozenset[str]] = TrainSettings.unhashed_fields | {"eval_every", "compile", "peak_tflops"}
 
-    max_steps: int = Field(200, gt=0, description="Optimizer steps to train for.")
-    batch_size: int = Field(8, gt=0, description="Sequences per optimizer step (across all processes).")
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches each step's batch is split into "
                                                        "(a memory knob; batch_size must divide evenly).")
     tokens_per_step: int | None = Field(
         None, gt=0, description="Target tokens per optimizer step (all processes). When set, batch_size is "
                                 "the micro-batch (sequences per forward pass) and the stage derives the "
                                 "accumulation: grad_accum_steps = tokens_per_step / (batch_size * seq_len).")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of AdamW.")
-    warmup_frac: float = Field(0.1, ge=0, lt=1, description="Share of max_steps spent in linear LR warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine floor).")
     schedule: Literal["cosine", "wsd"] = Field(
         "cosine", description="LR after warmup: cosine decay to the floor, or wsd (warmup-stable-decay: "
                               "constant, then linear decay over the last decay_frac of the steps).")
     decay_frac: float = Field(0.2, ge=0, le=1, description="wsd only: share of max_steps spent decaying.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay "
-                                                       "(matrices only; norms and biases get none).")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
-    grad_clip: float = Field(1.0, ge=0, description="Max global gradient L2 norm; 0 disables clipping.")
-    seed: int = Field(0, description="Seed of the initialisation and of the data order.")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: CUDA when available, else CPU. bf16 autocast is used on CUDA only.")
-    checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
-    keep_checkpoints: int = Field(2, gt=0, description="Most recent complete checkpoints kept on disk.")
-    log_every: int = Field(10, gt=0, description="Log a one-line progress summary every N steps.")
     eval_every: int = Field(50, ge=0, description="Run the stage's evaluation every N steps "
                                                    "(and always at the end); 0: only at the end.")
     compile: bool = Field(False, description="torch.compile the model (inductor). Pays off on GPU; on a "
@@ -194,50 +183,6 @@ def device_peak_tflops(cfg: LoopConfig, device: torch.device) -> float | None:
     return next((peak for key, peak in GPU_PEAK_TFLOPS.items() if key in name), None)
 
 
-def complete_checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (those with their marker) under `work_dir/checkpoints`, oldest first."""
-    root = Path(work_dir) / "checkpoints"
-    found = []
-    for path in root.glob("step-*") if root.is_dir() else []:
-        marker = path / MARKER
-        if path.is_dir() and marker.is_file():
-            found.append((json.loads(marker.read_text())["step"], path))
-    return sorted(found)
-
-
-def _save_checkpoint(accelerator: Accelerator, work_dir: Path, state: dict[str, Any], keep: int) -> None:
-    root = Path(work_dir) / "checkpoints"
-    final = root / f"step-{state['step']:07d}"
-    tmp = root / f"tmp-step-{state['step']:07d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / MARKER).write_text(json.dumps(state) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for _, old in complete_checkpoints(work_dir)[:-keep]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-
-
-def remove_checkpoints(work_dir: Path) -> None:
-    """Delete all checkpoints once a stage's outputs are exported (they are several times the
-    model's size and only serve a resume)."""
-    shutil.rmtree(Path(work_dir) / "checkpoints", ignore_errors=True)
-
-
-def _clear_partial_checkpoints(work_dir: Path) -> None:
-    """Remove temporary and unmarked checkpoint directories left by a crash."""
-    root = Path(work_dir) / "checkpoints"
-    for path in root.glob("*") if root.is_dir() else []:
-        if path.is_dir() and not (path / MARKER).is_file():
-            shutil.rmtree(path)
-
-
 def make_accelerator(cfg: LoopConfig) -> Accelerator:
     """An Accelerator for cfg.device: bf16 autocast on CUDA, full fp32 on CPU."""
     use_cuda = resolve_device(cfg.device).type == "cuda"
@@ -289,13 +234,18 @@ def _fresh_state() -> dict[str, Any]:
 
 def _load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
     accelerator.load_state(str(path))
-    return {**_fresh_state(), **json.loads((path / MARKER).read_text())}
+    return {**_fresh_state(), **read_marker(path)}
+
+
+def _save_checkpoint(accelerator: Accelerator, work_dir: Path, state: dict[str, Any], keep: int) -> None:
+    save_checkpoint(work_dir, state, keep, lambda directory: accelerator.save_state(str(directory)),
+                    main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
 
 
 def _resume(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, log: logging.Logger) -> dict:
     """Load the latest complete checkpoint, if any; returns its saved loop state."""
     if accelerator.is_main_process:
-        _clear_partial_checkpoints(work_dir)
+        clear_partial_checkpoints(work_dir)
     accelerator.wait_for_everyone()
     done = complete_checkpoints(work_dir)
     if not done:
@@ -322,13 +272,6 @@ def _anomaly(loss: float, grad_norm: float, window: list[float], cfg: LoopConfig
     return None
 
 
-def _rewrite_marker(path: Path, state: dict[str, Any]) -> None:
-    """Replace a checkpoint's marker atomically (the checkpoint stays complete throughout)."""
-    tmp = path / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(state) + "\n")
-    os.replace(tmp, path / MARKER)
-
-
 def _rollback(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
               loss: float, reason: str, cfg: LoopConfig, log: logging.Logger) -> dict[str, Any]:
     """Restore the last complete checkpoint and skip every batch from it up to the offending one;
@@ -346,7 +289,7 @@ def _rollback(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, sta
                 reason, loss, failed, good_step, skipped, state["rollbacks"], cfg.max_rollbacks)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _rewrite_marker(path, state)
+        rewrite_marker(path, state)
         metrics.truncate_after(good_step)
         metrics.log(good_step, rollback=state["rollbacks"], rollback_from_step=failed, rollback_skipped=skipped,
                     rollback_nonfinite=int(reason == "non-finite"), rollback_loss=loss, rollback_reason=reason)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from pydantic import Field
 
+from core.stage import StageConfig
 from model.export import export_model
-from tasks.stage import StageConfig
 
 # Every linear layer of a Llama block: attention projections and the SwiGLU MLP. Adapting all of
 # them (not only q/v) is what QLoRA found to match full fine-tuning.

@@ -28,35 +28,40 @@ repeats exactly what an uninterrupted one does without carrying RNG states acros
 """
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from pydantic import Field, model_validator
 
+from core.chat import Message, prompt_ids
+from core.settings import TrainSettings
+from core.stage import MetricsLog
+from model.checkpoint import (
+    clear_partial_checkpoints,
+    complete_checkpoints,
+    read_marker,
+    save_checkpoint,
+)
 from model.export import generation_config
-from model.loop import MARKER, _clear_partial_checkpoints, complete_checkpoints
-from tasks.chat import Message, prompt_ids
-from tasks.stage import MetricsLog, StageConfig
+from model.schedule import warmup_linear
 
 log = logging.getLogger("gristmill.ppo")
 
 # (prompts, response texts) -> scores, shape [n]: a reward model's scorer, or a rule in tests
 RewardFn = Callable[[list[list[Message]], list[str]], torch.Tensor]
-KEEP_CHECKPOINTS = 2
 FINAL_WINDOW = 10  # steps averaged into the final score/KL stats
 
 
-class PPOSettings(StageConfig):
-    """PPO hyperparameters; clip ranges, vf_coef, kl_coef, gamma and lam default to TRL 0.x's PPOConfig."""
+class PPOSettings(TrainSettings):
+    """PPO hyperparameters beside the shared training settings (core.settings: lr, max_steps,
+    batch_size = prompts sampled per PPO step, warmup_frac, AdamW, grad_clip per update, seed,
+    checkpoints). Clip ranges, vf_coef, kl_coef, gamma and lam default to TRL 0.x's PPOConfig."""
 
-    rollout_batch_size: int = Field(16, ge=1, description="Prompts sampled (one response each) per PPO step.")
-    minibatch_size: int = Field(4, ge=1, description="Responses per optimizer update; divides rollout_batch_size.")
+    minibatch_size: int = Field(4, ge=1, description="Responses per optimizer update; divides batch_size.")
     ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout's minibatches.")
     clip_range: float = Field(0.2, gt=0, description="Policy ratio clip: ratios outside 1 +- this give no gradient.")
     value_clip_range: float = Field(0.2, gt=0, description="How far a value may move from its rollout value "
@@ -69,18 +74,11 @@ class PPOSettings(StageConfig):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are of logits / temperature.")
     missing_eos_penalty: float = Field(0.0, ge=0, description=(
         "Subtracted from the score of a response cut at max_new_tokens before it ended its turn; 0: none."))
-    lr: float = Field(1e-5, gt=0, description="Peak AdamW learning rate, decayed linearly to 0 over max_steps.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient L2 norm clip per update.")
-    max_steps: int = Field(100, ge=1, description="PPO steps (rollout + optimisation) to run.")
-    checkpoint_every: int = Field(20, ge=1, description="Steps between resumable checkpoints (and after the last).")
-    seed: int = Field(0, description="Seed of prompt order, sampling and minibatch order.")
-
-    unhashed_fields: ClassVar[frozenset[str]] = frozenset({"checkpoint_every"})
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> PPOSettings:
-        if self.rollout_batch_size % self.minibatch_size:
-            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by "
+        if self.batch_size % self.minibatch_size:
+            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by "
                              f"minibatch_size ({self.minibatch_size})")
         return self
 
@@ -271,7 +269,7 @@ def optimise(policy: Any, value_head: ValueHead, optimizer: torch.optim.Optimize
                                          settings.value_clip_range)
             optimizer.zero_grad(set_to_none=True)
             (pg_loss + settings.vf_coef * vf_loss).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip if settings.grad_clip > 0 else float("inf"))
             optimizer.step()
             row = {"policy_loss": pg_loss.item(), "value_loss": vf_loss.item(), "clip_frac": clip_frac,
                    "approx_kl": approx_kl, "grad_norm": grad_norm.item()}
@@ -296,13 +294,13 @@ def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, opti
              ) -> dict[str, float]:
     """Step `step` (0-based): a rollout, its scores, and the updates on it; returns its metrics."""
     torch.manual_seed(settings.seed * 1_000_003 + step)  # the step's sampling and minibatch order
-    chosen = [prompts[i] for i in prompt_indices(step, settings.rollout_batch_size, len(prompts), settings.seed)]
+    chosen = [prompts[i] for i in prompt_indices(step, settings.batch_size, len(prompts), settings.seed)]
     roll = sample_responses(policy, tokenizer, chosen, settings)
     batch, row = score_rollout(policy, value_head, reference, roll, _scores(reward_fn, chosen, roll.texts), settings)
-    # Linear decay to 0 (TRL's PPO default): a pure function of the step, so resume needs no
-    # scheduler state; the shrinking steps let the policy settle instead of jittering around the
-    # optimum, which whitened advantages never let die down at a constant LR.
-    lr = settings.lr * (1 - step / settings.max_steps)
+    # Warmup, then linear decay to 0 (TRL's PPO default): a pure function of the step, so resume
+    # needs no scheduler state; the shrinking steps let the policy settle instead of jittering
+    # around the optimum, which whitened advantages never let die down at a constant LR.
+    lr = settings.lr * warmup_linear(step, settings.max_steps, settings.warmup_frac)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return {**row, **optimise(policy, value_head, optimizer, roll, batch, settings), "ppo/lr": lr}
@@ -310,21 +308,13 @@ def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, opti
 
 # ---------------------------------------------------------------- checkpoints and the loop
 
-def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any]) -> None:
-    root = Path(out_dir) / "checkpoints"
-    final, tmp = root / f"step-{state['step']:07d}", root / f"tmp-step-{state['step']:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save({name: m.state_dict() for name, m in modules.items()}, tmp / "state.pt")
-    (tmp / MARKER).write_text(json.dumps(state) + "\n")  # last: the checkpoint is complete
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for _, old in complete_checkpoints(out_dir)[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old)
+def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int) -> None:
+    tensors = {name: m.state_dict() for name, m in modules.items()}
+    save_checkpoint(out_dir, state, keep, lambda directory: torch.save(tensors, directory / "state.pt"))
 
 
 def _resume(out_dir: Path, modules: dict[str, Any]) -> dict[str, Any]:
-    _clear_partial_checkpoints(out_dir)
+    clear_partial_checkpoints(out_dir)
     done = complete_checkpoints(out_dir)
     if not done:
         return {"step": 0, "scores": [], "kls": []}
@@ -334,7 +324,7 @@ def _resume(out_dir: Path, modules: dict[str, Any]) -> dict[str, Any]:
     for name, module in modules.items():
         module.load_state_dict(saved[name])
     log.info("resuming PPO from step %d (%s)", step, path)
-    return json.loads((path / MARKER).read_text())
+    return read_marker(path)
 
 
 def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Sequence[Message]],
@@ -342,7 +332,7 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
               metrics_step_offset: int = 0) -> dict[str, Any]:
     """Train `policy` in place with PPO for `settings.max_steps` steps, resuming from the last
     checkpoint in `out_dir/checkpoints` (the caller exports the policy, then may delete them with
-    model.loop.remove_checkpoints). `reference` is the frozen policy before training, on the same
+    model.checkpoint.remove_checkpoints). `reference` is the frozen policy before training, on the same
     device. Step s is logged to `metrics` as step s + metrics_step_offset (to follow, e.g., the
     reward model's steps in the same metrics.jsonl) with: ppo/score (mean reward_fn score),
     ppo/kl (summed log pi/pi_ref per response), ppo/reward, ppo/entropy, ppo/policy_loss,
@@ -358,7 +348,8 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
     reference.to(device).eval().requires_grad_(False)
     value_head = ValueHead(policy.config.get_text_config().hidden_size).to(device)
     optimizer = torch.optim.AdamW([*policy.parameters(), *value_head.parameters()], lr=settings.lr,
-                                  eps=1e-5, weight_decay=0.0)
+                                  betas=(settings.beta1, settings.beta2), eps=1e-5,
+                                  weight_decay=settings.weight_decay)
     modules = {"policy": policy, "value_head": value_head, "optimizer": optimizer}
     state = _resume(out_dir, modules)
     resumed_from = state["step"]
@@ -370,7 +361,7 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
                  "kls": state["kls"] + [row["ppo/kl"]]}
         metrics.log(metrics_step_offset + step + 1, **row)
         if state["step"] % settings.checkpoint_every == 0 or state["step"] == settings.max_steps:
-            _save(out_dir, state, modules)
+            _save(out_dir, state, modules, settings.keep_checkpoints)
     recent = slice(-FINAL_WINDOW, None)
     return {"ppo_steps": state["step"], "ppo_resumed_from_step": resumed_from,
             "ppo_score_initial": state["scores"][0],

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, model_validator
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tasks.stage import StageConfig
+from core.stage import StageConfig
 
 
 class ModelConfig(StageConfig):

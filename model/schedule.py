@@ -38,6 +38,17 @@ def warmup_stable_decay(step: int, total_steps: int, warmup_frac: float, decay_f
     return 1.0 - (1.0 - min_lr_ratio) * progress
 
 
+def warmup_linear(step: int, total_steps: int, warmup_frac: float) -> float:
+    """LR multiplier with the same linear warmup, then a linear decay to 0 after the last step
+    (the "linear" schedule of transformers' Trainer, which the TRL-trained methods use)."""
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {total_steps}")
+    warmup_steps = int(round(warmup_frac * total_steps))
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
 def lr_multiplier(step: int, total_steps: int, schedule: str, warmup_frac: float, decay_frac: float,
                   min_lr_ratio: float) -> float:
     """The multiplier of the named schedule ("cosine" or "wsd") at `step`."""

@@ -32,7 +32,7 @@ def one_torch_thread():
 def kill_at_metrics_step(monkeypatch):
     """`kill(step)` makes the step-`step` metrics line raise KeyboardInterrupt, as a kill -9 would
     stop a training stage there; `kill(None)` lets training run normally again."""
-    from tasks.stage import MetricsLog
+    from core.stage import MetricsLog
 
     real_log = MetricsLog.log
 
@@ -61,7 +61,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory, shared_data) -> Path:
     """A byte-level BPE trained in-process on real text, saved as an HF tokenizer dir."""
-    from tasks.tokenize import save_tokenizer, train_tokenizer
+    from tasks.tokenize.stage import save_tokenizer, train_tokenizer
 
     text = (shared_data / "corpus" / "tinyshakespeare.txt").read_text()
     docs = [text[i : i + 2000] for i in range(0, 400_000, 2000)]

@@ -11,11 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
-from tasks import align, arithmetic
-from tasks.preferences import detect_format, load_preference_pairs, split_transcript
-from tasks.stage import Manifest, SerialEngine, read_metrics
+import core.arithmetic as arithmetic
+import tasks.align.stage as align
+from core.stage import Manifest, SerialEngine, StageConfig, read_metrics
+from tasks.align.dpo import DPOSettings
+from tasks.align.grpo import GRPOSettings
+from tasks.align.method import AlignJob, Method
+from tasks.align.preferences import (
+    detect_format,
+    load_preference_pairs,
+    split_transcript,
+)
 
 HH = "prefs/hh_rlhf_harmless_base_test_part1.jsonl.gz"
 ALPACA = "prefs/alpaca_eval_gpt4_vs_davinci003_annotations.jsonl"
@@ -132,7 +140,7 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValidationError, match="method"):
         align.Config(method="rlhf")
     assert "checkpoint_every" not in align.Config().hashed_dict()
-    for model in (align.Config, align.DPOSettings, align.GRPOSettings):
+    for model in (align.Config, DPOSettings, GRPOSettings):
         assert all(f.description for f in model.model_fields.values())
 
 
@@ -145,11 +153,45 @@ def test_only_the_chosen_methods_settings_are_hashed():
     assert {"dpo", "grpo", "ppo"} <= set(align.METHODS) <= set(align.Config.model_fields)
 
 
+def test_a_new_method_is_one_module_and_one_registry_entry(tmp_path, tiny_model_dir, monkeypatch):
+    """What a method module provides (settings with sources(), train(settings, job)) plus one
+    METHODS entry is all the stage needs: config section, hashing, dispatch and export follow."""
+
+    class ScaleSettings(StageConfig):
+        factor: float = Field(1.0, gt=0, description="Multiplies the output embedding.")
+
+        def sources(self) -> list[str]:
+            return []
+
+    def train(settings: ScaleSettings, job: AlignJob):
+        with torch.no_grad():
+            job.model.lm_head.weight.mul_(settings.factor)
+        return job.model, {"scaled_by": settings.factor}
+
+    methods = {**align.METHODS, "scale": Method(ScaleSettings, train, "Settings of the test method.")}
+    monkeypatch.setattr(align, "METHODS", methods)
+    config = align.config_class(methods)(method="scale", scale={"factor": 2.0})
+    assert config.hashed_dict() == {"lora": None, "method": "scale", "scale": {"factor": 2.0}}
+    assert align.fingerprint(config) == align.fingerprint(align.config_class(methods)(method="scale"))
+    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    assert s["method"] == "scale" and s["scaled_by"] == 2.0
+    before, after = _weights(tiny_model_dir), _weights(tmp_path / "out" / "model")
+    head = next(k for k in before if "lm_head" in k or "embed_tokens" in k)
+    assert torch.allclose(after[head], 2.0 * before[head])
+    with pytest.raises(ValidationError, match="method"):
+        align.Config(method="scale")  # not in the shipped registry
+
+
 # ---------------------------------------------------------------- the stage
 
-DPO = dict(max_pairs=96, beta=0.1, heldout_fraction=0.25)
-CONFIG = dict(dpo=DPO, max_steps=20, batch_size=8, lr=5e-3, max_seq_len=64,
-              warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10)
+# The TRL trainers' own optimiser defaults (weight decay 0, beta2 0.999), as these tests were sized with.
+TRL_ADAMW = dict(weight_decay=0.0, beta2=0.999)
+DPO = dict(max_pairs=96, beta=0.1, heldout_fraction=0.25, max_steps=20, batch_size=8, lr=5e-3, max_seq_len=64,
+           warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10, **TRL_ADAMW)
+
+
+def dpo_config(lora: dict | None = None, **dpo) -> align.Config:
+    return align.Config(method="dpo", dpo={**DPO, **dpo}, lora=lora)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -177,7 +219,7 @@ def arithmetic_run(tmp_path_factory, tiny_model_dir):
     """One uninterrupted DPO run on demo:arithmetic: (inputs, out_dir, stats)."""
     root = tmp_path_factory.mktemp("align")
     inputs = _sft_inputs(root, tiny_model_dir)
-    result = _run(align.Config(**CONFIG), inputs, root / "align.partial")
+    result = _run(dpo_config(), inputs, root / "align.partial")
     return inputs, root / "align.partial", result.stats
 
 
@@ -195,7 +237,7 @@ def test_dpo_stage_trains_and_exports(arithmetic_run):
 
     before, after = _weights(inputs["sft"].path / "model"), _weights(out / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert not (out / align.CHECKPOINT_DIR).exists()
+    assert not (out / "checkpoints").exists()
 
     logged = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in logged] == list(range(1, 21))
@@ -217,8 +259,7 @@ def test_heldout_margin_grows_on_a_learnable_preference(tmp_path, tiny_model_dir
     path = tmp_path / "courtesy.jsonl"
     path.write_text("".join(json.dumps({"prompt": p["prompt"], "chosen": "Gladly, here it is.",
                                         "rejected": "No. Go away."}) + "\n" for p in pairs))
-    config = align.Config(**{**CONFIG, "dpo": {**DPO, "data": [str(path)]}, "max_steps": 10,
-                             "checkpoint_every": 100})
+    config = dpo_config(data=[str(path)], max_steps=10, checkpoint_every=100)
     s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["pairs_heldout"] == 12
     assert s["heldout_margin_after"] > s["heldout_margin_before"] + 1.0
@@ -228,11 +269,11 @@ def test_heldout_margin_grows_on_a_learnable_preference(tmp_path, tiny_model_dir
 
 def test_killed_stage_resumes_from_checkpoint(tmp_path, tiny_model_dir, arithmetic_run, kill_at_metrics_step):
     inputs, out = _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "align.partial"
-    config = align.Config(**CONFIG)
+    config = dpo_config()
     kill_at_metrics_step(15)
     with pytest.raises(KeyboardInterrupt):
         _run(config, inputs, out)
-    assert (out / align.CHECKPOINT_DIR / "checkpoint-10").is_dir()
+    assert (out / "checkpoints" / "checkpoint-10").is_dir()
     assert not (out / "model").exists()
     kill_at_metrics_step(None)
 
@@ -251,7 +292,7 @@ def test_overlong_pairs_are_truncated_or_dropped_and_counted(tmp_path, tiny_mode
     rows += [{"prompt": "ramble " * 200, "chosen": "Yes.", "rejected": "No."}] * 2  # prompt fills it
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = align.Config(**{**CONFIG, "dpo": {**DPO, "data": [str(path)]}, "max_steps": 2})
+    config = dpo_config(data=[str(path)], max_steps=2)
     s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["dropped_prompt_too_long"] == 2
     assert s["pairs_train"] + s["pairs_heldout"] == 14
@@ -259,7 +300,7 @@ def test_overlong_pairs_are_truncated_or_dropped_and_counted(tmp_path, tiny_mode
 
 
 def test_dpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, tiny_model_dir):
-    config = align.Config(**{**CONFIG, "max_steps": 4, "lora": {"rank": 4}})
+    config = dpo_config(max_steps=4, lora={"rank": 4})
     s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["heldout_margin_before"] == 0.0  # adapters start at zero: policy == reference
     assert s["heldout_margin_after"] != 0.0
@@ -272,9 +313,13 @@ def test_dpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, tiny_m
 
 # ---------------------------------------------------------------- grpo
 
-GRPO = dict(heldout_prompts=8, num_generations=4, max_completion_len=12, temperature=1.0)
-GRPO_CONFIG = dict(method="grpo", grpo=GRPO, max_steps=6, batch_size=4, lr=5e-3, max_seq_len=64,
-                   warmup_frac=0.0, seed=0, device="cpu", checkpoint_every=3)
+GRPO = dict(heldout_prompts=8, num_generations=4, max_completion_len=12, temperature=1.0, max_steps=6,
+            batch_size=4, lr=5e-3, max_seq_len=64, warmup_frac=0.0, seed=0, device="cpu", checkpoint_every=3,
+            **TRL_ADAMW)
+
+
+def grpo_config(lora: dict | None = None, **grpo) -> align.Config:
+    return align.Config(method="grpo", grpo={**GRPO, **grpo}, lora=lora)
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +327,7 @@ def answering_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     """The tiny model after a short SFT on the demo arithmetic: it answers in the demonstrators'
     two styles, committed ("The answer is N.") or hedged, mostly with a wrong number, so
     verifiable rewards vary within a group (a random model scores 0 on all)."""
-    from tasks import sft
+    import tasks.sft.stage as sft
 
     root = tmp_path_factory.mktemp("sft")
     config = sft.Config(max_steps=80, lr=3e-3, batch_size=16, max_seq_len=64, device="cpu",
@@ -302,7 +347,7 @@ def grpo_run(tmp_path_factory, answering_model_dir):
     """One uninterrupted GRPO run on demo:arithmetic: (inputs, out_dir, stats)."""
     root = tmp_path_factory.mktemp("grpo")
     inputs = _sft_inputs(root, answering_model_dir)
-    result = _run(align.Config(**GRPO_CONFIG), inputs, root / "align.partial")
+    result = _run(grpo_config(), inputs, root / "align.partial")
     return inputs, root / "align.partial", result.stats
 
 
@@ -321,7 +366,7 @@ def test_grpo_stage_trains_measures_and_exports(grpo_run):
     assert math.isfinite(s["train_loss"]) and math.isfinite(s["train_reward_end"])
     before, after = _weights(inputs["sft"].path / "model"), _weights(out / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert not (out / align.CHECKPOINT_DIR).exists()
+    assert not (out / "checkpoints").exists()
     logged = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in logged] == list(range(1, 7))
     assert {"loss", "reward", "reward_std", "rewards/numeric_match_reward/mean",
@@ -331,7 +376,7 @@ def test_grpo_stage_trains_measures_and_exports(grpo_run):
 
 
 def test_grpo_kl_to_reference_is_logged(tmp_path, answering_model_dir):
-    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "kl_beta": 0.1}, "max_steps": 3})
+    config = grpo_config(kl_beta=0.1, max_steps=3)
     _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out")
     logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
@@ -339,8 +384,7 @@ def test_grpo_kl_to_reference_is_logged(tmp_path, answering_model_dir):
 
 
 def test_grpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, answering_model_dir):
-    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "kl_beta": 0.1}, "max_steps": 3,
-                             "lora": {"rank": 4}})
+    config = grpo_config(kl_beta=0.1, max_steps=3, lora={"rank": 4})
     s = _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out").stats
     assert 0 < s["params_trainable"] < s["params_total"] / 2
     logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
@@ -352,8 +396,7 @@ def test_grpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, answe
 def test_grpo_drops_the_hedging_habit_and_raises_the_reward(tmp_path, answering_model_dir):
     """The demo's learnable rule: hedged replies never verify, committed ones carry the format
     reward and sometimes the right number; GRPO must shift the model to committing."""
-    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "num_generations": 8, "format_weight": 1.0},
-                             "max_steps": 30, "lr": 2e-3, "checkpoint_every": 100})
+    config = grpo_config(num_generations=8, format_weight=1.0, max_steps=30, lr=2e-3, checkpoint_every=100)
     s = _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out").stats
     logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
     formats = [r["rewards/format_reward/mean"] for r in logged]
@@ -364,11 +407,11 @@ def test_grpo_drops_the_hedging_habit_and_raises_the_reward(tmp_path, answering_
 
 def test_killed_grpo_run_resumes_from_checkpoint(tmp_path, answering_model_dir, grpo_run, kill_at_metrics_step):
     inputs, out = _sft_inputs(tmp_path, answering_model_dir), tmp_path / "align.partial"
-    config = align.Config(**GRPO_CONFIG)
+    config = grpo_config()
     kill_at_metrics_step(5)
     with pytest.raises(KeyboardInterrupt):
         _run(config, inputs, out)
-    assert (out / align.CHECKPOINT_DIR / "checkpoint-3").is_dir()
+    assert (out / "checkpoints" / "checkpoint-3").is_dir()
     kill_at_metrics_step(None)
 
     stats = _run(config, inputs, out).stats
@@ -383,7 +426,7 @@ def test_killed_grpo_run_resumes_from_checkpoint(tmp_path, answering_model_dir, 
 def test_grpo_without_usable_prompts_names_the_file(tmp_path, tiny_model_dir):
     path = tmp_path / "no_answers.jsonl"
     path.write_text(json.dumps({"question": "How many?", "answer": "lots"}) + "\n")
-    config = align.Config(**{**GRPO_CONFIG, "grpo": {**GRPO, "prompts": [str(path)]}})
+    config = grpo_config(prompts=[str(path)])
     with pytest.raises(ValueError, match="no_answers.jsonl.*no_numeric_answer"):
         _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out")
 
@@ -391,7 +434,7 @@ def test_grpo_without_usable_prompts_names_the_file(tmp_path, tiny_model_dir):
 # ---------------------------------------------------------------- the report
 
 def test_evaluate_report_shows_the_align_stages_heldout_numbers():
-    from tasks import evaluate
+    import tasks.evaluate.stage as evaluate
 
     stats = {"method": "grpo", "prompts_heldout": 186, "steps": 40, "train_loss": 0.1,
              "heldout_accuracy_before": 0.14, "heldout_accuracy_after": 0.25,
@@ -422,10 +465,12 @@ def _courtesy_pairs(path: Path, n: int) -> Path:
 def test_ppo_stage_trains_a_reward_model_then_the_policy(tmp_path, tiny_model_dir):
     data = _courtesy_pairs(tmp_path / "courtesy.jsonl", 40)
     ppo = {"data": [str(data)], "heldout_fraction": 0.25,
-           "reward_model": {"lr": 1e-3, "max_steps": 15, "batch_size": 8, "max_seq_len": 64, "device": "cpu"},
-           "policy": {"rollout_batch_size": 8, "minibatch_size": 4, "ppo_epochs": 2, "max_new_tokens": 6,
-                      "lr": 1e-3, "max_steps": 6, "kl_coef": 0.05, "checkpoint_every": 3}}
-    config = align.Config(method="ppo", ppo=ppo, device="cpu", max_seq_len=64)
+           "reward_model": {"lr": 1e-3, "max_steps": 15, "batch_size": 8, "max_seq_len": 64, "device": "cpu",
+                            **TRL_ADAMW},
+           "policy": {"batch_size": 8, "minibatch_size": 4, "ppo_epochs": 2, "max_new_tokens": 6,
+                      "lr": 1e-3, "max_steps": 6, "kl_coef": 0.05, "checkpoint_every": 3, "device": "cpu",
+                      "warmup_frac": 0.0, **TRL_ADAMW}}
+    config = align.Config(method="ppo", ppo=ppo)
     inputs = _sft_inputs(tmp_path, tiny_model_dir)
     s = _run(config, inputs, tmp_path / "out").stats
     assert s["method"] == "ppo" and s["prompts_train"] == 30 and s["prompts_heldout"] == 10
@@ -435,7 +480,7 @@ def test_ppo_stage_trains_a_reward_model_then_the_policy(tmp_path, tiny_model_di
     before, after = _weights(inputs["sft"].path / "model"), _weights(tmp_path / "out" / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (tmp_path / "out" / "reward_model" / "model.safetensors").is_file()
-    assert not (tmp_path / "out" / align.CHECKPOINT_DIR).exists()
+    assert not (tmp_path / "out" / "checkpoints").exists()
     logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert any("ppo/kl" in row for row in logged) and any("rm/loss" in row for row in logged)
     with pytest.raises(ValueError, match="lora"):

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import align, arithmetic, sft
-from tasks.rewards import load_math_prompts
-from tasks.stage import Manifest, SerialEngine, read_metrics
+import core.arithmetic as arithmetic
+import tasks.align.stage as align
+import tasks.sft.stage as sft
+from core.stage import Manifest, SerialEngine, read_metrics
+from tasks.align.rewards import load_math_prompts
 
 OASST = "sft/oasst1_en_validation.jsonl"
 SELF_INSTRUCT = "sft/self_instruct_seed_tasks.jsonl"
@@ -24,6 +26,7 @@ ALPACA = "prefs/alpaca_eval_gpt4_vs_davinci003_annotations.jsonl"
 SVAMP = "rl/svamp.jsonl"
 
 COMMON = dict(max_seq_len=128, seed=0, device="cpu", warmup_frac=0.0)
+TRL_ADAMW = dict(weight_decay=0.0, beta2=0.999)  # the TRL trainers' defaults these runs were sized with
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -82,8 +85,9 @@ def sft_dir(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
 
 def test_dpo_on_hh_rlhf_and_alpaca_eval(tmp_path, sft_dir, shared_data):
     config = align.Config(method="dpo", dpo={"data": [str(shared_data / HH), str(shared_data / ALPACA)],
-                                             "max_pairs": 24, "heldout_fraction": 0.25},
-                          max_steps=3, batch_size=4, lr=1e-3, checkpoint_every=2, **COMMON)
+                                             "max_pairs": 24, "heldout_fraction": 0.25, "max_steps": 3,
+                                             "batch_size": 4, "lr": 1e-3, "checkpoint_every": 2,
+                                             **COMMON, **TRL_ADAMW})
     s = align.run(config, {"sft": _manifest("sft", sft_dir)}, tmp_path, engine=SerialEngine()).stats
     assert s["pairs_train"] + s["pairs_heldout"] + s["dropped_prompt_too_long"] == 48
     assert s["truncated_too_long"] > 0  # long multi-turn hh-rlhf prompts and AlpacaEval answers
@@ -105,13 +109,13 @@ def test_svamp_prompts_split_by_hash_and_none_dropped(shared_data):
 def test_grpo_on_svamp_trains_resumes_and_exports(tmp_path, sft_dir, shared_data, kill_at_metrics_step):
     config = align.Config(method="grpo", grpo={"prompts": [str(shared_data / SVAMP)], "heldout_prompts": 8,
                                                "num_generations": 8, "max_completion_len": 24,
-                                               "kl_beta": 0.05},
-                          max_steps=4, batch_size=4, lr=1e-3, checkpoint_every=2, **COMMON)
+                                               "kl_beta": 0.05, "max_steps": 4, "batch_size": 4, "lr": 1e-3,
+                                               "checkpoint_every": 2, **COMMON, **TRL_ADAMW})
     inputs, out = {"sft": _manifest("sft", sft_dir)}, tmp_path / "align.partial"
     kill_at_metrics_step(3)
     with pytest.raises(KeyboardInterrupt):
         align.run(config, inputs, out, engine=SerialEngine())
-    assert (out / align.CHECKPOINT_DIR / "checkpoint-2" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "checkpoint-2" / "model.safetensors").is_file()
     kill_at_metrics_step(None)
 
     s = align.run(config, inputs, out, engine=SerialEngine()).stats
@@ -133,10 +137,11 @@ def test_grpo_on_svamp_trains_resumes_and_exports(tmp_path, sft_dir, shared_data
 
 def test_ppo_with_a_reward_model_on_hh_rlhf(tmp_path, sft_dir, shared_data):
     ppo = {"data": [str(shared_data / HH)], "max_pairs": 32, "heldout_fraction": 0.25,
-           "reward_model": {"lr": 1e-3, "max_steps": 4, "batch_size": 4, "max_seq_len": 256, "device": "cpu"},
-           "policy": {"rollout_batch_size": 4, "minibatch_size": 2, "ppo_epochs": 1, "max_new_tokens": 8,
-                      "lr": 1e-4, "max_steps": 2}}
-    config = align.Config(method="ppo", ppo=ppo, **COMMON)
+           "reward_model": {"lr": 1e-3, "max_steps": 4, "batch_size": 4, "max_seq_len": 256, "device": "cpu",
+                            **TRL_ADAMW},
+           "policy": {"batch_size": 4, "minibatch_size": 2, "ppo_epochs": 1, "max_new_tokens": 8,
+                      "lr": 1e-4, "max_steps": 2, "device": "cpu"}}
+    config = align.Config(method="ppo", ppo=ppo)
     s = align.run(config, {"sft": _manifest("sft", sft_dir)}, tmp_path, engine=SerialEngine()).stats
     # multi-turn transcripts longer than max_seq_len cannot be scored at their last token: dropped
     assert s["rm_pairs_train"] + s["rm_pairs_heldout"] + s["dropped_rm_too_long"] == 32

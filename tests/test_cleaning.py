@@ -8,10 +8,14 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from tasks import cleaning, collect, demo_crawl, langid, pii, text_filters
-from tasks.cleaning import CleaningConfig, clean_document
-from tasks.readers import RawDoc, extract_text
-
+import tasks.collect.cleaning as cleaning
+import tasks.collect.demo_crawl as demo_crawl
+import tasks.collect.filters as text_filters
+import tasks.collect.langid as langid
+import tasks.collect.pii as pii
+import tasks.collect.stage as collect
+from tasks.collect.cleaning import CleaningConfig, clean_document
+from tasks.collect.readers import RawDoc, extract_text
 
 CFG = collect.Config()  # what the stage passes: the cleaning fields plus its Gopher thresholds
 

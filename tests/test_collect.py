@@ -10,10 +10,18 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from tasks import collect, demo_crawl, text_filters
-from tasks.cleaning import clean_document
-from tasks.readers import RawDoc, Skipped, extract_text, read_file, resolve_source
-from tasks.stage import SerialEngine
+import tasks.collect.demo_crawl as demo_crawl
+import tasks.collect.filters as text_filters
+import tasks.collect.stage as collect
+from core.stage import SerialEngine
+from tasks.collect.cleaning import clean_document
+from tasks.collect.readers import (
+    RawDoc,
+    Skipped,
+    extract_text,
+    read_file,
+    resolve_source,
+)
 
 CFG = collect.Config()
 

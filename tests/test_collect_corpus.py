@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_common_crawl import CRAWL, server  # noqa: F401 (fixture)
 
-from tasks import collect
-from tasks.stage import SerialEngine
+import tasks.collect.stage as collect
+from core.stage import SerialEngine
 
 DOLMA = Path("jsonl") / "dolma_cc"
 

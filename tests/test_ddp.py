@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_pretrain import MODEL, write_tokens
 from transformers import AutoTokenizer
 
-from tasks.stage import read_metrics
-from test_pretrain import MODEL, write_tokens
+from core.stage import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"model": MODEL, "seq_len": 32, "batch_size": 8, "max_steps": 6, "lr": 3e-3, "val_windows": 8,

@@ -7,8 +7,15 @@ import pickle
 
 import pytest
 
-from tasks.decontam import (DROP_REASON, FALLBACK, DecontamConfig, build_index, drop_reason,
-                            item_texts, normalize_words)
+from tasks.collect.decontam import (
+    DROP_REASON,
+    FALLBACK,
+    DecontamConfig,
+    build_index,
+    drop_reason,
+    item_texts,
+    normalize_words,
+)
 
 EXPECTED_SHAPE = {
     "arc_challenge": "icl_multiple_choice", "arc_easy": "icl_multiple_choice",

@@ -12,10 +12,10 @@ import numpy as np
 import pydantic
 import pytest
 
+import tasks.collect.dedup as dedup
 from bench.neardup_set import build_labelled_set, cluster_pairs, precision_recall
-from tasks import dedup
-from tasks.dedup import DedupConfig, DedupIndex, near_dedup
-from tasks.stage import SerialEngine
+from core.stage import SerialEngine
+from tasks.collect.dedup import DedupConfig, DedupIndex, near_dedup
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = DedupConfig()

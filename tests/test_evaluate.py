@@ -10,9 +10,9 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from tasks import evaluate
-from tasks.stage import Manifest, SerialEngine
-
+import tasks.evaluate.stage as evaluate
+from core.stage import Manifest, SerialEngine
+from core.units import bits_per_byte
 
 # --- pure arithmetic ----------------------------------------------------------------------------
 
@@ -21,8 +21,10 @@ def test_bits_per_byte_hand_computed():
     # ln(2) nats per token is 1 bit per token = 0.25 bits per byte at 4 bytes per token.
     n_bytes = evaluate.covered_bytes(val_bytes=4000, val_tokens=1000, tokens_evaluated=500)
     assert n_bytes == 2000
-    assert evaluate.bits_per_byte(500 * math.log(2), n_bytes) == pytest.approx(0.25)
-    assert evaluate.bits_per_byte(3.0, 1.0) == pytest.approx(3.0 / math.log(2))
+    assert bits_per_byte(math.log(2), n_bytes / 500) == pytest.approx(0.25)
+    assert bits_per_byte(3.0, 1.0) == pytest.approx(3.0 / math.log(2))
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        bits_per_byte(1.0, 0.0)
 
 
 def test_eval_windows():
@@ -166,8 +168,8 @@ def test_report_has_a_row_per_metric_and_three_model_columns(stage_run):
 
 
 def test_batched_generation_matches_one_at_a_time(tiny_model_dir):
-    from tasks.arithmetic import problems
-    from tasks.chat import prompt_ids
+    from core.arithmetic import problems
+    from core.chat import prompt_ids
 
     model, tok = evaluate.load_model(tiny_model_dir, "cpu")
     prompts = [prompt_ids(tok, [{"role": "user", "content": p.question}])
@@ -180,14 +182,14 @@ def test_batched_generation_matches_one_at_a_time(tiny_model_dir):
 
 def test_arithmetic_accuracy_counts_correct_answers(monkeypatch, tiny_model_dir):
     """With generation stubbed to answer only even-valued problems correctly, accuracy is their share."""
-    from tasks import arithmetic
+    import core.arithmetic as arithmetic
 
     model, tok = evaluate.load_model(tiny_model_dir, "cpu")
     probs = arithmetic.problems("test", 10, seed=3)
     answers = {tuple(evaluate.prompt_ids(tok, [{"role": "user", "content": p.question}])): p.answer
                for p in probs}
 
-    def fake_generate(model, tokenizer, prompts, max_new_tokens, device):
+    def fake_generate(model, tokenizer, prompts, max_new_tokens, device, batch_size=None):
         out = []
         for prompt in prompts:
             answer = answers[tuple(prompt)]

@@ -1,47 +1,174 @@
-"""The layering rules of DESIGN.md, enforced: stages and models import no frameworks of the edges,
-and each edge framework has exactly one owner module."""
+"""The layering rules of DESIGN.md, enforced on the import graph of our own modules.
+
+Every import counts: at module top, inside functions, and `importlib.import_module("...")` with a
+literal name. Layers, top to bottom: flows → infra → tasks → model → core; arrows only point
+down, stage packages do not import each other, and there is no cycle anywhere.
+"""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+OURS = ("core", "model", "tasks", "infra", "flows", "bench")
+# What each layer may import of ours (itself included).
+ALLOWED = {
+    "core": {"core"},
+    "model": {"model", "core"},
+    "tasks": {"tasks", "model", "core"},
+    "infra": {"infra", "tasks", "model", "core"},
+    "flows": {"flows", "infra", "tasks", "model", "core"},
+    "bench": set(OURS),
+}
 
 
 def _sources(*folders: str) -> list[Path]:
     return [p for folder in folders for p in sorted((REPO / folder).rglob("*.py"))]
 
 
-def test_stages_and_models_import_no_orchestration_tracking_or_cluster():
-    offenders = {str(p.relative_to(REPO)): _imports(p) & {"prefect", "mlflow", "ray", "flows", "infra"}
-                 for p in _sources("tasks", "model")}
-    assert {k: v for k, v in offenders.items() if v} == {}
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Absolute dotted names this file imports, wherever in the file, importlib included."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this file's package
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            # `from pkg import module` imports pkg.module; `from module import name`, module
+            names |= {f"{base}.{alias.name}" for alias in node.names}
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names.add(node.args[0].value)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Our module -> our modules it imports (names that are not modules, e.g. `from m import f`,
+    resolve to the module m)."""
+    modules = {_module_name(p): p for p in _sources(*OURS)}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imported_names(path):
+            while imported and imported not in modules:  # a name inside a module: that module
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "tasks" and len(parts) > 1 else None
+
+
+def test_every_layer_imports_only_layers_below_it():
+    graph = import_graph()
+    offenders = {m: sorted(t for t in targets if _layer(t) not in ALLOWED[_layer(m)])
+                 for m, targets in graph.items()}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_model_does_not_import_tasks_even_inside_functions():
+    graph = import_graph()
+    assert graph["model.ppo"] and graph["model.loop"]  # the graph sees the model package at all
+    assert {m: t for m, t in graph.items() if _layer(m) == "model" and any(_layer(x) == "tasks" for x in t)} == {}
+
+
+def test_stage_packages_do_not_import_each_other():
+    graph = import_graph()
+    crossing = {m: sorted(t for t in targets if _stage(t) and _stage(m) and _stage(t) != _stage(m))
+                for m, targets in graph.items()}
+    assert {m: t for m, t in crossing.items() if t} == {}
+
+
+def test_there_is_no_import_cycle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_the_checker_sees_cycles_and_importlib(tmp_path, monkeypatch):
+    """The rules above can fail: a cycle closed inside a function, through importlib, is found."""
+    pkg = tmp_path / "core"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import core.b\n")
+    (pkg / "b.py").write_text("def f():\n    import importlib\n    return importlib.import_module('core.a')\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert import_graph()["core.b"] == {"core.a"}
+    with pytest.raises(AssertionError):
+        test_there_is_no_import_cycle()
+
+
+def test_each_stage_package_exposes_the_contract():
+    import importlib
+
+    for stage in ("collect", "tokenize", "pretrain", "sft", "align", "evaluate"):
+        package = importlib.import_module(f"tasks.{stage}")
+        assert {"Config", "VERSION", "fingerprint", "run"} <= set(vars(package)), stage
+        assert isinstance(package.VERSION, int) and callable(package.run) and callable(package.fingerprint)
 
 
 def test_mlflow_is_imported_only_by_infra_tracking():
-    users = {str(p.relative_to(REPO)) for p in _sources("tasks", "model", "infra", "flows", "bench")
-             if "mlflow" in _imports(p)}
+    users = {str(p.relative_to(REPO)) for p in _sources("core", "tasks", "model", "infra", "flows", "bench")
+             if any(n.split(".")[0] == "mlflow" for n in _imported_names(p))}
     assert users == {"infra/tracking.py"}
 
 
+def test_stages_and_models_import_no_orchestration_tracking_or_cluster():
+    offenders = {str(p.relative_to(REPO)): {n.split(".")[0] for n in _imported_names(p)} & {"prefect", "mlflow", "ray"}
+                 for p in _sources("core", "tasks", "model")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
 def test_ray_init_is_called_only_in_infra_ray_engine():
-    callers = {str(p.relative_to(REPO)) for p in _sources("tasks", "model", "infra", "flows", "bench")
+    callers = {str(p.relative_to(REPO)) for p in _sources("core", "tasks", "model", "infra", "flows", "bench")
                if "ray.init(" in p.read_text()}
     assert callers == {"infra/ray_engine.py"}
 
 
 def test_chat_template_is_defined_once():
-    holders = {str(p.relative_to(REPO)) for p in _sources("tasks", "model", "infra", "flows")
+    holders = {str(p.relative_to(REPO)) for p in _sources("core", "tasks", "model", "infra", "flows")
                if "<|im_start|>' + message" in p.read_text()}
-    assert holders == {"tasks/chat.py"}
+    assert holders == {"core/chat.py"}
+
+
+def test_demo_sources_are_parsed_in_one_place():
+    parsers = {str(p.relative_to(REPO)) for p in _sources("core", "tasks", "model", "infra", "flows")
+               if 'startswith("demo:")' in p.read_text() or "startswith('demo:')" in p.read_text()
+               or "startswith(DEMO_PREFIX)" in p.read_text()}
+    assert parsers <= {"core/sources.py"}

@@ -11,14 +11,29 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.chat import DOC_SEPARATOR, IM_END
+from core.stage import MetricsLog, read_metrics
+from model.checkpoint import complete_checkpoints
 from model.export import export_model
-from model.loop import (IGNORE_INDEX, LoopConfig, TrainingDiverged, causal_lm_loss, complete_checkpoints,
-                        make_optimizer, mean_token_loss, train)
-from model.presets import (PLAN_VOCAB_SIZE, PRESETS, ModelConfig, build_model, config_params, count_params,
-                           preset)
+from model.loop import (
+    IGNORE_INDEX,
+    LoopConfig,
+    TrainingDiverged,
+    causal_lm_loss,
+    make_optimizer,
+    mean_token_loss,
+    train,
+)
+from model.presets import (
+    PLAN_VOCAB_SIZE,
+    PRESETS,
+    ModelConfig,
+    build_model,
+    config_params,
+    count_params,
+    preset,
+)
 from model.schedule import lr_multiplier, warmup_cosine, warmup_stable_decay
-from tasks.chat import DOC_SEPARATOR, IM_END
-from tasks.stage import MetricsLog, read_metrics
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_seq_len=64)
 

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ["collect", "tokenize", "pretrain", "sft", "align", "evaluate"]
 # The tiny preset, shortened so CI spends seconds, not minutes, per training stage.
-FAST = ["pretrain.max_steps=60", "sft.max_steps=30", "align.max_steps=10",
+FAST = ["pretrain.max_steps=60", "sft.max_steps=30", "align.grpo.max_steps=10",
         "evaluate.arith_problems=20", "evaluate.max_eval_tokens=8192"]
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tasks.pretrain as pretrain
+import tasks.pretrain.stage as pretrain
+from core.chat import DOC_SEPARATOR
+from core.stage import Manifest, SerialEngine, read_metrics
 from model.presets import ModelConfig, build_model
-from tasks.chat import DOC_SEPARATOR
-from tasks.stage import Manifest, SerialEngine, read_metrics
 
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 64}
 
@@ -104,12 +104,11 @@ def test_pretrain_lowers_loss_and_exports_a_loadable_model(tokenize_manifest, tm
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] > ids.shape[1]
 
 
-def test_unigram_baseline_and_bits_per_byte():
+def test_unigram_baseline():
     train = np.array([0, 0, 0, 1], dtype=np.uint16)
     # add-one counts: 4, 2, 1 of 7 (vocab 3)
     assert pretrain.unigram_loss(train, np.array([0, 1], dtype=np.uint16), 3) == pytest.approx(
         -(math.log(4 / 7) + math.log(2 / 7)) / 2)
-    assert pretrain.bits_per_byte(math.log(2) * 4, 4.0) == pytest.approx(1.0)
 
 
 def test_tokens_per_step_derives_accumulation():

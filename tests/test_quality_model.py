@@ -8,10 +8,20 @@ import random
 import numpy as np
 import pytest
 
-from tasks.quality_model import (DEMO_STDLIB, DROP_REASON, QualityConfig, QualityModel,
-                                 cross_fit_scores, drop_reason, featurize, load_reference_texts,
-                                 stdlib_docstrings, stdlib_files, train_quality_model)
-from tasks.readers import RawDoc, extract_text, read_file, resolve_source
+from tasks.collect.quality_model import (
+    DEMO_STDLIB,
+    DROP_REASON,
+    QualityConfig,
+    QualityModel,
+    cross_fit_scores,
+    drop_reason,
+    featurize,
+    load_reference_texts,
+    stdlib_docstrings,
+    stdlib_files,
+    train_quality_model,
+)
+from tasks.collect.readers import RawDoc, extract_text, read_file, resolve_source
 
 FAST = dict(ngram_buckets=1 << 12, epochs=10)
 PROSE = ("the river the valley a farmer walked slowly towards village while evening light fell "

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-from tasks.stage import read_metrics
 from test_ddp import CONFIG, _assert_same_curve, launch, tokenize_dir  # noqa: F401 (fixture)
+
+from core.stage import read_metrics
 
 
 @pytest.mark.slow

@@ -12,9 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from tasks.readers import (FILE_LEVEL_ERRORS, RawDoc, Skipped, decode_text, input_digest,
-                           is_binary, quarantine_record, read_file, resolve_source)
-from tasks.stage import file_digest
+from core.files import file_digest
+from core.sources import input_digest
+from tasks.collect.readers import (
+    FILE_LEVEL_ERRORS,
+    RawDoc,
+    Skipped,
+    decode_text,
+    is_binary,
+    quarantine_record,
+    read_file,
+    resolve_source,
+)
 
 MB = 1_000_000
 

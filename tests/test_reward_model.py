@@ -8,12 +8,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tasks import reward_model as rm
-from tasks.preferences import load_preference_pairs
-from tasks.stage import MetricsLog, read_metrics
+import tasks.align.reward_model as rm
+from core.stage import MetricsLog, read_metrics
+from tasks.align.preferences import load_preference_pairs
 
 SETTINGS = {"lr": 3e-3, "max_steps": 12, "batch_size": 8, "max_seq_len": 64, "warmup_frac": 0.1,
-            "seed": 0, "device": "cpu", "checkpoint_every": 6}
+            "seed": 0, "device": "cpu", "checkpoint_every": 6, "weight_decay": 0.0, "beta2": 0.999}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

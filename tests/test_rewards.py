@@ -7,10 +7,16 @@ from decimal import Decimal
 
 import pytest
 
-from tasks import arithmetic
-from tasks.arithmetic import final_number
-from tasks.rewards import (ANSWER_INSTRUCTION, format_reward, load_math_prompts,
-                           numeric_match_reward, parse_math_record, reference_answer)
+import core.arithmetic as arithmetic
+from core.arithmetic import final_number
+from tasks.align.rewards import (
+    ANSWER_INSTRUCTION,
+    format_reward,
+    load_math_prompts,
+    numeric_match_reward,
+    parse_math_record,
+    reference_answer,
+)
 
 
 @pytest.mark.parametrize("text, number", [

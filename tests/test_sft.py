@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tasks.sft as sft
+import tasks.sft.stage as sft
+from core.chat import render_with_mask
+from core.stage import Manifest, SerialEngine, read_metrics
 from model.loop import IGNORE_INDEX, token_loss_sum
 from model.lora import LoraSettings, apply_lora
 from model.packing import collate_packed, pack_examples, packed_logits
-from tasks.chat import render_with_mask
-from tasks.conversations import drop_reason, load_conversations, oasst_threads
-from tasks.stage import Manifest, SerialEngine, read_metrics
+from tasks.sft.conversations import drop_reason, load_conversations, oasst_threads
 
 N = None  # an unscored label position, in the spelled-out expectations below
 

@@ -12,9 +12,9 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from tasks import tokenize
-from tasks.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, render_with_mask
-from tasks.stage import Manifest, SerialEngine
+import tasks.tokenize.stage as tokenize
+from core.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, render_with_mask
+from core.stage import Manifest, SerialEngine
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,116 @@
+"""The contract every pipeline stage follows.
+
+A stage is a package in `tasks/` whose `__init__` exposes
+
+    VERSION: int                      # bump when outputs change for the same config
+    class Config(pydantic.BaseModel)  # its own typed config, strict about unknown keys
+    def fingerprint(config) -> str | None  # digest of external data it reads (core.sources)
+    def run(config, inputs, out_dir, *, engine) -> StageResult
+
+`inputs` maps an upstream stage name to that stage's committed `Manifest`; `out_dir` is the only
+place the stage may write (it is a `.partial` directory that survives a crash, so a long stage can
+keep checkpoints there and resume). Stages import neither Prefect nor MLflow: the flow layer wraps
+them with the artifact store and tracking.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol, Sequence, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+# Step-wise metrics a stage appends as JSON lines ({"step": int, "<name>": float, ...}); the
+# tracking layer replays them into the stage's MLflow run.
+METRICS_FILE = "metrics.jsonl"
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class StageConfig(BaseModel):
+    """Base of every stage config: frozen, unknown keys are errors that name the key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Operational knobs that do not change outputs (worker counts, log intervals) are listed here
+    # by subclasses and left out of the artifact hash. Everything else is hashed.
+    unhashed_fields: ClassVar[frozenset[str]] = frozenset()
+
+    def hashed_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude=set(self.unhashed_fields))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The committed record of one stage output; `path` is the artifact directory."""
+
+    stage: str
+    key: str
+    path: Path
+    config: dict[str, Any]
+    upstream: dict[str, str]
+    files: dict[str, dict[str, Any]]
+    stats: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage, "key": self.key, "config": self.config,
+            "upstream": self.upstream, "files": self.files, "stats": self.stats, "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], path: Path) -> "Manifest":
+        return cls(path=path, **data)
+
+    @classmethod
+    def of_directory(cls, stage: str, path: Path) -> "Manifest":
+        """A stand-in for a stage output found outside the artifact store (a directory given on a
+        command line): stages read only `path` from their inputs' manifests."""
+        return cls(stage=stage, key="external", path=Path(path), config={}, upstream={}, files={}, stats={})
+
+
+@dataclass
+class StageResult:
+    """What a stage returns: summary stats (numbers become MLflow metrics, the rest params/tags)
+    and the small files (relative to out_dir) worth attaching to the MLflow run."""
+
+    stats: dict[str, Any]
+    artifacts: list[str] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    """Runs a picklable function over items, in parallel where it can, results in input order."""
+
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]: ...
+
+
+class SerialEngine:
+    """In-process engine for tests and for stages too small to be worth a cluster."""
+
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        return [fn(item) for item in items]
+
+
+class MetricsLog:
+    """Appends step-wise metrics to `out_dir/metrics.jsonl`; safe to reopen after a resume."""
+
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / METRICS_FILE
+
+    def log(self, step: int, **values: float) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop entries logged after `step` (they belong to work a resume will redo)."""
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

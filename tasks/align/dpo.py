@@ -1,0 +1,144 @@
+"""Method `dpo`: direct preference optimisation on (prompt, chosen, rejected) pairs with TRL's
+`DPOTrainer` against the frozen SFT model (with LoRA: the same model with its adapters off).
+
+Pairs come from the preference sources (tasks/align/preferences.py); a seeded share is held out.
+On the held-out pairs, before and after training: the implicit-reward preference accuracy and
+margin (reward = beta * log(policy / reference); 0 before training by construction) and the
+log-prob preference accuracy (how often the policy itself gives the chosen reply more
+probability), whose "before" is the SFT model's measured value.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable
+
+import torch
+from pydantic import Field, field_validator
+
+from core.stage import MetricsLog
+from tasks.align.method import AlignJob, Method
+from tasks.align.preferences import Pair, load_pairs, split_heldout
+from tasks.align.trl_common import TrlSettings, train_resumably, trainer_args, with_lora
+
+log = logging.getLogger("gristmill.align")
+
+
+class DPOSettings(TrlSettings):
+    """DPO on preference pairs; prompt+reply sequences longer than max_seq_len are cut at the end
+    (counted), pairs whose prompt alone fills it are dropped."""
+
+    data: list[str] = Field(["demo:arithmetic"], description=(
+        "Preference sources: 'demo:arithmetic' or JSONL(.gz) files, folders or globs in "
+        "prompt/chosen/rejected, hh-rlhf or AlpacaEval-annotation format (tasks/align/preferences.py)."))
+    max_pairs: int | None = Field(None, ge=1, description=(
+        "At most this many usable pairs from each source (None: all; demo: 256)."))
+    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the pull towards the reference model.")
+    sft_weight: float = Field(0.0, ge=0, description=(
+        "Weight of an added NLL loss on the chosen responses (RPO). DPO alone can lower a rejected "
+        "reply by garbling the tokens after the point where it departs from the chosen one; this "
+        "keeps the chosen replies likely. 0: plain DPO."))
+    heldout_fraction: float = Field(0.1, gt=0, lt=1, description=(
+        "Share of the pairs held out of training to measure preference accuracy and margin."))
+
+    @field_validator("data")
+    @classmethod
+    def _data_not_empty(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("data must name at least one preference source")
+        return value
+
+    def sources(self) -> list[str]:
+        return self.data
+
+
+def to_trl_rows(pairs: list[Pair]) -> list[dict[str, Any]]:
+    """TRL's conversational explicit-prompt format: TRL renders it with the tokenizer's chat template."""
+    return [{"prompt": p["prompt"],
+             "chosen": [{"role": "assistant", "content": p["chosen"]}],
+             "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in pairs]
+
+
+def count_truncated(rows: Any, max_seq_len: int) -> int:
+    """Tokenized pairs whose prompt plus longer response exceeds `max_seq_len` (cut at the end)."""
+    return sum(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) > max_seq_len
+               for r in rows)
+
+
+@torch.no_grad()
+def response_logps(model: torch.nn.Module, rows: Any, collate: Callable, batch_size: int,
+                   device: torch.device) -> torch.Tensor:
+    """Summed log-probs (nats) of the chosen and rejected responses, shape [pairs, 2]. `rows` are
+    tokenized pairs and `collate` the trainer's collator, so truncation matches training."""
+    model.eval()
+    out = []
+    for start in range(0, len(rows), batch_size):
+        batch = collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+        ids = batch["input_ids"].to(device)
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device)).logits
+        token_logps = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        seq_logps = (token_logps * batch["completion_mask"][:, 1:].to(device)).sum(-1)
+        out.append(torch.stack(seq_logps.chunk(2), dim=1).cpu())  # batch is [chosen..., rejected...]
+    return torch.cat(out)
+
+
+def preference_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> dict[str, float]:
+    """Implicit-reward accuracy and mean margin (reward = beta * log(policy/reference)), and how
+    often the policy alone gives the chosen response more probability."""
+    rewards = beta * (policy - reference)
+    margins = rewards[:, 0] - rewards[:, 1]
+    return {"pref_acc": (margins > 0).float().mean().item(),
+            "margin": margins.mean().item(),
+            "logp_acc": (policy[:, 0] > policy[:, 1]).float().mean().item()}
+
+
+def build_trainer(settings: DPOSettings, job: AlignJob, train: list[Pair], heldout: list[Pair]) -> Any:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    losses = {"sigmoid": 1.0, **({"sft": settings.sft_weight} if settings.sft_weight else {})}
+    args = DPOConfig(**trainer_args(settings, job.out_dir / "checkpoints"),
+                     per_device_train_batch_size=settings.batch_size, beta=settings.beta,
+                     loss_type=list(losses), loss_weights=list(losses.values()),
+                     max_length=settings.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
+    # The frozen SFT model is the reference; with LoRA, TRL switches the adapters off instead.
+    reference = None if job.lora else copy.deepcopy(job.model).eval().requires_grad_(False)
+    return DPOTrainer(model=with_lora(job.model, job.lora, settings.seed), ref_model=reference, args=args,
+                      processing_class=job.tokenizer, train_dataset=Dataset.from_list(to_trl_rows(train)),
+                      eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
+
+
+def train(settings: DPOSettings, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
+    pairs, drops = load_pairs(settings.data, settings.max_pairs, settings.seed)
+    train_pairs, heldout = split_heldout(pairs, settings.heldout_fraction, settings.seed)
+    trainer = build_trainer(settings, job, train_pairs, heldout)
+    n_train, n_heldout = len(trainer.train_dataset), len(trainer.eval_dataset)
+    drops["prompt_too_long"] = len(pairs) - n_train - n_heldout
+    if not n_train or not n_heldout:
+        raise ValueError(f"max_seq_len={settings.max_seq_len} leaves {n_train} training and {n_heldout} "
+                         f"held-out pairs of {settings.data} (prompts that fill it are dropped)")
+
+    def heldout_logps() -> torch.Tensor:
+        return response_logps(trainer.model, trainer.eval_dataset, trainer.data_collator,
+                              settings.batch_size, trainer.accelerator.device)
+
+    # Before training the policy is the reference (a copy, or LoRA's zero-initialised adapters):
+    # its implicit rewards are 0 by definition, its log-prob accuracy is the SFT model's. A resume
+    # loads trained weights only inside train().
+    ref_logps = heldout_logps()
+    before = preference_stats(ref_logps, ref_logps, settings.beta)
+    summary, resumed_step = train_resumably(trainer, settings, MetricsLog(job.out_dir))
+    after = preference_stats(heldout_logps(), ref_logps, settings.beta)
+    log.info("held-out log-prob preference accuracy %.3f -> %.3f, implicit-reward margin %.4f -> %.4f",
+             before["logp_acc"], after["logp_acc"], before["margin"], after["margin"])
+    return trainer.model, {
+        "pairs_train": n_train, "pairs_heldout": n_heldout, "steps": trainer.state.global_step,
+        "resumed_from_step": resumed_step, "train_loss": summary.training_loss,
+        "truncated_too_long": count_truncated(trainer.train_dataset, settings.max_seq_len),
+        **{f"heldout_{k}_before": v for k, v in before.items()},
+        **{f"heldout_{k}_after": v for k, v in after.items()},
+        **{f"dropped_{reason}": n for reason, n in sorted(drops.items())},
+    }
+
+
+METHOD = Method(DPOSettings, train, "Settings of method 'dpo' (preference pairs, TRL DPOTrainer).")

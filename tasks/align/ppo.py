@@ -1,0 +1,101 @@
+"""Method `ppo` (RLHF): a Bradley–Terry reward model, then PPO against it.
+
+1. The reward model (tasks/align/reward_model.py) trains on the method's preference pairs: a scalar
+   head on the SFT model, held-out pair accuracy before and after.
+2. PPO (model/ppo.py; TRL 1.16 has no PPO trainer) samples responses to the training pairs'
+   prompts, scores them with the reward model, and optimises the SFT policy with a value head,
+   GAE and clipped objectives, under a per-token KL penalty to the frozen SFT model.
+3. Held out: the mean reward-model score of greedy responses to the held-out prompts, before
+   (the SFT model) and after PPO.
+
+Resume: a finished reward model is reused (its stats file marks it), PPO continues from its last
+checkpoint under `checkpoints/ppo`, which the stage deletes once the model is exported. The
+reward model stays in `reward_model/` for later scoring (e.g. win rates).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from pydantic import Field
+
+from core.chat import Message, prompt_ids
+from core.stage import MetricsLog, StageConfig
+from model.generate import generate_greedy
+from model.loop import resolve_device
+from model.ppo import PPOSettings, ppo_train
+from tasks.align.method import AlignJob, Method
+from tasks.align.preferences import load_pairs, split_heldout
+from tasks.align.reward_model import (
+    RM_CHECKPOINT_DIR,
+    RewardModelSettings,
+    RewardScorer,
+    train_reward_model,
+)
+
+log = logging.getLogger("gristmill.align")
+EVAL_BATCH = 32  # prompts per greedy generation batch
+
+
+class PPOMethodSettings(StageConfig):
+    """RLHF: a reward model trained on preference pairs, then PPO against it. Each of the two
+    trainings has its own section of the shared training settings (`reward_model`, `policy`);
+    the held-out split is drawn with reward_model.seed."""
+
+    data: list[str] = Field(["demo:arithmetic"], min_length=1, description=(
+        "Preference sources for the reward model (formats as dpo.data); their prompts are PPO's prompts."))
+    max_pairs: int | None = Field(None, ge=1, description="At most this many usable pairs per source.")
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description=(
+        "Share of the pairs held out: reward-model accuracy and the policy's held-out score."))
+    reward_model: RewardModelSettings = Field(default_factory=RewardModelSettings,
+                                              description="Reward-model training (Bradley-Terry).")
+    policy: PPOSettings = Field(default_factory=PPOSettings, description="PPO rollouts and updates.")
+
+    def sources(self) -> list[str]:
+        return self.data
+
+
+def greedy_score(policy: Any, tokenizer: Any, prompts: Sequence[list[Message]], scorer: RewardScorer,
+                 max_new_tokens: int) -> float:
+    """Mean reward-model score of the policy's greedy responses."""
+    policy.eval()
+    device = str(next(policy.parameters()).device)
+    texts = generate_greedy(policy, tokenizer, [prompt_ids(tokenizer, p) for p in prompts], max_new_tokens,
+                            device, EVAL_BATCH)
+    return float(scorer(list(prompts), texts).mean())
+
+
+def train(settings: PPOMethodSettings, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
+    if job.lora is not None:
+        raise ValueError("lora is not supported with method 'ppo' (its value head shares the "
+                         "policy's trunk); use dpo or grpo, or set lora: null")
+    split_seed = settings.reward_model.seed
+    pairs, drops = load_pairs(settings.data, settings.max_pairs, split_seed)
+    train_pairs, heldout = split_heldout(pairs, settings.heldout_fraction, split_seed)
+    metrics = MetricsLog(job.out_dir)
+    model = job.model
+    rm_dir, rm_stats = train_reward_model(Path(model.name_or_path), train_pairs, heldout, settings.reward_model,
+                                          job.out_dir, metrics)
+    shutil.rmtree(job.out_dir / RM_CHECKPOINT_DIR, ignore_errors=True)
+    device = resolve_device(settings.policy.device)
+    model.to(device)
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    scorer = RewardScorer(rm_dir, device=str(device))
+    heldout_prompts = [p["prompt"] for p in heldout]
+    max_new = settings.policy.max_new_tokens
+    before = greedy_score(reference, job.tokenizer, heldout_prompts, scorer, max_new)
+    ppo_stats = ppo_train(model, reference, job.tokenizer, [p["prompt"] for p in train_pairs], scorer,
+                          settings.policy, job.out_dir / "checkpoints" / "ppo", metrics,
+                          metrics_step_offset=rm_stats["rm_steps"])
+    after = greedy_score(model, job.tokenizer, heldout_prompts, scorer, max_new)
+    log.info("held-out reward-model score of greedy responses %.3f -> %.3f", before, after)
+    return model, {**rm_stats, **ppo_stats, "prompts_train": len(train_pairs), "prompts_heldout": len(heldout),
+                   "heldout_rm_score_before": before, "heldout_rm_score_after": after,
+                   **{f"dropped_{reason}": n for reason, n in sorted(drops.items())}}
+
+
+METHOD = Method(PPOMethodSettings, train, "Settings of method 'ppo' (a reward model, then PPO against it).")

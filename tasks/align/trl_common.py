@@ -1,0 +1,94 @@
+"""The plumbing every TRL-trained method shares (DPO, GRPO, the reward model): settings, trainer
+arguments from the shared training settings, metrics into metrics.jsonl, and resume from the
+last Trainer checkpoint."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from core.settings import TrainSettings
+from core.stage import MetricsLog
+from model.loop import resolve_device
+from model.lora import LoraSettings
+
+log = logging.getLogger("gristmill.align")
+
+
+class TrlSettings(TrainSettings):
+    """The shared training settings plus the sequence limit of a TRL-trained method."""
+
+    max_seq_len: int = Field(256, ge=8, description=(
+        "Most tokens of a prompt+response sequence (what happens to longer ones, cut or dropped, "
+        "is counted in the stage's stats)."))
+
+
+def trainer_args(settings: TrainSettings, ckpt_dir: Path) -> dict[str, Any]:
+    """transformers/TRL TrainingArguments from the shared training settings: AdamW with linear
+    warmup and linear decay, clipping, seeds, device, checkpoints every `checkpoint_every` steps."""
+    use_cpu = resolve_device(settings.device).type == "cpu"
+    return dict(
+        output_dir=str(ckpt_dir), max_steps=settings.max_steps, learning_rate=settings.lr,
+        lr_scheduler_type="linear", warmup_steps=settings.warmup_frac, weight_decay=settings.weight_decay,
+        adam_beta1=settings.beta1, adam_beta2=settings.beta2, max_grad_norm=settings.grad_clip,
+        seed=settings.seed, data_seed=settings.seed, use_cpu=use_cpu,
+        # TRL turns bf16 autocast and gradient checkpointing on by default; on CPU bf16 only adds
+        # noise, and the models this stage sees on one device fit without checkpointing.
+        bf16=not use_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False,
+        save_strategy="steps", save_steps=settings.checkpoint_every, save_total_limit=settings.keep_checkpoints,
+        logging_steps=1, report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+def _metrics_callback(metrics: MetricsLog, prefix: str, log_every: int) -> Any:
+    from transformers import TrainerCallback
+
+    class _ToMetricsLog(TrainerCallback):
+        """Each step's logged numbers (loss, rewards, margins, KL, ...) as <prefix><name> in
+        metrics.jsonl, and a progress line every `log_every` steps; the end-of-training summary
+        (no 'loss') is left to the stage stats."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "loss" not in logs:
+                return
+            row = {f"{prefix}{k}": float(v) for k, v in logs.items() if isinstance(v, (int, float)) and k != "epoch"}
+            metrics.log(state.global_step, **row)
+            if state.global_step % log_every == 0 or state.global_step == state.max_steps:
+                log.info("%sstep %d/%d loss %.4f", prefix, state.global_step, state.max_steps, logs["loss"])
+
+    return _ToMetricsLog()
+
+
+def last_checkpoint(ckpt_dir: Path) -> tuple[str | None, int]:
+    """(the newest complete Trainer checkpoint in `ckpt_dir` or None, its step or 0)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
+    return last, int(Path(last).name.split("-")[-1]) if last else 0
+
+
+def train_resumably(trainer: Any, settings: TrainSettings, metrics: MetricsLog, prefix: str = "") -> tuple[Any, int]:
+    """Train from the last checkpoint in the trainer's output_dir if there is one; (train summary,
+    resumed step). Step metrics go to metrics.jsonl as <prefix><name>, not to stdout."""
+    from transformers import PrinterCallback
+
+    resume_from, resumed_step = last_checkpoint(Path(trainer.args.output_dir))
+    metrics.truncate_after(resumed_step)  # lines past the checkpoint belong to steps redone now
+    if resume_from:
+        log.info("resuming from %s", resume_from)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(_metrics_callback(metrics, prefix, settings.log_every))
+    return trainer.train(resume_from_checkpoint=resume_from), resumed_step
+
+
+def with_lora(model: torch.nn.Module, lora: LoraSettings | None, seed: int) -> torch.nn.Module:
+    """The model to train: itself, or wrapped with LoRA adapters (seeded) when `lora` is set."""
+    if lora is None:
+        return model
+    from model.lora import apply_lora
+
+    torch.manual_seed(seed)
+    return apply_lora(model, lora)

@@ -1,0 +1,12 @@
+"""Stage 1, collect and clean: read raw sources (WARC/WET, JSONL, Parquet/Arrow, text, Common
+Crawl paths), extract text, filter (language ID, Gopher/C4/FineWeb rules, URL lists, a trained
+quality model), scrub PII, dedup (exact, then MinHash-LSH clusters), decontaminate against
+benchmarks, and mix sources to token budgets. Every drop is a counted reason in the funnel.
+
+Modules, in the order a document meets them: `readers` (+ `warc`, `tables`, `common_crawl`,
+`demo_crawl`), `cleaning` (+ `filters`, `langid`, `pii`), `quality_model`, `dedup`, `decontam`,
+`mixing`, `funnel`; `stage` runs them over work units on the injected engine.
+"""
+from tasks.collect.stage import VERSION, Config, fingerprint, run
+
+__all__ = ["Config", "VERSION", "fingerprint", "run"]

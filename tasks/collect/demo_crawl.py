@@ -1,0 +1,95 @@
+"""The offline demo "crawl" (source `demo:python-docs`): documentation of installed Python packages.
+
+Every machine that runs gristmill has real, human-written English text on disk: the long
+description in each installed distribution's METADATA (its PyPI page) and the Markdown,
+reStructuredText and HTML documents some packages ship. This module yields them as the readers'
+`RawDoc` records (HTML through the same trafilatura path as a web crawl), in a deterministic
+order: packages sorted by normalized name, then METADATA, then the package's files sorted.
+URLs look like `python-package://<name>/<version>/<file>`.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from typing import Iterator, Sequence
+
+from core.sources import DEMO_PREFIX
+from tasks.collect.records import RawDoc, ReadEvent, Skipped
+
+DEMO_NAME = "python-docs"
+DEMO_SOURCE = DEMO_PREFIX + DEMO_NAME
+HTML_SUFFIXES = (".html", ".htm")
+TEXT_SUFFIXES = (".md", ".rst")
+# Licence texts are legal boilerplate repeated across packages, not documentation.
+_LEGAL_NAME = re.compile(r"licen[cs]e|copying|notice", re.IGNORECASE)
+MAX_FILE_BYTES = 2_000_000  # larger shipped files are generated dumps, not prose
+
+
+def normalize_name(name: str) -> str:
+    """PEP 503 normalization, so `Foo_Bar` and `foo-bar` are one package."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def list_packages() -> list[tuple[str, str]]:
+    """Sorted (name, version) of installed distributions; the first one on sys.path wins,
+    as it does for `importlib.metadata.distribution(name)`."""
+    found: dict[str, tuple[str, str]] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            found.setdefault(normalize_name(name), (name, dist.version))
+    return [found[key] for key in sorted(found)]
+
+
+def _description(dist: importlib.metadata.Distribution) -> str:
+    """The long description: the METADATA body (Metadata 2.1+) or the older header form."""
+    metadata = dist.metadata
+    body = metadata.get_payload() if hasattr(metadata, "get_payload") else None
+    return (body or metadata.get("Description") or "").strip()
+
+
+def _doc_files(dist: importlib.metadata.Distribution) -> list:
+    """Documentation files a distribution installed, sorted by their path."""
+    files = []
+    for file in dist.files or []:
+        path = str(file)
+        name = path.rsplit("/", 1)[-1]
+        if (path.lower().endswith(HTML_SUFFIXES + TEXT_SUFFIXES) and ".dist-info/" not in path
+                and not _LEGAL_NAME.search(name)):
+            files.append(file)
+    return sorted(files, key=str)
+
+
+def package_records(dist: importlib.metadata.Distribution) -> Iterator[ReadEvent]:
+    """The METADATA description, then the shipped documentation files, of one distribution."""
+    base = f"python-package://{normalize_name(dist.metadata['Name'])}/{dist.version}"
+    description = _description(dist)
+    if description:
+        yield RawDoc(f"{base}/METADATA", description, False, len(description.encode()))
+    else:
+        yield Skipped("skipped_no_description")
+    for file in _doc_files(dist):
+        try:
+            payload = file.locate().read_bytes()
+        except OSError:
+            yield Skipped("error_unreadable_file")
+            continue
+        if len(payload) > MAX_FILE_BYTES:
+            yield Skipped("skipped_file_too_large", len(payload))
+            continue
+        is_html = str(file).lower().endswith(HTML_SUFFIXES)
+        yield RawDoc(f"{base}/{file}", payload, is_html, len(payload), None if is_html else "utf-8")
+
+
+def iter_records(packages: Sequence[tuple[str, str]]) -> Iterator[ReadEvent]:
+    """Records of the given (name, version) packages, in the order given."""
+    for name, version in packages:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            yield Skipped("skipped_package_missing")
+            continue
+        if dist.version != version:  # changed since the work was planned: do not mix versions
+            yield Skipped("skipped_package_version_changed")
+            continue
+        yield from package_records(dist)

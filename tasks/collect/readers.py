@@ -1,0 +1,285 @@
+"""Input readers for the collect stage: WARC/WET, JSON lines, Parquet, Arrow and plain text, from
+any fsspec path (local, file://, memory://, s3:// with s3fs installed, ...).
+
+A reader turns one input file into a stream of events: a `RawDoc` (a record that carries a
+document: HTML bytes or plain text, with its URL) or a `Skipped` (a record that does not, or
+input that could not be decoded, with a snake_case reason the stage counts). Readers never raise
+on bad input: one corrupt record or line is counted and reading goes on where it can.
+`extract_text` turns a `RawDoc` into clean text (trafilatura for HTML, ftfy for Unicode repair).
+
+Formats, by file suffix:
+  .warc .warc.gz .wet .wet.gz          WARC/WET records (warc.py)
+  .jsonl .json.gz .jsonl.gz .jsonl.zst dolma-style JSON lines: `text`, `id`, `metadata.url`/`url`
+  .parquet .arrow                      one document per row, same columns (tables.py);
+                                       a `datasets` save_to_disk folder is read as its .arrow files
+  .txt .txt.gz .txt.zst                one document per file (a folder of them is a corpus)
+
+Every document passes two guards in `read_file`: larger than `max_doc_bytes` → skipped_too_large;
+binary content → skipped_binary. Quarantine: a `Skipped` that carries a `sample` (errors and
+binary payloads) is input worth a look; `where` names the file and the place in it
+(`file@<byte offset>` for WARC, `file:<line>` for JSON lines, `file#<row>` for tables).
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import zlib
+from pathlib import Path
+from typing import IO, Iterator
+
+from core.sources import filesystem, source_files
+from tasks.collect.records import (
+    FILE_LEVEL_ERRORS,
+    RawDoc,
+    Reader,
+    ReadEvent,
+    Skipped,
+    quarantine,
+    quarantine_record,
+    record_event,
+)
+from tasks.collect.tables import read_arrow, read_parquet
+from tasks.collect.warc import read_warc
+
+# The reader API: the record types (records.py) are re-exported, readers' users need both.
+__all__ = ["FILE_LEVEL_ERRORS", "RawDoc", "ReadEvent", "Skipped", "decode_text", "extract_text", "is_binary",
+           "quarantine_record", "read_file", "resolve_source", "SUPPORTED_SUFFIXES", "TEXT_SUFFIXES"]
+
+WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")  # Common Crawl WET: *.warc.wet.gz
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".jsonl.zstd", ".json.zst")
+TABLE_SUFFIXES = (".parquet", ".arrow")
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")
+SUPPORTED_SUFFIXES = WARC_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES + TEXT_SUFFIXES
+
+DEFAULT_MAX_DOC_BYTES = 10_000_000  # 10 MB: far above any real page, below a memory problem
+BINARY_SNIFF_BYTES = 8192  # binary detection looks at the start of a payload only
+# Share of C0 control bytes above which a payload is binary. Text in any charset has ~none
+# (8-bit and CJK encodings avoid C0; ISO-2022's ESC is allowed); compressed data has ~11%.
+MAX_CONTROL_FRAC = 0.05
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\v\f\r\x1b") + b"\x7f"
+
+# trafilatura logs an ERROR for every page it cannot parse; with millions of records that drowns
+# the stage log, and such pages are counted anyway (skipped_no_text).
+logging.getLogger("trafilatura").setLevel(logging.CRITICAL)
+
+def is_supported(path: str | Path) -> bool:
+    return str(path).lower().endswith(SUPPORTED_SUFFIXES)
+
+
+def resolve_source(source: str) -> list[Path | str]:
+    """The input files of a file, directory or glob source (any fsspec URL) that a reader here
+    can read, sorted (core.sources.source_files with this module's suffixes)."""
+    return source_files(source, SUPPORTED_SUFFIXES)
+
+
+def _reader_for(name: str) -> Reader:
+    lowered = name.lower()
+    if lowered.endswith(WARC_SUFFIXES):
+        return read_warc
+    if lowered.endswith(JSONL_SUFFIXES):
+        return read_jsonl
+    if lowered.endswith(".parquet"):
+        return read_parquet
+    if lowered.endswith(".arrow"):
+        return read_arrow
+    if lowered.endswith(TEXT_SUFFIXES):
+        return read_text
+    raise ValueError(f"{name}: unsupported file type "
+                     f"(expected one of {', '.join(SUPPORTED_SUFFIXES)})")
+
+
+def read_file(path: str | Path, *,
+              max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> Iterator[ReadEvent]:
+    """Events of one input file (a local path or fsspec URL); an empty file is one error."""
+    name = str(path)
+    reader = _reader_for(name)
+    fs, fs_path = filesystem(name)
+    if fs.size(fs_path) == 0:
+        yield Skipped("error_empty_file", 0, name)
+        return
+    with fs.open(fs_path, "rb") as f:
+        for event in reader(f, name, max_doc_bytes):
+            yield guard(event, max_doc_bytes) if isinstance(event, RawDoc) else event
+
+
+def is_binary(payload: bytes | str) -> bool:
+    """NUL bytes, or more than MAX_CONTROL_FRAC other control bytes, in the first 8 KiB."""
+    head = payload[:BINARY_SNIFF_BYTES]
+    if isinstance(head, str):
+        head = head.encode("utf-8", "surrogatepass")
+    if b"\x00" in head:
+        return True
+    n_control = len(head) - len(head.translate(None, _CONTROL_BYTES))
+    return n_control > MAX_CONTROL_FRAC * len(head)
+
+
+def guard(doc: RawDoc, max_doc_bytes: int) -> ReadEvent:
+    """The document, or why it is not one: too large (in bytes or characters), or binary."""
+    if len(doc.payload) > max_doc_bytes:
+        return Skipped("skipped_too_large", doc.nbytes, doc.where)
+    if is_binary(doc.payload):
+        return quarantine("skipped_binary", doc.nbytes, doc.where, doc.payload)
+    return doc
+
+
+# --- compressed streams ----------------------------------------------------------------------
+
+class CorruptStream(OSError):
+    """Compressed data that cannot be decoded (not a truncation)."""
+
+
+class _ZstdStream(io.RawIOBase):
+    """Concatenated zstd frames, decompressed. zstandard's stream_reader ends silently on a
+    truncated frame; this raises EOFError there, as gzip does."""
+
+    def __init__(self, raw: IO[bytes], chunk_bytes: int = 1 << 20) -> None:
+        import zstandard
+
+        self._raw, self._chunk_bytes, self._error = raw, chunk_bytes, zstandard.ZstdError
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._in_frame = False
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos >= len(self._out):
+            data = self._raw.read(self._chunk_bytes)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            self._out, self._pos = self._decompress(data), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        pieces = []
+        try:
+            while data:
+                pieces.append(self._obj.decompress(data))
+                self._in_frame = not self._obj.eof
+                data = self._obj.unused_data if self._obj.eof else b""
+                if self._obj.eof:
+                    self._obj = self._dctx.decompressobj()
+        except self._error as exc:
+            raise CorruptStream(str(exc)) from None
+        return b"".join(pieces)
+
+
+def _codec(name: str) -> str | None:
+    lowered = name.lower()
+    if lowered.endswith(".gz"):
+        return "gzip"
+    return "zstd" if lowered.endswith((".zst", ".zstd")) else None
+
+
+def open_decompressed(f: IO[bytes], name: str) -> IO[bytes]:
+    """A buffered binary stream of the file's content, decompressed by its suffix."""
+    codec = _codec(name)
+    if codec == "gzip":
+        return gzip.GzipFile(fileobj=f, mode="rb")
+    return io.BufferedReader(_ZstdStream(f) if codec == "zstd" else f, 1 << 20)
+
+
+def _stream_events(events: Iterator[ReadEvent], name: str) -> Iterator[ReadEvent]:
+    """Pass events on; a damaged compressed stream ends them with one counted error."""
+    codec = _codec(name) or "stream"
+    try:
+        yield from events
+    except EOFError:  # the stream ended early: everything before it was read
+        yield Skipped(f"error_truncated_{codec}", 0, name)
+    except (gzip.BadGzipFile, zlib.error, CorruptStream):
+        yield Skipped(f"error_corrupt_{codec}", 0, name)
+
+
+# --- JSON lines and plain text ----------------------------------------------------------------
+
+def _jsonl_event(line: bytes, where: str) -> ReadEvent:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return quarantine("error_invalid_utf8", len(line), where, line)
+    except json.JSONDecodeError:
+        return quarantine("error_bad_json", len(line), where, line)
+    return record_event(record, len(line), where, line)
+
+
+def _lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, line, its size in bytes); the line is None when it is longer than
+    max_line_bytes, and is then skipped in 1 MiB pieces instead of held in memory."""
+    lineno = 0
+    while line := stream.readline(max_line_bytes + 1):
+        lineno += 1
+        if len(line) <= max_line_bytes:
+            yield lineno, line, len(line)
+            continue
+        nbytes = len(line)
+        while not line.endswith(b"\n") and (line := stream.readline(1 << 20)):
+            nbytes += len(line)
+        yield lineno, None, nbytes
+
+
+def read_jsonl(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
+    """dolma-style JSON lines, plain, gzip or zstd; a line over max_doc_bytes is skipped."""
+    def events() -> Iterator[ReadEvent]:
+        for lineno, line, nbytes in _lines(open_decompressed(f, name), max_doc_bytes):
+            if line is None:
+                yield Skipped("skipped_too_large", nbytes, f"{name}:{lineno}")
+            elif line.strip():
+                yield _jsonl_event(line, f"{name}:{lineno}")
+
+    yield from _stream_events(events(), name)
+
+
+def read_text(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
+    """A whole plain-text file as one document (its URL is the file's path or URL)."""
+    def events() -> Iterator[ReadEvent]:
+        stream = open_decompressed(f, name)
+        data = stream.read(max_doc_bytes + 1)
+        if len(data) <= max_doc_bytes:
+            yield RawDoc(name, data, False, len(data), where=name)
+            return
+        nbytes = len(data)
+        while piece := stream.read(1 << 20):  # count it for bytes_in without holding it
+            nbytes += len(piece)
+        yield Skipped("skipped_too_large", nbytes, name)
+
+    yield from _stream_events(events(), name)
+
+
+# --- text extraction --------------------------------------------------------------------------
+
+def decode_text(payload: bytes | str, charset: str | None) -> str:
+    """Bytes → str: the declared charset, then UTF-8, then cp1252 (which ftfy can repair)."""
+    if isinstance(payload, str):
+        return payload
+    for encoding in (charset, "utf-8"):
+        if encoding:
+            try:
+                return payload.decode(encoding)
+            except (LookupError, UnicodeDecodeError):
+                pass
+    return payload.decode("cp1252", errors="replace")
+
+
+def extract_text(doc: RawDoc) -> str | None:
+    """Main text of a record, Unicode-repaired; None when nothing is left."""
+    import ftfy
+    import trafilatura
+
+    if doc.is_html:
+        # Precision over recall: boilerplate (menus, cookie banners) hurts a small model more
+        # than a lost paragraph; tables come out as pipe soup, so leave them out too.
+        text = trafilatura.extract(doc.payload, url=doc.url or None, favor_precision=True,
+                                   include_comments=False, include_tables=False)
+    else:
+        text = decode_text(doc.payload, doc.charset)
+    text = ftfy.fix_text(text or "").strip()
+    return text or None

@@ -1,0 +1,69 @@
+"""What a reader yields: `RawDoc` (a record that carries a document) or `Skipped` (one that does not,
+with a snake_case reason the stage counts), and the quarantine helpers. Shared by every reader
+module (readers, warc, tables, demo_crawl), which is why it sits apart from them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import IO, Callable, Iterator
+
+SAMPLE_BYTES = 512  # bytes of offending input kept with a quarantined event
+
+# Reasons that describe a whole file (or a damaged stretch of one) rather than one record; the
+# stage does not count them as records read.
+FILE_LEVEL_ERRORS = frozenset({
+    "error_empty_file", "error_truncated_gzip", "error_corrupt_gzip", "error_truncated_zstd",
+    "error_corrupt_zstd", "error_corrupt_warc", "error_not_warc", "error_corrupt_parquet",
+    "error_corrupt_arrow", "error_no_text_column",
+})
+
+
+@dataclass(frozen=True)
+class RawDoc:
+    """A record that carries a document, before text extraction."""
+
+    url: str
+    payload: bytes | str  # HTML as bytes (trafilatura sniffs the charset), text as bytes or str
+    is_html: bool
+    nbytes: int  # size of the raw record payload in bytes, for the funnel's bytes_in
+    charset: str | None = None
+    where: str = ""  # file and place in it, as in Skipped.where
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A record (or file) that yields no document, and why."""
+
+    reason: str
+    nbytes: int = 0
+    where: str = ""  # file and place in it: file@<byte offset>, file:<line>, file#<row>
+    sample: bytes | None = None  # first SAMPLE_BYTES of the input, set where it is quarantined
+
+
+ReadEvent = RawDoc | Skipped
+Reader = Callable[[IO[bytes], str, int], Iterator[ReadEvent]]
+
+
+def quarantine(reason: str, nbytes: int, where: str, data: bytes | str) -> Skipped:
+    """A Skipped that keeps the start of the offending input for review."""
+    head = data[:SAMPLE_BYTES]
+    return Skipped(reason, nbytes, where, head.encode("utf-8", "replace")
+                   if isinstance(head, str) else bytes(head))
+
+
+def quarantine_record(event: Skipped) -> dict[str, str | int]:
+    """A JSON-ready line for a quarantine file; undecodable sample bytes become \\x escapes."""
+    sample = (event.sample or b"").decode("utf-8", "backslashreplace")
+    return {"reason": event.reason, "where": event.where, "nbytes": event.nbytes,
+            "sample": sample}
+
+
+def record_event(record: object, nbytes: int, where: str, raw: bytes | None = None) -> ReadEvent:
+    """A parsed dolma-style record → RawDoc (`text`; URL from metadata.url, url, or a URL id)."""
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        return quarantine("error_missing_text", nbytes, where,
+                          raw if raw is not None else repr(record))
+    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    record_id = str(record.get("id") or "")
+    url = metadata.get("url") or record.get("url") or (record_id if "://" in record_id else "")
+    return RawDoc(str(url), record["text"], False, nbytes, where=where)

@@ -1,0 +1,393 @@
+"""Stage 1, collect+clean: raw crawl (Common Crawl, WARC/WET/JSONL/Parquet/text, or the offline
+demo) → a clean, deduplicated, decontaminated training mix.
+
+Funnel, each step a counted decision (funnel.json, review/ samples of what each step removed):
+  read records (tasks/readers.py; non-documents skipped by type, corrupt input quarantined)
+  → extract main text (trafilatura) and repair Unicode (ftfy)
+  → URL block list → language ID → Gopher quality/repetition, FineWeb, C4 → PII scrub
+    (tasks/cleaning.py, per record, in the work units)
+  → exact dedup on normalized text → model-based quality score (tasks/quality_model.py)
+  → MinHash-LSH near-dedup (tasks/dedup.py) → benchmark decontamination (tasks/decontam.py)
+  → per-source mixing (tasks/mixing.py) → `docs/part-%05d.jsonl.gz` with
+    {"id", "text", "source", "url", "language"}.
+
+Parallelism and resume: one work unit per input file (or per chunk of demo packages), mapped by
+the injected engine. Each unit writes its events to `units/unit-%05d.jsonl.gz` in out_dir (the
+stage's partial dir) when it finishes, so a killed run redoes only unfinished units; Common Crawl
+files download inside the unit (resumable) and are deleted once it is done. Units are merged in
+input order and the corpus-level steps are deterministic, so the output does not depend on the
+engine or the worker count.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Mapping
+
+from pydantic import Field, model_validator
+
+from core.files import iter_jsonl
+from core.sources import fingerprint_sources, parse_source
+from core.stage import Engine, Manifest, StageResult
+from tasks.collect import demo_crawl
+from tasks.collect.cleaning import CleaningConfig, clean_document
+from tasks.collect.common_crawl import (
+    DEFAULT_BASE_URL,
+    CommonCrawlSource,
+    download,
+    list_files,
+    local_path,
+)
+from tasks.collect.decontam import DecontamConfig, build_index
+from tasks.collect.decontam import drop_reason as contamination_reason
+from tasks.collect.dedup import DedupConfig, DedupIndex, near_dedup
+from tasks.collect.funnel import PREVIEW_CHARS, Doc, Funnel, flatten, text_bytes
+from tasks.collect.mixing import MixConfig, mix_documents
+from tasks.collect.quality_model import (
+    QualityConfig,
+    cross_fit_scores,
+    load_reference_texts,
+    train_quality_model,
+)
+from tasks.collect.quality_model import drop_reason as quality_reason
+from tasks.collect.readers import (
+    SUPPORTED_SUFFIXES,
+    extract_text,
+    read_file,
+    resolve_source,
+)
+from tasks.collect.records import ReadEvent, Skipped, quarantine_record
+
+VERSION = 3  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing
+log = logging.getLogger("gristmill.collect")
+
+DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
+UNITS_DIR, DOWNLOADS_DIR, DEDUP_INDEX_DIR = "units", "downloads", "dedup_index"
+
+
+class Config(CleaningConfig):
+    """Where the raw text comes from and how it is cleaned, deduplicated and mixed."""
+
+    unhashed_fields: ClassVar[frozenset[str]] = frozenset(
+        {"num_workers", "cc_base_url", "download_retries", "download_timeout_s", "review_samples"})
+
+    sources: list[str] = Field(
+        default_factory=lambda: [demo_crawl.DEMO_SOURCE],
+        description="Inputs, in order: 'demo:python-docs' (docs of installed Python packages), "
+                    "'cc:<crawl id>[?files=N][&kind=warc|wet][&seed=S]' (Common Crawl, e.g. "
+                    "'cc:CC-MAIN-2024-22?files=2&kind=wet'), or files, directories or globs on "
+                    "any fsspec filesystem of .warc[.gz], .wet[.gz], .jsonl[.gz|.zst], .json.gz, "
+                    ".parquet, .arrow (a `datasets` save_to_disk dir), .txt[.gz|.zst].")
+    cc_base_url: str = Field(DEFAULT_BASE_URL, description="Where 'cc:' files are fetched from "
+                                                           "(a mirror serves the same files).")
+    download_retries: int = Field(5, ge=0, description="Retries of a failing download.")
+    download_timeout_s: float = Field(60.0, gt=0, description="Socket timeout of a download, s.")
+    max_doc_bytes: int = Field(10_000_000, ge=1, description="Records larger than this are "
+                                                             "skipped (skipped_too_large).")
+    max_docs_per_source: int | None = Field(
+        None, ge=1,
+        description="Cap on documents extracted per source, in input order (None: all).")
+    quality: QualityConfig = Field(default_factory=QualityConfig,
+                                   description="Model-based quality score (off by default).")
+    near_dedup: bool = Field(True, description="Remove MinHash-LSH near-duplicates (the `dedup` "
+                                               "settings); exact duplicates always go.")
+    dedup: DedupConfig = Field(default_factory=DedupConfig, description="MinHash-LSH settings.")
+    dedup_index_from: str | None = Field(
+        None, description="An earlier collect artifact dir: documents near-duplicating anything "
+                          "in its dedup_index/ are removed too, without re-reading its inputs "
+                          "(incremental refresh). Its index is carried into this one.")
+    decontam: DecontamConfig = Field(default_factory=DecontamConfig,
+                                     description="Benchmark decontamination (off: no eval sets).")
+    mix: MixConfig = Field(default_factory=MixConfig, description="Per-source weights and budgets.")
+    docs_per_shard: int = Field(
+        10_000, ge=1, description="Documents per output docs/part-*.jsonl.gz file.")
+    review_samples: int = Field(20, ge=0, description="Documents (or quarantined records) kept "
+                                                      "per drop reason in review/ for inspection.")
+    num_workers: int = Field(
+        2, ge=1,
+        description="Parallel workers the engine may use (not hashed: output is the same).")
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> "Config":
+        if not self.sources:
+            raise ValueError("sources: give at least one source")
+        return self
+
+
+# ---------------------------------------------------------------- work units (per input file)
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """One picklable piece of work: a file of a source, or a chunk of demo packages."""
+
+    config: Config
+    source: str
+    index: int = 0  # position in the plan: names its result file
+    path: str | None = None  # local path or fsspec URL
+    url: str | None = None  # a remote file downloaded to `path` first ('cc:' sources)
+    packages: tuple[tuple[str, str], ...] = ()
+
+
+def _source_units(config: Config, text: str, download_dir: Path) -> list[dict[str, Any]]:
+    source = parse_source(text)
+    if source.kind == "demo":
+        source.demo([demo_crawl.DEMO_NAME], "source")
+        packages = demo_crawl.list_packages()
+        n_chunks = max(1, min(len(packages), config.num_workers * DEMO_CHUNKS_PER_WORKER))
+        bounds = [len(packages) * i // n_chunks for i in range(n_chunks + 1)]
+        return [{"packages": tuple(packages[a:b])} for a, b in zip(bounds, bounds[1:])]
+    if source.kind == "cc":
+        urls = list_files(CommonCrawlSource.parse(text), config.cc_base_url,
+                          retries=config.download_retries, timeout_s=config.download_timeout_s)
+        return [{"url": url, "path": str(local_path(url, download_dir))} for url in urls]
+    return [{"path": str(p)} for p in resolve_source(text)]
+
+
+def plan_units(config: Config, download_dir: Path) -> list[WorkUnit]:
+    """Work units in deterministic input order; ValueError naming a source that has no input."""
+    units: list[WorkUnit] = []
+    for source in config.sources:
+        for fields in _source_units(config, source, download_dir):
+            units.append(WorkUnit(config, source, len(units), **fields))
+    return units
+
+
+def _unit_records(unit: WorkUnit) -> Iterator[ReadEvent]:
+    if unit.path is None:
+        return demo_crawl.iter_records(unit.packages)
+    if unit.url is not None:
+        download(unit.url, Path(unit.path), retries=unit.config.download_retries,
+                 timeout_s=unit.config.download_timeout_s)
+    return read_file(unit.path, max_doc_bytes=unit.config.max_doc_bytes)
+
+
+def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
+    """One record's fate: {"reason": kept | dropped_* | skipped_* | error_*, "nbytes", ...}."""
+    if isinstance(item, Skipped):
+        event: dict[str, Any] = {"reason": item.reason, "nbytes": item.nbytes}
+        if item.sample is not None:
+            event["quarantine"] = quarantine_record(item)
+        return event
+    try:
+        text = extract_text(item)
+    except ImportError:  # a missing extractor dependency is a broken install, not a bad page
+        raise
+    except Exception as exc:  # one malformed page must not end the crawl; it is quarantined
+        log.warning("text extraction failed for %s: %s", item.url, exc)
+        return {"reason": "error_extraction", "nbytes": item.nbytes,
+                "quarantine": {"reason": "error_extraction", "where": item.where,
+                               "nbytes": item.nbytes, "sample": repr(exc)}}
+    if text is None:
+        return {"reason": "skipped_no_text", "nbytes": item.nbytes}
+    outcome = clean_document(text, item.url, config)
+    event = {"reason": "kept" if outcome.kept else f"dropped_{outcome.reason}",
+             "nbytes": item.nbytes, "text_bytes": text_bytes(text), "url": item.url,
+             "language": outcome.language}
+    if outcome.pii_counts:
+        event["pii"] = outcome.pii_counts
+    if outcome.kept:
+        event["text"] = outcome.text
+    else:
+        event["preview"] = text[:PREVIEW_CHARS]
+    return event
+
+
+def unit_result_path(units_dir: Path, unit: WorkUnit) -> Path:
+    return units_dir / f"unit-{unit.index:05d}.jsonl.gz"
+
+
+def process_unit(job: tuple[WorkUnit, str]) -> str:
+    """Read, extract and clean one unit into its result file (written atomically); stops after
+    `max_docs_per_source` extracted docs. Returns the result file's path."""
+    unit, result = job
+    cap, n_extracted = unit.config.max_docs_per_source, 0
+    tmp = f"{result}.tmp"
+    with gzip.open(tmp, "wt", encoding="utf-8") as out:
+        for item in _unit_records(unit):
+            event = document_event(item, unit.config)
+            out.write(json.dumps(event, ensure_ascii=False) + "\n")
+            n_extracted += "text_bytes" in event
+            if cap is not None and n_extracted >= cap:
+                break
+    os.replace(tmp, result)
+    if unit.url is not None:  # the raw download is no longer needed once its events are saved
+        Path(unit.path).unlink(missing_ok=True)
+    return result
+
+
+def run_units(units: list[WorkUnit], units_dir: Path, engine: Engine) -> list[Path]:
+    """Result files of every unit, computing only those not finished by an earlier attempt."""
+    units_dir.mkdir(parents=True, exist_ok=True)
+    results = [unit_result_path(units_dir, u) for u in units]
+    pending = [(u, str(r)) for u, r in zip(units, results) if not r.exists()]
+    if len(pending) < len(units):
+        log.info("collect: resuming, %d of %d units already done", len(units) - len(pending),
+                 len(units))
+    engine.map(process_unit, pending)
+    return results
+
+
+# ---------------------------------------------------------------- corpus-level steps
+
+def text_hash(text: str) -> str:
+    """sha256 of the text lowercased with whitespace collapsed: the exact-dedup key."""
+    return hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()
+
+
+def merge(units: list[WorkUnit], results: list[Path], config: Config, funnel: Funnel) -> list[Doc]:
+    """Fold unit events in input order into the funnel, capping extracted docs per source across
+    its units; exact duplicates are dropped (the first occurrence wins)."""
+    docs: list[Doc] = []
+    first_of: dict[str, str] = {}
+    cap = config.max_docs_per_source
+    for unit, result in zip(units, results):
+        for event in iter_jsonl([result]):
+            if cap is not None and funnel.source(unit.source)["docs_in"] >= cap:
+                break
+            funnel.add_event(unit.source, event)
+            if event["reason"] != "kept":
+                continue
+            digest = text_hash(event["text"])
+            doc = {"id": digest[:16], "text": event["text"], "source": unit.source,
+                   "url": event["url"], "language": event["language"]}
+            if digest in first_of:
+                funnel.drop("exact_duplicates", doc, duplicate_of=first_of[digest])
+                continue
+            first_of[digest] = doc["id"]
+            docs.append(doc)
+    for source in config.sources:
+        counts = funnel.source(source)
+        if counts["docs_in"] == 0:
+            raise ValueError(f"source {source!r} yielded no documents (counts: {dict(counts)})")
+    return docs
+
+
+def apply_quality_model(docs: list[Doc], cfg: QualityConfig, out_dir: Path,
+                        funnel: Funnel) -> tuple[list[Doc], dict[str, float]]:
+    """Train reference-vs-crawl, save the model, drop docs whose cross-fit score (from a model
+    that did not train on them) is below the threshold."""
+    positives = load_reference_texts(cfg.reference, cfg.max_train_docs, cfg.seed)
+    crawl = [d["text"] for d in docs]
+    model, metrics = train_quality_model(positives, crawl, cfg)
+    model.save(out_dir / "quality_model")
+    kept = []
+    for doc, score in zip(docs, cross_fit_scores(positives, crawl, cfg)):
+        reason = quality_reason(float(score), cfg)
+        if reason is None:
+            kept.append(doc)
+        else:
+            funnel.drop(f"dropped_{reason}", doc, score=round(float(score), 4))
+    return kept, {f"quality_model_{k}": v for k, v in metrics.items()}
+
+
+def apply_near_dedup(docs: list[Doc], config: Config, engine: Engine, out_dir: Path,
+                     funnel: Funnel) -> tuple[list[Doc], dict[str, int]]:
+    index = DedupIndex.load(Path(config.dedup_index_from) / DEDUP_INDEX_DIR) \
+        if config.dedup_index_from else None
+    result = near_dedup([d["text"] for d in docs], config.dedup, engine, index,
+                        ids=[d["id"] for d in docs])
+    result.index.save(out_dir / DEDUP_INDEX_DIR)
+    for doc, keep, representative in zip(docs, result.keep, result.representative):
+        if not keep:
+            funnel.drop("near_duplicates", doc, duplicate_of=representative)
+    return [d for d, keep in zip(docs, result.keep) if keep], \
+        {f"near_dedup_{k}": v for k, v in result.counts().items()}
+
+
+def apply_decontamination(docs: list[Doc], cfg: DecontamConfig, out_dir: Path,
+                          funnel: Funnel) -> list[Doc]:
+    index = build_index(cfg)
+    kept = []
+    for doc in docs:
+        matches = index.find(doc["text"])
+        index.record(doc["id"], matches)
+        reason = contamination_reason(matches)
+        if reason is None:
+            kept.append(doc)
+            continue
+        funnel.drop(f"dropped_{reason}", doc, matches=[list(m) for m in matches[:10]])
+    (out_dir / "decontamination.json").write_text(json.dumps(index.report(), indent=2) + "\n")
+    return kept
+
+
+def write_shards(docs: list[Doc], docs_dir: Path, docs_per_shard: int) -> int:
+    """docs/part-%05d.jsonl.gz; gzip mtime fixed at 0 so equal docs give byte-identical files."""
+    if docs_dir.exists():  # left by an interrupted earlier attempt
+        shutil.rmtree(docs_dir)
+    docs_dir.mkdir(parents=True)
+    n_shards = 0
+    for n_shards, start in enumerate(range(0, len(docs), docs_per_shard), start=1):
+        lines = "".join(json.dumps(d, ensure_ascii=False) + "\n"
+                        for d in docs[start:start + docs_per_shard])
+        with open(docs_dir / f"part-{n_shards - 1:05d}.jsonl.gz", "wb") as raw:
+            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+                f.write(lines.encode())
+    return n_shards
+
+
+def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *,
+        engine: Engine) -> StageResult:
+    """Read and clean every source, then dedup, decontaminate and mix into out_dir/docs."""
+    out_dir = Path(out_dir)
+    units = plan_units(config, out_dir / DOWNLOADS_DIR)
+    log.info("collect: %d work units from %d sources", len(units), len(config.sources))
+    funnel = Funnel(config.review_samples)
+    docs = merge(units, run_units(units, out_dir / UNITS_DIR, engine), config, funnel)
+    funnel.record_steps()
+    funnel.step_docs("exact_dedup", docs)
+    stats: dict[str, Any] = {}
+    if config.quality.enabled:
+        docs, quality_stats = apply_quality_model(docs, config.quality, out_dir, funnel)
+        stats.update(quality_stats)
+        funnel.step_docs("quality_model", docs)
+    if config.near_dedup:
+        docs, dedup_stats = apply_near_dedup(docs, config, engine, out_dir, funnel)
+        stats.update(dedup_stats)
+        funnel.counts["near_duplicates"] = dedup_stats["near_dedup_near_duplicates"]
+        funnel.step_docs("near_dedup", docs)
+    if config.decontam.eval_sets:
+        docs = apply_decontamination(docs, config.decontam, out_dir, funnel)
+        funnel.step_docs("decontamination", docs)
+    if not docs:
+        raise ValueError("no documents survived the filters; loosen the filter thresholds")
+    by_source: dict[str, list[Doc]] = {}
+    for doc in docs:
+        by_source.setdefault(doc["source"], []).append(doc)
+    docs, mix_record = mix_documents(by_source, config.mix)
+    funnel.step_docs("mix", docs)
+    (out_dir / "mix.json").write_text(json.dumps(mix_record, indent=2) + "\n")
+    report = funnel.report()
+    report["shards"] = write_shards(docs, out_dir / "docs", config.docs_per_shard)
+    (out_dir / "funnel.json").write_text(json.dumps(report, indent=2) + "\n")
+    artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]
+    if config.decontam.eval_sets:
+        artifacts.append("decontamination.json")
+    shutil.rmtree(out_dir / UNITS_DIR)  # the committed output is docs/; units only serve resume
+    shutil.rmtree(out_dir / DOWNLOADS_DIR, ignore_errors=True)
+    last = report["steps"][-1]
+    log.info("collect: kept %d docs, %.2f MB (%s)", last["docs"], last["bytes"] / 1e6,
+             ", ".join(f"{s['step']} {s['docs']}" for s in report["steps"]))
+    return StageResult(stats={**flatten(report), **stats, "docs_out": last["docs"],
+                              "bytes_out": last["bytes"]}, artifacts=artifacts)
+
+
+def fingerprint(config: Config) -> str:
+    """Digest of the inputs: every input file's content, the installed package versions (demo),
+    the crawl files chosen ('cc:' files never change), eval sets, reference text and the
+    earlier dedup index."""
+    def installed_packages(_source) -> str:
+        return "".join(f"{name}=={version}\n" for name, version in demo_crawl.list_packages())
+
+    extra = [*config.decontam.eval_sets]
+    if config.quality.enabled:
+        extra += config.quality.reference
+    if config.dedup_index_from:
+        extra.append(str(Path(config.dedup_index_from) / DEDUP_INDEX_DIR))
+    inputs = fingerprint_sources(config.sources, SUPPORTED_SUFFIXES, demo_digest=installed_packages)
+    return hashlib.sha256(f"{inputs} {fingerprint_sources(extra)}".encode()).hexdigest()

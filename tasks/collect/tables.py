@@ -1,0 +1,70 @@
+"""Parquet and Arrow readers for the collect stage: one document per row (pyarrow).
+
+Columns are the JSON-lines ones: `text` (required), `id`, `url`, `metadata` (a struct whose `url`
+wins). A Hugging Face `datasets` folder written by `save_to_disk` holds its rows in Arrow stream
+files (`data-00000-of-0000N.arrow`, in order) beside JSON state, so pointing a source at the
+folder reads it without importing `datasets`; Arrow IPC *file* format (magic `ARROW1`) works too.
+"""
+from __future__ import annotations
+
+from typing import IO, Iterable, Iterator
+
+from tasks.collect.records import ReadEvent, Skipped, quarantine, record_event
+
+COLUMNS = ("text", "id", "url", "metadata")  # read only what a document needs
+BATCH_ROWS = 1024
+ARROW_FILE_MAGIC = b"ARROW1"
+
+
+def _rows(batches: Iterable, names: list[str], name: str, fmt: str) -> Iterator[ReadEvent]:
+    """Events of the rows of record batches; a damaged batch ends the file with one error."""
+    import pyarrow as pa
+
+    if "text" not in names:
+        yield Skipped("error_no_text_column", 0, f"{name} (columns: {', '.join(names)})")
+        return
+    columns = [c for c in COLUMNS if c in names]
+    row = 0
+    try:
+        for batch in batches:
+            for record in batch.select(columns).to_pylist():
+                text = record["text"]
+                nbytes = len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
+                yield record_event(record, nbytes, f"{name}#{row}")
+                row += 1
+    except (pa.ArrowException, OSError) as exc:
+        yield quarantine(f"error_corrupt_{fmt}", 0, f"{name}#{row}", str(exc))
+
+
+def read_parquet(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
+    """Rows of a Parquet file, BATCH_ROWS at a time (max_doc_bytes is applied by read_file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as exc:
+        yield quarantine("error_corrupt_parquet", 0, name, str(exc))
+        return
+    names = table.schema_arrow.names
+    columns = [c for c in COLUMNS if c in names]
+    yield from _rows(table.iter_batches(BATCH_ROWS, columns=columns), names, name, "parquet")
+
+
+def read_arrow(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
+    """Rows of an Arrow IPC stream (what `datasets` writes) or IPC file."""
+    import pyarrow as pa
+
+    is_file_format = f.read(len(ARROW_FILE_MAGIC)) == ARROW_FILE_MAGIC
+    f.seek(0)
+    try:
+        if is_file_format:
+            reader = pa.ipc.open_file(f)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            reader = pa.ipc.open_stream(f)
+            batches = iter(reader)
+    except (pa.ArrowException, OSError) as exc:
+        yield quarantine("error_corrupt_arrow", 0, name, str(exc))
+        return
+    yield from _rows(batches, reader.schema.names, name, "arrow")

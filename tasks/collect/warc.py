@@ -1,0 +1,142 @@
+"""WARC/WET reader for the collect stage (warcio), plain or gzip per record.
+
+Response and conversion (WET) records with an HTML or plain-text payload become `RawDoc`s; every
+other record is a `Skipped` counted by type: `skipped_record_<WARC-Type>` (request, metadata,
+revisit, warcinfo, resource...), `skipped_http_<N>xx`, `skipped_mime_<kind>` (image, css,
+javascript...), `skipped_empty_payload`, `skipped_too_large`.
+A damaged stretch (corrupt gzip member, garbled record header) is counted once as
+`error_corrupt_warc`, and reading resumes at the next record boundary found after it: the next
+gzip member header, or the next line starting `WARC/1.` in an uncompressed file.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import IO, Iterator
+
+from tasks.collect.records import SAMPLE_BYTES, RawDoc, ReadEvent, Skipped, quarantine
+
+HTML_MIMES = frozenset({"text/html", "application/xhtml+xml"})
+GZIP_MEMBER = b"\x1f\x8b\x08"  # gzip magic + deflate method: where a per-record member starts
+WARC_LINE = b"\nWARC/1."  # a record's first line, after the previous record's line end
+SCAN_CHUNK_BYTES = 1 << 20
+
+
+def classify_mime(content_type: str) -> str:
+    """'html', 'text', or the skip reason for a MIME type we do not extract text from."""
+    mime = content_type.split(";")[0].strip().lower()
+    if mime in HTML_MIMES:
+        return "html"
+    if mime == "text/plain":
+        return "text"
+    if not mime:
+        return "skipped_mime_missing"
+    major, _, minor = mime.partition("/")
+    if major in ("image", "audio", "video", "font"):
+        return f"skipped_mime_{major}"
+    for kind in ("css", "javascript", "json", "xml", "pdf", "dns"):
+        if kind in minor:
+            return f"skipped_mime_{kind}"
+    return "skipped_mime_other"
+
+
+def _charset(content_type: str) -> str | None:
+    for part in content_type.split(";")[1:]:
+        key, _, value = part.strip().partition("=")
+        if key.lower() == "charset" and value:
+            return value.strip("\"' ").lower()
+    return None
+
+
+def _skip_reason(record) -> str | None:
+    """Why a record carries no document, judged from its headers alone."""
+    if record.rec_type not in ("response", "conversion"):
+        return f"skipped_record_{record.rec_type}"
+    headers = record.http_headers  # None for conversion (WET) and non-HTTP (dns:) responses
+    if headers is not None:
+        status = int(headers.get_statuscode() or 0)
+        if not 200 <= status < 300:
+            return f"skipped_http_{status // 100}xx"
+    kind = classify_mime((headers or record.rec_headers).get_header("Content-Type") or "")
+    return kind if kind.startswith("skipped_") else None
+
+
+def warc_event(record, where: str, max_doc_bytes: int) -> ReadEvent:
+    """One WARC record → a RawDoc for response/conversion records with text, else a Skipped."""
+    size = int(record.length or 0)
+    reason = _skip_reason(record)
+    if reason is not None:
+        return Skipped(reason, size)
+    if size > max_doc_bytes:  # judged before reading: the payload never enters memory
+        return Skipped("skipped_too_large", size, where)
+    try:  # content_stream() undoes chunking and gzip/br content encodings, which can be broken
+        payload = record.content_stream().read(max_doc_bytes + 1)  # +1: a bomb shows as too large
+    except (OSError, EOFError, ValueError, zlib.error):
+        return quarantine("error_bad_payload", size, where, record.rec_headers.to_str())
+    if getattr(record.raw_stream, "limit", 0) > 0:  # fewer bytes than Content-Length: cut off
+        return quarantine("error_truncated_record", size, where, payload)
+    if not payload.strip():
+        return Skipped("skipped_empty_payload", size, where)
+    headers = record.http_headers or record.rec_headers
+    content_type = headers.get_header("Content-Type") or ""
+    url = record.rec_headers.get_header("WARC-Target-URI") or ""
+    return RawDoc(url, payload, classify_mime(content_type) == "html", size,
+                  _charset(content_type), where)
+
+
+def _find(f: IO[bytes], marker: bytes, start: int) -> int | None:
+    """Offset of the first `marker` at or after `start`, scanning in 1 MiB chunks."""
+    f.seek(start)
+    carry, pos = b"", start  # carry: the tail of the previous chunk, for a marker cut in two
+    while chunk := f.read(SCAN_CHUNK_BYTES):
+        found = (carry + chunk).find(marker)
+        if found >= 0:
+            return pos - len(carry) + found
+        carry = (carry + chunk)[-(len(marker) - 1):]
+        pos += len(chunk)
+    return None
+
+
+def _peek(f: IO[bytes], offset: int) -> bytes:
+    f.seek(offset)
+    return f.read(SAMPLE_BYTES)
+
+
+class _NotWarc(Exception):
+    """warcio parsed a record as ARC: what it does with bytes that are not a WARC record."""
+
+
+def _records(f: IO[bytes], name: str, max_doc_bytes: int, state: dict) -> Iterator[ReadEvent]:
+    """Events from the current position until the end or the first damage, which raises;
+    state["records"].offset is the start of the record being read (or parsed) in the file."""
+    from warcio.archiveiterator import ArchiveIterator
+
+    records = state["records"] = ArchiveIterator(f)
+    for record in records:
+        if not record.format.startswith("warc"):
+            raise _NotWarc(record.format)
+        yield warc_event(record, f"{name}@{records.offset}", max_doc_bytes)
+
+
+def read_warc(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
+    """Records of a WARC/WET file, resynchronizing after each damaged stretch."""
+    from warcio.exceptions import ArchiveLoadFailed
+
+    gzipped = f.read(2) == GZIP_MEMBER[:2]
+    marker, skip = (GZIP_MEMBER, 0) if gzipped else (WARC_LINE, 1)
+    start: int | None = 0
+    while start is not None:
+        f.seek(start)
+        state: dict = {}
+        try:
+            yield from _records(f, name, max_doc_bytes, state)
+            return
+        except _NotWarc:
+            if start == 0:  # the file does not start as a WARC: not one at all
+                yield quarantine("error_not_warc", 0, name, _peek(f, 0))
+                return
+        except (ArchiveLoadFailed, EOFError, zlib.error, OSError, ValueError):
+            pass
+        bad = state["records"].offset if "records" in state else start
+        yield quarantine("error_corrupt_warc", 0, f"{name}@{bad}", _peek(f, bad))
+        found = _find(f, marker, bad + 1)
+        start = None if found is None else found + skip

@@ -1,0 +1,178 @@
+"""Pretrain stage: train a small Llama from scratch on the tokenize stage's token shards.
+
+Batches are packed windows of `seq_len + 1` tokens from `tokens/train.bin` in the seeded epoch
+order of `model.data` (step `s` reads stream positions `s * batch_size ...`), so the step is the
+saved data position and a resumed run sees exactly the batches it would have seen. Validation
+loss is measured on a fixed set of evenly spaced windows of `tokens/val.bin`, also as bits per
+byte, next to the unigram baseline (cross-entropy of val tokens under train-token frequencies).
+Output: `model/` (HF dir with the tokenizer), `metrics.jsonl` (loss, lr, grad_norm, tokens_per_s,
+mfu, val_loss, val_bpb, rollback events).
+
+Distributed: `run` is the same function in every data-parallel process; `python -m tasks.pretrain`
+launches it under `torchrun` / `accelerate launch` (see infra/accelerate/), and
+infra/ray_train.py under Ray Train. Only process 0 exports.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+from transformers import AutoTokenizer
+
+from core.stage import Engine, Manifest, MetricsLog, SerialEngine, StageResult
+from core.units import bits_per_byte
+from model.checkpoint import remove_checkpoints
+from model.data import read_tokens, window_starts
+from model.export import export_model
+from model.loop import Batch, LoopConfig, mean_token_loss, train
+from model.plan import flops_per_token
+from model.presets import ModelConfig, build_model, count_params
+
+VERSION = 1
+log = logging.getLogger("gristmill.pretrain")
+
+
+class Config(LoopConfig):
+    """Pretraining: model shape, sequence length, and the shared optimisation knobs."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the model trained from scratch.")
+    seq_len: int = Field(256, gt=0, description="Tokens per training sequence (each window holds seq_len + 1 "
+                                                "tokens: inputs and their next-token targets).")
+    val_windows: int = Field(32, gt=0, description="Number of fixed, evenly spaced val.bin windows the "
+                                                   "validation loss is measured on.")
+
+    @model_validator(mode="after")
+    def _check_seq_len(self) -> "Config":
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(f"seq_len ({self.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        self.with_seq_len(self.seq_len)  # tokens_per_step must be whole micro-batches
+        return self
+
+
+def fingerprint(config: Config) -> None:
+    """Pretraining reads only its upstream token shards: no external data to digest."""
+    return None
+
+
+UNIGRAM_CHUNK_TOKENS = 1 << 24  # bincount in chunks: np.bincount widens the ids to int64
+
+
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats per token) of `val` under the unigram distribution of `train` with
+    add-one smoothing: the loss of a model that ignores context, a baseline to beat."""
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for start in range(0, len(train), UNIGRAM_CHUNK_TOKENS):
+        counts += np.bincount(train[start : start + UNIGRAM_CHUNK_TOKENS], minlength=vocab_size)[:vocab_size]
+    log_p = np.log(counts) - np.log(counts.sum())
+    val_counts = np.zeros(vocab_size, dtype=np.float64)
+    for start in range(0, len(val), UNIGRAM_CHUNK_TOKENS):
+        val_counts += np.bincount(val[start : start + UNIGRAM_CHUNK_TOKENS], minlength=vocab_size)[:vocab_size]
+    return float(-(val_counts * log_p).sum() / val_counts.sum())
+
+
+def bytes_per_token(tokens_dir: Path) -> float:
+    """UTF-8 bytes per token of the whole val split (tokens/meta.json)."""
+    meta = json.loads((Path(tokens_dir) / "meta.json").read_text())
+    return meta["val_bytes"] / meta["val_tokens"]
+
+
+def load_tokens(tokens_dir: Path, split: str, seq_len: int) -> np.ndarray:
+    """Memory-mapped token ids of `split` ("train" or "val"), checked to hold at least one window."""
+    data = read_tokens(tokens_dir, split)
+    path = tokens_dir / f"{split}.bin"
+    if len(data) < seq_len + 2:
+        raise ValueError(f"{path} holds {len(data)} tokens, fewer than seq_len + 2 = {seq_len + 2}; "
+                         "lower seq_len or tokenize more text")
+    return data
+
+
+def windows_batch(data: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
+    """Inputs and next-token labels from windows of seq_len + 1 tokens starting at `starts`."""
+    windows = torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+    return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
+
+
+def train_starts(n_tokens: int, seq_len: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """Window starts of training step `step`: a pure function of (seed, step). The whole global
+    batch is read as rank 0 of 1; the training loop splits it across data-parallel processes."""
+    return window_starts(n_tokens, seq_len, seed, position=step * batch_size, count=batch_size)
+
+
+def val_batches(data: np.ndarray, config: Config) -> list[Batch]:
+    """The fixed validation set: `val_windows` evenly spaced windows, in batches of batch_size."""
+    starts = np.linspace(0, len(data) - config.seq_len - 1, num=config.val_windows).astype(np.int64)
+    return [windows_batch(data, starts[i : i + config.batch_size], config.seq_len)
+            for i in range(0, len(starts), config.batch_size)]
+
+
+def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+    config = config.with_seq_len(config.seq_len)  # tokens_per_step -> batch_size, grad_accum_steps
+    tok_root = Path(inputs["tokenize"].path)
+    tokenizer = AutoTokenizer.from_pretrained(tok_root / "tokenizer")
+    train_data = load_tokens(tok_root / "tokens", "train", config.seq_len)
+    val_set = val_batches(load_tokens(tok_root / "tokens", "val", config.seq_len), config)
+
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, tokenizer)
+    params = count_params(model)
+    log.info("model: %d params, %d train tokens, %d val windows of %d tokens",
+             params, len(train_data), config.val_windows, config.seq_len)
+
+    def get_batch(step: int) -> Batch:
+        starts = train_starts(len(train_data), config.seq_len, config.batch_size, config.seed, step)
+        return windows_batch(train_data, starts, config.seq_len)
+
+    bytes_per_tok = bytes_per_token(tok_root / "tokens")
+
+    def evaluate(m: torch.nn.Module) -> dict[str, float]:
+        val_loss = mean_token_loss(m, val_set)
+        return {"val_loss": val_loss, "val_bpb": bits_per_byte(val_loss, bytes_per_tok)}
+
+    summary = train(model, get_batch, config, out_dir, MetricsLog(out_dir), evaluate=evaluate, log=log,
+                    flops_per_token=flops_per_token(config.model, len(tokenizer), config.seq_len))
+    unigram = unigram_loss(train_data, read_tokens(tok_root / "tokens", "val"), len(tokenizer))
+    log.info("val_loss %.4f nats (%.4f bits/byte); unigram baseline %.4f nats",
+             summary["val_loss"], summary["val_bpb"], unigram)
+    if summary["process_index"] == 0:  # the other data-parallel processes hold the same weights
+        export_model(model, tokenizer, out_dir / "model")
+        remove_checkpoints(out_dir)  # the exported model is the artifact; optimizer state is not
+    stats = {"final_train_loss": summary["final_train_loss"], "val_loss": summary["val_loss"],
+             "val_bpb": summary["val_bpb"], "unigram_val_loss": unigram,
+             "unigram_val_bpb": bits_per_byte(unigram, bytes_per_tok),
+             "params": params, "steps": summary["steps"], "tokens_seen": summary["tokens_seen"],
+             "tokens_per_s": summary["tokens_per_s"], "resumed_from_step": summary["resumed_from_step"],
+             "rollbacks": summary["rollbacks"], "world_size": summary["world_size"],
+             **({"mfu": summary["mfu"]} if "mfu" in summary else {})}
+    return StageResult(stats=stats, artifacts=["model/config.json", "model/generation_config.json"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the stage outside the pipeline, once per process of a data-parallel launch:
+
+        torchrun --standalone --nproc_per_node 2 -m tasks.pretrain TOKENIZE_DIR OUT_DIR --config '{...}'
+        accelerate launch --config_file infra/accelerate/ddp_gpu.yaml -m tasks.pretrain ...
+
+    TOKENIZE_DIR is a tokenize stage output; the JSON config holds Config fields. Process 0
+    writes OUT_DIR/summary.json (the stage's stats)."""
+    parser = argparse.ArgumentParser(prog="python -m tasks.pretrain", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tokenize_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--config", default="{}", help="Config fields as a JSON object")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = Config(**json.loads(args.config))
+    manifest = Manifest(stage="tokenize", key="cli", path=args.tokenize_dir, config={}, upstream={}, files={},
+                        stats={})
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    result = run(config, {"tokenize": manifest}, args.out_dir, engine=SerialEngine())
+    if result.stats["world_size"] == 1 or torch.distributed.get_rank() == 0:
+        (args.out_dir / "summary.json").write_text(json.dumps(result.stats, indent=1) + "\n")
+    return 0
+

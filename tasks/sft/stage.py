@@ -1,0 +1,240 @@
+"""SFT stage: supervised fine-tuning of the pretrained model on chat conversations.
+
+Sources (tasks.sft.conversations): the generated demo tasks, `messages` / prompt+response /
+self-instruct JSONL, and OpenAssistant message-tree exports flattened to threads. Each
+conversation is rendered with the one chat template stored with the tokenizer
+(`core.chat.render_with_mask`); the loss falls on assistant tokens only (their content and the
+closing `<|im_end|>`). Over-long conversations are cut to `max_seq_len` tokens; those left with no
+assistant token are dropped (both counted). A held-out share, split by opening user message so the
+threads of one OpenAssistant tree stay on one side, measures assistant-token loss before and after.
+
+Full fine-tuning, or LoRA (`lora:`, model/lora.py) with the adapter saved to `adapter/` and merged
+into the exported `model/`. With `packing`, examples share rows of up to `max_seq_len` tokens,
+each with its own positions and attention block (model/packing.py); `batch_size` then counts rows.
+
+Training runs on model/loop.py, the loop pretraining uses: exact resume from checkpoints in
+out_dir (the state of LoRA runs included: only the adapters are trainable, and model, optimizer,
+scheduler and RNG state are all checkpointed), spike rollback, Accelerate DDP and metrics.jsonl.
+TRL's SFTTrainer is not used because it would bring a second loop with its own checkpoint layout;
+TRL serves the packing (`trl.pack_dataset`) and PEFT the adapters. Batches follow a per-epoch
+permutation drawn from (seed, epoch), so a resumed run sees the same batches.
+Output: `model/` (plain HF model), `adapter/` (LoRA only), `metrics.jsonl`.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import Field
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from core.chat import Message, render_with_mask
+from core.sources import JSONL_SUFFIXES, fingerprint_sources
+from core.stage import Engine, Manifest, MetricsLog, StageResult
+from model.checkpoint import remove_checkpoints
+from model.export import export_model
+from model.loop import (
+    IGNORE_INDEX,
+    Batch,
+    LoopConfig,
+    causal_lm_loss,
+    mean_token_loss,
+    resolve_device,
+    train,
+)
+from model.lora import LoraSettings, apply_lora, export_lora, trainable_parameters
+from model.packing import Example, collate_packed, pack_examples
+from tasks.sft.conversations import load_conversations
+
+VERSION = 2
+log = logging.getLogger("gristmill.sft")
+
+
+class Config(LoopConfig):
+    """Supervised fine-tuning: data sources, sequence limits, held-out share, packing, LoRA, and the
+    loop knobs."""
+
+    data: list[str] = Field(["demo:arithmetic"], min_length=1,
+                            description="Conversation sources: 'demo:arithmetic' or JSONL(.gz) paths "
+                                        "(messages, prompt/response, self-instruct, or OpenAssistant "
+                                        "message trees; detected per file).")
+    max_examples: int | None = Field(None, gt=0, description="At most this many conversations per source "
+                                                             "(None: all; the demo then gives 500).")
+    max_seq_len: int = Field(256, gt=1, description="Rendered conversations longer than this many tokens "
+                                                    "are truncated (and counted); with packing, the row length.")
+    heldout_fraction: float = Field(0.1, ge=0, lt=1, description="Share of conversations held out to "
+                                                                 "measure assistant-token loss before/after.")
+    packing: bool = Field(False, description="Concatenate examples into rows of up to max_seq_len tokens "
+                                             "(best fit decreasing); each keeps its own positions and "
+                                             "attends only to itself. batch_size then counts rows.")
+    lora: LoraSettings | None = Field(None, description="Train LoRA adapters on a frozen base model "
+                                                        "(None: full fine-tuning). The export merges them.")
+
+
+def fingerprint(config: Config) -> str:
+    """Digest of the data files the config points at, so an edited file triggers a re-run."""
+    return fingerprint_sources(config.data, JSONL_SUFFIXES)
+
+
+def sft_example(ids: list[int], mask: list[int]) -> Example:
+    """Next-token inputs and labels: position t predicts ids[t+1], scored only where it is an
+    assistant token."""
+    labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(ids[1:], mask[1:])]
+    return ids[:-1], labels
+
+
+def encode_conversations(tokenizer: Any, convs: list[list[Message]], max_seq_len: int
+                         ) -> tuple[list[Example], list[int], dict[str, int]]:
+    """Render each conversation, cut it to max_seq_len tokens, and build labels. Returns the
+    examples, the index in `convs` each came from, and counts of `truncated_<reason>` /
+    `dropped_<reason>` events."""
+    examples, kept, counts = [], [], Counter()
+    for i, conv in enumerate(convs):
+        ids, mask = render_with_mask(tokenizer, conv)
+        if len(ids) > max_seq_len:
+            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+            counts["truncated_over_max_seq_len"] += 1
+        if not any(mask[1:]):
+            counts["dropped_no_assistant_tokens_after_truncation"] += 1
+            continue
+        examples.append(sft_example(ids, mask))
+        kept.append(i)
+    return examples, kept, dict(counts)
+
+
+def collate(examples: list[Example], pad_id: int) -> Batch:
+    """Right-padded batch; padding is masked out of attention and loss."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (ids, labs) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(labs)] = torch.tensor(labs)
+        attention[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+
+
+def epoch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """Example indices of step `step`: consecutive slices of per-epoch permutations seeded by
+    (seed, epoch), a pure function of the step."""
+    positions = range(step * batch_size, (step + 1) * batch_size)
+    perms = {e: np.random.default_rng((seed, e)).permutation(n) for e in {p // n for p in positions}}
+    return [int(perms[p // n][p % n]) for p in positions]
+
+
+def conversation_group(conv: list[Message]) -> str:
+    """Held-out split key: the opening user message. Threads flattened from one OpenAssistant tree
+    share it, as do repeats of one prompt, so none of them leaks across the split."""
+    opening = next((m["content"] for m in conv if m["role"] == "user"), "")
+    return hashlib.sha256(opening.encode()).hexdigest()
+
+
+def split_heldout(groups: Sequence[str], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) indices: whole groups, in a seeded order, go to the held-out side until it
+    has ceil(fraction * n) items; a group that would leave training empty is skipped."""
+    members: dict[str, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    order = np.random.default_rng(seed).permutation(len(members))
+    names, target, heldout = list(members), math.ceil(fraction * len(groups)), []
+    for k in order:
+        if len(heldout) >= target:
+            break
+        if len(heldout) + len(members[names[k]]) < len(groups):
+            heldout += members[names[k]]
+    held = set(heldout)
+    return [i for i in range(len(groups)) if i not in held], sorted(heldout)
+
+
+def load_examples(config: Config, tokenizer: Any) -> tuple[list[Example], list[str], dict[str, int]]:
+    """Examples from every source, their held-out groups, and `dropped_*`/`truncated_*` counts.
+    A source with nothing left to train on is an error naming it."""
+    examples, groups, counts = [], [], Counter()
+    for source in config.data:
+        convs, dropped = load_conversations(source, config.max_examples)
+        counts.update({f"dropped_{reason}": n for reason, n in dropped.items()})
+        encoded, kept, enc_counts = encode_conversations(tokenizer, convs, config.max_seq_len)
+        if not encoded:
+            raise ValueError(f"SFT data source {source!r}: none of its {len(convs)} conversations keeps an "
+                             f"assistant token within max_seq_len={config.max_seq_len} ({enc_counts})")
+        counts.update(enc_counts)
+        examples += encoded
+        groups += [conversation_group(convs[i]) for i in kept]
+        log.info("%s: %d examples, %s", source, len(encoded), {**dropped, **enc_counts} or "nothing dropped")
+    return examples, groups, dict(counts)
+
+
+def batch_source(config: Config, train_set: list[Example], pad_id: int):
+    """(get_batch(step) -> Batch, loss_fn, loop config, stats) for plain or packed batches."""
+    if not config.packing:
+        if config.tokens_per_step is not None:
+            raise ValueError("tokens_per_step needs packing=true (rows of max_seq_len tokens); "
+                             "without packing set batch_size / grad_accum_steps")
+        units, collate_fn, loss_fn, stats = train_set, collate, causal_lm_loss, {}
+    else:
+        units = pack_examples(train_set, config.max_seq_len)
+        tokens = sum(len(ids) for ids, _ in train_set)
+        collate_fn, loss_fn = collate_packed, causal_lm_loss
+        stats = {"packed_rows": len(units), "packed_fill": tokens / (len(units) * config.max_seq_len)}
+    loop_config = config.with_seq_len(config.max_seq_len) if config.packing else config
+
+    def get_batch(step: int) -> Batch:
+        idx = epoch_indices(step, loop_config.batch_size, len(units), config.seed)
+        return collate_fn([units[i] for i in idx], pad_id)
+
+    return get_batch, loss_fn, loop_config, stats
+
+
+def load_base(model_dir: Path, config: Config):
+    """Tokenizer and fp32 model of the pretrain stage, checked against max_seq_len."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if config.max_seq_len > model.config.max_position_embeddings:
+        raise ValueError(f"max_seq_len ({config.max_seq_len}) exceeds the model's "
+                         f"max_position_embeddings ({model.config.max_position_embeddings})")
+    return tokenizer, model
+
+
+def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+    out_dir = Path(out_dir)
+    torch.manual_seed(config.seed)  # LoRA's initial A matrices and adapter dropout
+    tokenizer, model = load_base(Path(inputs["pretrain"].path) / "model", config)
+    examples, groups, counts = load_examples(config, tokenizer)
+    train_idx, heldout_idx = split_heldout(groups, config.heldout_fraction, config.seed)
+    train_set, heldout = [examples[i] for i in train_idx], [examples[i] for i in heldout_idx]
+    pad_id = tokenizer.pad_token_id
+    # Held-out loss always runs unpacked: equal to the packed loss (tested), and comparable across runs.
+    heldout_batches = [collate(heldout[i : i + config.batch_size], pad_id)
+                       for i in range(0, len(heldout), config.batch_size)]
+    evaluate = (lambda m: {"heldout_loss": mean_token_loss(m, heldout_batches)}) if heldout else None
+    device = resolve_device(config.device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        before = mean_token_loss(model.to(device), heldout_batches) if heldout else float("nan")
+    log.info("%d train / %d held-out examples, held-out assistant loss %.4f, %s",
+             len(train_set), len(heldout), before, counts)
+    if config.lora is not None:
+        model = apply_lora(model, config.lora)
+    get_batch, loss_fn, loop_config, batch_stats = batch_source(config, train_set, pad_id)
+    summary = train(model, get_batch, loop_config, out_dir, MetricsLog(out_dir), loss_fn=loss_fn,
+                    evaluate=evaluate, log=log)
+    params = trainable_parameters(model)
+    artifacts = ["model/config.json", "model/generation_config.json"]
+    if config.lora is not None:
+        export_lora(model, tokenizer, out_dir / "model", out_dir / "adapter")
+        artifacts.append("adapter/adapter_config.json")
+    else:
+        export_model(model, tokenizer, out_dir / "model")
+    remove_checkpoints(out_dir)
+    stats = {"examples_train": len(train_set), "examples_heldout": len(heldout),
+             "heldout_loss_before": before, "heldout_loss_after": summary.get("heldout_loss", float("nan")),
+             **{k: summary[k] for k in ("final_train_loss", "steps", "tokens_seen", "tokens_per_s",
+                                        "resumed_from_step")}, **params, **batch_stats, **counts}
+    return StageResult(stats=stats, artifacts=artifacts)

@@ -62,7 +62,7 @@ def run_ours(path: Path, cfg) -> np.ndarray:
 def run_datasketch(path: Path, cfg) -> np.ndarray:
     from datasketch import MinHash, MinHashLSH
 
-    from tasks.collect.dedup import normalize
+    from tasks.collect.minhash import normalize
 
     k = cfg.shingle_words
     shingle_sets = []

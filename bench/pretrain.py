@@ -28,7 +28,6 @@ from core.stage import MetricsLog
 from model.loop import (
     LoopConfig,
     causal_lm_loss,
-    device_peak_tflops,
     make_optimizer,
     resolve_device,
     train,
@@ -36,6 +35,7 @@ from model.loop import (
 from model.plan import flops_per_token
 from model.presets import PRESETS, build_model
 from model.schedule import lr_multiplier
+from model.throughput import device_peak_tflops
 
 
 class _Vocab:
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
             results[mode].append(_run(mode, args, batches, cfg))
     tok_s = {mode: statistics.median(values) for mode, values in results.items()}
     fpt = flops_per_token(PRESETS[args.preset], args.vocab_size, args.seq_len)
-    peak = device_peak_tflops(cfg, resolve_device(args.device))
+    peak = device_peak_tflops(cfg.peak_tflops, resolve_device(args.device))
     mfus = {mode: tok_s[mode] * fpt / (peak * 1e12) if peak else None for mode in tok_s}
     print(f"{'loop':<8}{'tokens/s (median)':>20}{'runs':>40}{'MFU':>8}")
     for mode, values in results.items():

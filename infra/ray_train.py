@@ -33,9 +33,8 @@ def train_worker(args: dict[str, Any]) -> None:
     from tasks.pretrain.stage import Config, run
 
     out_dir = Path(args["out_dir"])
-    manifest = Manifest(stage="tokenize", key="ray", path=Path(args["tokenize_dir"]), config={}, upstream={},
-                        files={}, stats={})
-    result = run(Config(**args["config"]), {"tokenize": manifest}, out_dir, engine=SerialEngine())
+    inputs = {"tokenize": Manifest.of_directory("tokenize", Path(args["tokenize_dir"]))}
+    result = run(Config(**args["config"]), inputs, out_dir, engine=SerialEngine())
     rank = dist.get_rank() if dist.is_initialized() else 0
     (out_dir / f"worker-{rank}.json").write_text(json.dumps({**result.stats, "rank": rank}) + "\n")
 

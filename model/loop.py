@@ -40,6 +40,7 @@ from model.checkpoint import (
     save_checkpoint,
 )
 from model.schedule import lr_multiplier
+from model.throughput import Throughput, device_peak_tflops
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
@@ -50,8 +51,6 @@ RECENT_LOSSES = 10  # steps averaged into the reported final train loss
 # Floor of the rolling std as a fraction of the rolling mean loss: on a flat loss curve (std near
 # 0) ordinary batch-to-batch noise must not count as a spike.
 MIN_SPIKE_STD_FRAC = 0.01
-# Dense bf16 tensor-core peaks (TFLOP/s) of GPUs the MFU is reported for without `peak_tflops`.
-GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 
 
 class TrainingDiverged(RuntimeError):
@@ -173,14 +172,6 @@ def make_optimizer(model: torch.nn.Module, cfg: LoopConfig) -> torch.optim.AdamW
               {"params": no_decay, "weight_decay": 0.0}]
     fused = all(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
-
-
-def device_peak_tflops(cfg: LoopConfig, device: torch.device) -> float | None:
-    """Peak TFLOP/s of one device for MFU: the configured value, else a known GPU's bf16 peak."""
-    if cfg.peak_tflops is not None or device.type != "cuda":
-        return cfg.peak_tflops
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_PEAK_TFLOPS.items() if key in name), None)
 
 
 def make_accelerator(cfg: LoopConfig) -> Accelerator:
@@ -317,31 +308,6 @@ def _prepare(model: torch.nn.Module, cfg: LoopConfig):
     return accelerator, model, optimizer, scheduler
 
 
-class _Throughput:
-    """Tokens per second of training steps (eval and checkpoint time excluded) since the last
-    report, and the MFU they amount to."""
-
-    def __init__(self, flops_per_token: float | None, peak_tflops: float | None, processes: int):
-        self.flop_budget = peak_tflops * 1e12 * processes if flops_per_token and peak_tflops else None
-        self.flops_per_token = flops_per_token
-        self.tokens, self.seconds = 0, 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
-
-    def with_mfu(self, tokens_per_s: float) -> dict[str, float]:
-        """{"tokens_per_s": ..., "mfu": ...}, the latter only when it is known."""
-        row = {"tokens_per_s": tokens_per_s}
-        if self.flop_budget:
-            row["mfu"] = tokens_per_s * self.flops_per_token / self.flop_budget
-        return row
-
-    def report(self) -> dict[str, float]:
-        row = self.with_mfu(self.tokens / max(self.seconds, 1e-9))
-        self.tokens, self.seconds = 0, 0.0
-        return row
-
-
 def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopConfig, work_dir: Path,
           metrics: MetricsLog, *, loss_fn: LossFn = causal_lm_loss, evaluate: EvalFn | None = None,
           log: logging.Logger | None = None, flops_per_token: float | None = None) -> dict[str, Any]:
@@ -360,7 +326,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     resumed_from = state["step"]
     if cfg.max_rollbacks and not complete_checkpoints(work_dir):
         _save_checkpoint(accelerator, work_dir, state, cfg.keep_checkpoints)  # a rollback target
-    meter = _Throughput(flops_per_token, device_peak_tflops(cfg, accelerator.device), accelerator.num_processes)
+    meter = Throughput(flops_per_token, device_peak_tflops(cfg.peak_tflops, accelerator.device), accelerator.num_processes)
     t0, tokens_now = time.perf_counter(), 0
     while state["step"] < cfg.max_steps:
         step_start = time.perf_counter()

@@ -113,9 +113,13 @@ def test_refresh_against_an_earlier_index(shared_data, tmp_path):
     assert len(_docs(tmp_path / "second")) == 3
     config = collect.Config(sources=[str(new)], dedup_index_from=str(tmp_path / "first"))
     before = collect.fingerprint(config)
+    index_file = next(p for p in sorted((tmp_path / "first" / "dedup_index").iterdir()) if p.is_file())
+    index_file.write_bytes(index_file.read_bytes() + b"\0")
+    assert collect.fingerprint(config) != before  # the index is an input
     shutil.rmtree(tmp_path / "first" / "dedup_index")
     (tmp_path / "first" / "dedup_index").mkdir()
-    assert collect.fingerprint(config) != before  # the index is an input
+    with pytest.raises(ValueError, match="dedup_index.*holds no input files"):
+        collect.fingerprint(config)  # found when the run is planned, not mid-run
 
 
 def test_decontamination_removes_benchmark_text_and_reports_it(shared_data, tmp_path):

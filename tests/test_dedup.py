@@ -13,6 +13,7 @@ import pydantic
 import pytest
 
 import tasks.collect.dedup as dedup
+import tasks.collect.minhash as minhash
 from bench.neardup_set import build_labelled_set, cluster_pairs, precision_recall
 from core.stage import SerialEngine
 from tasks.collect.dedup import DedupConfig, DedupIndex, near_dedup
@@ -59,19 +60,19 @@ def _docs(n_unique: int = 30) -> list[str]:
 
 
 def test_normalize_lowercases_drops_punctuation_and_collapses_space():
-    assert dedup.normalize("  Hello,\tWORLD!! “It’s” — café\u00a0(ok)…\n") == \
+    assert minhash.normalize("  Hello,\tWORLD!! “It’s” — café\u00a0(ok)…\n") == \
         "hello world it s café ok"
-    assert dedup.normalize("") == "" and dedup.normalize(" ,;- ") == ""
+    assert minhash.normalize("") == "" and minhash.normalize(" ,;- ") == ""
 
 
 def test_signatures_pinned_and_same_in_a_fresh_process():
     """Fixed values: a change here invalidates every persisted index (bump INDEX_FORMAT). A new
     interpreter with another PYTHONHASHSEED gives the same (no salted hash())."""
-    sig = dedup.minhash_signatures([TEXT], CFG)
+    sig = minhash.minhash_signatures([TEXT], CFG)
     assert sig.shape == (1, CFG.bands * CFG.rows) and sig.dtype == np.uint32
     assert sig[0, :6].tolist() == [112999632, 81728182, 1475216617, 18663248, 100027817,
                                    190312850]
-    code = (f"from tasks import dedup; print(dedup.minhash_signatures([{TEXT!r}], "
+    code = (f"from tasks.collect import dedup, minhash; print(minhash.minhash_signatures([{TEXT!r}], "
             "dedup.DedupConfig())[0].tolist())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True).stdout
@@ -80,12 +81,12 @@ def test_signatures_pinned_and_same_in_a_fresh_process():
 
 def test_signatures_do_not_depend_on_chunking_and_seed_matters():
     docs = _docs() + ["", "one", "two words"]
-    whole = dedup.minhash_signatures(docs, CFG)
-    assert np.array_equal(whole, dedup.minhash_signatures(docs, CFG))
-    pieces = np.concatenate([dedup.minhash_signatures(docs[i:i + 7], CFG)
+    whole = minhash.minhash_signatures(docs, CFG)
+    assert np.array_equal(whole, minhash.minhash_signatures(docs, CFG))
+    pieces = np.concatenate([minhash.minhash_signatures(docs[i:i + 7], CFG)
                              for i in range(0, len(docs), 7)])
     assert np.array_equal(whole, pieces)
-    other_seed = dedup.minhash_signatures(docs, CFG.model_copy(update={"seed": 2}))
+    other_seed = minhash.minhash_signatures(docs, CFG.model_copy(update={"seed": 2}))
     assert (other_seed != whole).mean() > 0.9
 
 
@@ -94,19 +95,19 @@ def test_jaccard_estimate_close_to_exact():
     for seed, rate in enumerate((0.01, 0.03, 0.06, 0.1, 0.2)):
         words = _words(300, seed)
         a, b = " ".join(words), _edited(words, rate, seed)
-        exact = dedup.exact_jaccard(a, b, CFG)
-        sig = dedup.minhash_signatures([a, b], CFG)
-        errors.append(abs(dedup.estimate_jaccard(sig[0], sig[1]) - exact))
+        exact = minhash.exact_jaccard(a, b, CFG)
+        sig = minhash.minhash_signatures([a, b], CFG)
+        errors.append(abs(minhash.estimate_jaccard(sig[0], sig[1]) - exact))
     # standard error of one estimate is sqrt(J(1-J)/108) <= 0.048
     assert max(errors) < 0.12 and np.mean(errors) < 0.05
-    assert dedup.exact_jaccard(TEXT, TEXT.upper() + "!!", CFG) == 1.0
+    assert minhash.exact_jaccard(TEXT, TEXT.upper() + "!!", CFG) == 1.0
 
 
 def test_short_and_empty_documents():
     """Fewer words than a shingle: one shingle from the words in order. No words: never a
     candidate, always kept."""
     texts = ["", "alpha beta", "Alpha, beta!", "beta alpha", "", "gamma"]
-    sig = dedup.minhash_signatures(texts, CFG)
+    sig = minhash.minhash_signatures(texts, CFG)
     assert np.array_equal(sig[1], sig[2]) and not np.array_equal(sig[1], sig[3])
     result = near_dedup(texts, CFG, SerialEngine())
     assert result.keep.tolist() == [True, True, False, True, True, True]
@@ -117,11 +118,11 @@ def test_short_and_empty_documents():
 def test_clusters_are_transitive_and_the_first_document_survives():
     words = _words(400, seed=7)
     a, b, c = (" ".join(words[s:s + 300]) for s in (0, 45, 90))
-    sig = dedup.minhash_signatures([a, b, c], CFG)
+    sig = minhash.minhash_signatures([a, b, c], CFG)
     # a~b and b~c, but a and c are below the threshold: only the chain joins them
-    assert dedup.estimate_jaccard(sig[0], sig[1]) >= CFG.threshold
-    assert dedup.estimate_jaccard(sig[1], sig[2]) >= CFG.threshold
-    assert dedup.estimate_jaccard(sig[0], sig[2]) < CFG.threshold
+    assert minhash.estimate_jaccard(sig[0], sig[1]) >= CFG.threshold
+    assert minhash.estimate_jaccard(sig[1], sig[2]) >= CFG.threshold
+    assert minhash.estimate_jaccard(sig[0], sig[2]) < CFG.threshold
     other = " ".join(_words(300, seed=8))
     result = near_dedup([other, c, a, b], CFG, SerialEngine())
     assert result.keep.tolist() == [True, True, False, False]

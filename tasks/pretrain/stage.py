@@ -168,10 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = Config(**json.loads(args.config))
-    manifest = Manifest(stage="tokenize", key="cli", path=args.tokenize_dir, config={}, upstream={}, files={},
-                        stats={})
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    result = run(config, {"tokenize": manifest}, args.out_dir, engine=SerialEngine())
+    inputs = {"tokenize": Manifest.of_directory("tokenize", args.tokenize_dir)}
+    result = run(config, inputs, args.out_dir, engine=SerialEngine())
     if result.stats["world_size"] == 1 or torch.distributed.get_rank() == 0:
         (args.out_dir / "summary.json").write_text(json.dumps(result.stats, indent=1) + "\n")
     return 0

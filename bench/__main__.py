@@ -9,7 +9,8 @@ import importlib
 import sys
 
 BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretrain": "bench.pretrain",
-              "dedup": "bench.dedup", "langid": "bench.langid", "clean": "bench.clean"}
+              "dedup": "bench.dedup", "langid": "bench.langid", "clean": "bench.clean",
+              "claims": "bench.claims"}
 
 
 def main() -> int:

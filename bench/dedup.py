@@ -8,7 +8,7 @@ edited copies, written once as a JSONL file in a temp dir. Every method reads th
 finds near-duplicate clusters (reading the file is timed for all); timings are medians over
 `--repeats` after one untimed warm-up on 100 documents, measured side by side in this process:
 
-  ours        tasks/dedup.py near_dedup (SerialEngine, one process), default DedupConfig
+  ours        tasks/collect/dedup.py near_dedup (SerialEngine, one process), default DedupConfig
   datatrove   MinhashDedupSignature -> MinhashDedupBuckets -> MinhashDedupCluster ->
               MinhashDedupFilter, each on a LocalPipelineExecutor with one worker (tasks=1; the
               bucket step needs tasks = bands and runs them one after another). Same shingle

@@ -13,15 +13,17 @@ input file changes a stage's artifact key.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Literal
+from typing import Callable, Iterable, Literal, Mapping, TypeVar
 
 from core.files import file_digest
 
 DEMO_PREFIX = "demo:"
 CC_PREFIX = "cc:"
 SourceKind = Literal["demo", "cc", "files"]
+T = TypeVar("T")
 # Files of records (conversations, preference pairs, prompts, benchmark items) in a folder or glob.
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".ndjson")
 
@@ -124,3 +126,35 @@ def fingerprint_sources(sources: Iterable[str], suffixes: tuple[str, ...] | None
             for path in source_files(text, suffixes):
                 digest.update(f"{path} {input_digest(path)}\n".encode())
     return digest.hexdigest()
+
+
+def read_source(text: str, what: str, demos: Mapping[str, Callable[[int | None], list[T]]],
+                read_file: Callable[[Path | str], Iterable[T | str]], limit: int | None = None,
+                items_name: str = "records") -> tuple[list[T], dict[str, int]]:
+    """Up to `limit` items of a record source (conversations, preference pairs, prompts):
+    `demos[name](limit)` for `demo:name`; for files (JSONL_SUFFIXES), `read_file(path)` over each
+    file in order, yielding an item or the snake_case reason a record was dropped. Returns the
+    items and the drops counted per reason; an unknown demo, a missing source or nothing usable
+    is a ValueError naming the source (`what` says what it is, e.g. "preference source", and
+    `items_name` what it holds, e.g. "pairs")."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    source = parse_source(text)
+    drops: Counter[str] = Counter()
+    if source.kind != "files":
+        items = list(demos[source.demo(demos, what)](limit))
+    else:
+        items = []
+        for path in source_files(text, JSONL_SUFFIXES):
+            for item in read_file(path):
+                if isinstance(item, str):
+                    drops[item] += 1
+                    continue
+                items.append(item)
+                if limit is not None and len(items) >= limit:
+                    break
+            if limit is not None and len(items) >= limit:
+                break
+    if not items:
+        raise ValueError(f"{what} {text!r} yielded no usable {items_name} (dropped: {dict(drops)})")
+    return items, dict(drops)

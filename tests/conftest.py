@@ -72,13 +72,16 @@ def tiny_tokenizer_dir(tmp_path_factory, shared_data) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
-    """A randomly initialised tiny Llama exported with its tokenizer (loads with Auto*)."""
+    """A randomly initialised tiny Llama exported with its tokenizer (loads with Auto*). Seeded:
+    the same model whichever test asks first (tests tuned on it would otherwise depend on order)."""
+    import torch
     from transformers import AutoTokenizer
 
     from model.export import export_model
     from model.presets import ModelConfig, build_model
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
     model = build_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=4,
                                     intermediate_size=128, max_seq_len=256), tokenizer)
     out = tmp_path_factory.mktemp("model")

@@ -1,4 +1,4 @@
-"""Near-dedup (tasks/dedup.py): hashing, signatures, banding, clusters, the persisted index, and
+"""Near-dedup (tasks/collect/dedup.py, minhash.py): hashing, signatures, banding, clusters, the persisted index, and
 precision/recall on a labelled set of real documents."""
 from __future__ import annotations
 

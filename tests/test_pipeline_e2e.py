@@ -176,25 +176,46 @@ def tiny_preset_methods(first_run):
     return {**stats, "sft": sft["stats"]}
 
 
+# Thresholds sit below the smallest gain measured over five seeds of each method on the tiny
+# preset's SFT model: `gristmill run configs/tiny.yaml --until sft`, then
+# `python -m bench claims --seeds 0,1,2,3,4` (2026-12-01, 2-core machine). Each compares the
+# aligned model with a "before" the stage measured on the same held-out data, never a constant.
+
 def test_sft_lowers_heldout_assistant_loss(tiny_preset_methods):
     sft = tiny_preset_methods["sft"]
     assert sft["heldout_loss_after"] < 0.5 * sft["heldout_loss_before"]
 
 
 def test_grpo_raises_heldout_verifiable_accuracy(tiny_preset_methods):
+    """186 held-out problems, greedy. Gains over seeds 0-4: accuracy +0.140, +0.140, +0.145,
+    +0.113, +0.108 (before 0.102); answer format +0.565, +0.570, +0.570, +0.581, +0.581. Earlier
+    whole-pipeline reruns of this preset (each with its own SFT model) gave accuracy gains as low
+    as +0.04, hence 0.03; the format gain carries the stronger evidence."""
     grpo = tiny_preset_methods["grpo"]
-    # 186 held-out problems; measured gains across runs of this preset: +0.04, +0.11, +0.27
     assert grpo["heldout_accuracy_after"] >= grpo["heldout_accuracy_before"] + 0.03
     assert grpo["heldout_format_after"] >= grpo["heldout_format_before"] + 0.3
 
 
-def test_dpo_raises_heldout_preference_accuracy_and_margin(tiny_preset_methods):
+def test_dpo_raises_the_sft_models_heldout_preference(tiny_preset_methods):
+    """How often the model gives the chosen reply more probability than the rejected one, on 174
+    held-out pairs: the SFT model's measured value before, the DPO model's after. Seeds 0-4:
+    0.466 -> 0.845, 0.437 -> 0.856, 0.500 -> 0.816, 0.534 -> 0.868, 0.402 -> 0.902 (gains
+    +0.32 to +0.50; a paired gain of 0.15 is about three standard errors at this size)."""
     dpo = tiny_preset_methods["dpo"]
-    assert dpo["heldout_margin_after"] > dpo["heldout_margin_before"] == 0.0
-    assert dpo["heldout_pref_acc_after"] > 0.6
+    assert dpo["pairs_heldout"] >= 150
+    assert dpo["heldout_logp_acc_after"] >= dpo["heldout_logp_acc_before"] + 0.15
 
 
-def test_reward_model_beats_chance_and_ppo_raises_its_heldout_score(tiny_preset_methods):
+def test_reward_model_beats_its_untrained_head_and_ppo_raises_its_score(tiny_preset_methods):
+    """139 held-out pairs. The reward model's accuracy after training against the untrained head:
+    the one this run drew (seeds 0-4: 0.597 -> 0.784, 0.417 -> 0.755, 0.669 -> 0.719,
+    0.446 -> 0.763, 0.389 -> 0.777) and the mean over 32 random heads (0.47-0.54; gains +0.24 to
+    +0.27). Half the demo pairs reject a hedge, which a random head ranks all one way, so a single
+    head's accuracy swings with the seed (seed 2's was right on them by chance: +0.05); the mean
+    over heads is the baseline with the statistical weight. The reward-model score of greedy
+    replies to held-out prompts, PPO policy against the SFT model: +2.55, +2.67, +2.52, +2.44, +2.56."""
     ppo = tiny_preset_methods["ppo"]
-    assert ppo["heldout_rm_accuracy_after"] > 0.6
-    assert ppo["heldout_rm_score_after"] > ppo["heldout_rm_score_before"]
+    assert ppo["rm_pairs_heldout"] >= 130
+    assert ppo["heldout_rm_accuracy_after"] >= ppo["heldout_rm_accuracy_untrained_mean"] + 0.12
+    assert ppo["heldout_rm_accuracy_after"] >= ppo["heldout_rm_accuracy_before"] + 0.02
+    assert ppo["heldout_rm_score_after"] >= ppo["heldout_rm_score_before"] + 1.2

@@ -19,15 +19,14 @@ import random
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import core.arithmetic as arithmetic
 from core.chat import Message
 from core.files import iter_jsonl
-from core.sources import JSONL_SUFFIXES, parse_source, source_files
+from core.sources import read_source
 
 log = logging.getLogger("gristmill.align")
-DEMO_NAMES = ("arithmetic",)
 DEMO_DEFAULT_PAIRS = 256  # arithmetic pairs generated when no limit is given
 
 Pair = dict[str, Any]
@@ -129,42 +128,21 @@ def _demo_pairs(limit: int | None, seed: int) -> list[Pair]:
     return [arithmetic.preference_pair(p, rng) for p in train]
 
 
-def _file_pairs(path: Path | str, limit: int | None, drops: Counter) -> list[Pair]:
-    pairs: list[Pair] = []
+def _file_pairs(path: Path | str) -> Iterator[Parsed]:
+    """Each record of one file as a pair or its drop reason; the first record tells the format."""
     parse = None
     for record in iter_jsonl([path]):
         if parse is None:
             parse = FORMATS[detect_format(record, str(path))][1]
-        parsed = parse(record) if isinstance(record, dict) else "unparseable_record"
-        if isinstance(parsed, str):
-            drops[parsed] += 1
-            continue
-        pairs.append(parsed)
-        if limit is not None and len(pairs) >= limit:
-            break
-    return pairs
+        yield parse(record) if isinstance(record, dict) else "unparseable_record"
 
 
 def load_preference_pairs(source: str, limit: int | None, *,
                           seed: int = 0) -> tuple[list[Pair], dict[str, int]]:
     """Up to `limit` usable pairs from `source` (first ones in file order; demo pairs are drawn
     with `seed`), and how many records were dropped per reason. No usable pair is a ValueError."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 or None, got {limit}")
-    drops: Counter = Counter()
-    parsed = parse_source(source)
-    if parsed.kind != "files":
-        parsed.demo(DEMO_NAMES, "preference source")
-        pairs = _demo_pairs(limit, seed)
-    else:
-        pairs = []
-        for path in source_files(source, JSONL_SUFFIXES):
-            pairs += _file_pairs(path, None if limit is None else limit - len(pairs), drops)
-            if limit is not None and len(pairs) >= limit:
-                break
-    if not pairs:
-        raise ValueError(f"preference source {source!r} yielded no usable pairs (dropped: {dict(drops)})")
-    return pairs, dict(drops)
+    demos = {"arithmetic": lambda n: _demo_pairs(n, seed)}
+    return read_source(source, "preference source", demos, _file_pairs, limit, "pairs")
 
 
 def load_pairs(sources: list[str], max_pairs: int | None, seed: int) -> tuple[list[Pair], dict[str, int]]:

@@ -12,7 +12,8 @@ on identical token sequences. Pairs longer than `max_seq_len` are dropped rather
 the score is read at the last token: a cut response would be scored on its truncated end.
 
 Accuracy (share of held-out pairs with r(chosen) > r(rejected); ties count as wrong) is measured
-before training, where the random head makes it a coin flip, and after.
+before training with the random head this run drew, as the mean over 32 freshly drawn heads (the
+untrained baseline as an expectation; see untrained_head_accuracy), and after training.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ log = logging.getLogger("gristmill.reward_model")
 
 RM_DIR = "reward_model"  # the exported reward model, under the caller's out_dir
 RM_CHECKPOINT_DIR = "rm_checkpoints"  # Trainer checkpoints while training; removed after export
+UNTRAINED_HEADS = 32  # random score heads averaged into the untrained baseline accuracy
 STATS_FILE = "rm_stats.json"  # written last into RM_DIR: marks the reward model as complete
 
 
@@ -100,6 +102,27 @@ def _heldout_stats(model: torch.nn.Module, rows: list[dict], pad_id: int, batch_
     return pair_stats(chosen, rejected)
 
 
+@torch.no_grad()
+def untrained_head_accuracy(model: torch.nn.Module, rows: list[dict], pad_id: int, batch_size: int,
+                            device: torch.device, heads: int = UNTRAINED_HEADS, seed: int = 0) -> float:
+    """Mean held-out accuracy of `heads` freshly drawn score heads on the untrained trunk: the
+    untrained baseline as an expectation over initialisations. One draw is a poor baseline: pairs
+    that differ in the same way (a hedge, say) get the same sign from a random head, so a single
+    head is right or wrong on all of them at once and its accuracy swings with the seed. The head
+    is drawn isotropic (as HF's normal init), so only its direction matters."""
+    head = model.score.weight  # the [1, hidden] head of *ForSequenceClassification models
+    saved = head.detach().clone()
+    generator = torch.Generator().manual_seed(seed)
+    accuracies = []
+    try:
+        for _ in range(heads):
+            head.copy_(torch.randn(saved.shape, generator=generator).to(head) * saved.std())
+            accuracies.append(_heldout_stats(model, rows, pad_id, batch_size, device)["accuracy"])
+    finally:
+        head.copy_(saved)
+    return sum(accuracies) / len(accuracies)
+
+
 class RewardScorer:
     """A trained reward model as a function of (prompts, responses): usable as PPO's reward_fn."""
 
@@ -145,7 +168,8 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
     training continues from the last checkpoint in `out_dir/rm_checkpoints`. Metrics are logged as
     `rm/<name>` at the reward trainer's steps. Returns (rm_dir, stats): rm_pairs_train/heldout,
     dropped_rm_too_long, rm_steps, rm_resumed_from_step, rm_train_loss,
-    heldout_rm_accuracy_before/after and heldout_rm_margin_before/after."""
+    heldout_rm_accuracy_before/after, heldout_rm_accuracy_untrained_mean (the mean over random
+    heads, see untrained_head_accuracy) and heldout_rm_margin_before/after."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from model.export import export_model
@@ -169,6 +193,8 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
     trainer = _build_trainer(model, tokenizer, train_rows, settings, ckpt_dir)
     device, pad_id = trainer.accelerator.device, tokenizer.pad_token_id
     before = _heldout_stats(trainer.model, heldout_rows, pad_id, settings.batch_size, device)
+    untrained_mean = untrained_head_accuracy(trainer.model, heldout_rows, pad_id, settings.batch_size, device,
+                                             seed=settings.seed)
 
     summary, resumed_step = train_resumably(trainer, settings, metrics, prefix="rm/")
 
@@ -179,6 +205,7 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
              "dropped_rm_too_long": dropped_train + dropped_heldout, "rm_steps": trainer.state.global_step,
              "rm_resumed_from_step": resumed_step, "rm_train_loss": summary.training_loss,
              "heldout_rm_accuracy_before": before["accuracy"], "heldout_rm_accuracy_after": after["accuracy"],
+             "heldout_rm_accuracy_untrained_mean": untrained_mean,
              "heldout_rm_margin_before": before["margin"], "heldout_rm_margin_after": after["margin"]}
     export_model(trainer.model, tokenizer, rm_dir)
     (rm_dir / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")  # last: marks it complete

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import random
 import re
-from collections import Counter
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 import core.arithmetic as arithmetic
 from core.files import iter_jsonl
-from core.sources import JSONL_SUFFIXES, parse_source, source_files
+from core.sources import read_source
 
-DEMO_NAMES = ("arithmetic",)
 # Asked of word problems so the completion ends in the demo's answer sentence, which
 # `format_reward` checks and the demo SFT data teaches.
 ANSWER_INSTRUCTION = "End your reply with: The answer is <number>."
@@ -99,26 +98,14 @@ def demo_prompts(limit: int | None, seed: int) -> list[MathPrompt]:
             for p in probs[:limit]]
 
 
+def _file_prompts(path: Path | str) -> Iterator[MathPrompt | str]:
+    return (parse_math_record(record) for record in iter_jsonl([path]))
+
+
 def load_math_prompts(source: str, limit: int | None, *,
                       seed: int = 0) -> tuple[list[MathPrompt], dict[str, int]]:
     """Up to `limit` prompts with reference answers from `source` (file order; demo problems in
     an order drawn with `seed`) and dropped-record counts per reason. Nothing usable is a
     ValueError naming the source."""
-    drops: Counter = Counter()
-    parsed_source = parse_source(source)
-    if parsed_source.kind != "files":
-        parsed_source.demo(DEMO_NAMES, "prompt source")
-        prompts = demo_prompts(limit, seed)
-    else:
-        prompts = []
-        for record in iter_jsonl(source_files(source, JSONL_SUFFIXES)):
-            parsed = parse_math_record(record)
-            if isinstance(parsed, str):
-                drops[parsed] += 1
-                continue
-            prompts.append(parsed)
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ValueError(f"prompt source {source!r} yielded no usable prompts (dropped: {dict(drops)})")
-    return prompts, dict(drops)
+    return read_source(source, "prompt source", {"arithmetic": lambda n: demo_prompts(n, seed)}, _file_prompts, limit,
+                       "prompts")

@@ -154,7 +154,7 @@ class CleaningConfig(StageConfig):
     pii_kinds: tuple[PiiKind, ...] = Field(
         PII_KINDS, description="Personal data replaced in kept documents: email -> <EMAIL>, "
                                "ip_address -> <IP_ADDRESS>, iban -> <IBAN>, credit_card -> "
-                               "<CREDIT_CARD>, phone -> <PHONE> (see tasks/pii.py); () turns "
+                               "<CREDIT_CARD>, phone -> <PHONE> (see pii.py); () turns "
                                "scrubbing off.")
 
     @model_validator(mode="after")

@@ -172,5 +172,5 @@ def language_drop_reason(language: str, score: float, cfg: Any) -> str | None:
 
 
 def language_filter(text: str, cfg: Any) -> str | None:
-    """`language_drop_reason` of the language fastText detects in `text` (tasks/langid.py)."""
+    """`language_drop_reason` of the language fastText detects in `text` (langid.py)."""
     return language_drop_reason(*detect_language(text), cfg)

@@ -7,7 +7,7 @@ document whose probability of being reference-like is below `threshold` is dropp
 Model: logistic regression on hashed word unigrams and bigrams (`ngram_buckets` buckets; tokens
 are lower-cased words and single punctuation marks, since markup such as `|`, `#`, `[` is a
 strong quality signal). Features are log(1 + count) per bucket, L2-normalized per document.
-Hashes are stable BLAKE2b-based 64-bit values (tasks/decontam.py), never Python's salted hash(),
+Hashes are stable BLAKE2b-based 64-bit values (decontam.py), never Python's salted hash(),
 so a saved model scores the same in every process. Training is minibatch SGD in plain numpy
 with L2 weight decay and class-balanced loss; everything random is drawn from `seed`.
 

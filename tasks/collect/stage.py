@@ -2,13 +2,13 @@
 demo) → a clean, deduplicated, decontaminated training mix.
 
 Funnel, each step a counted decision (funnel.json, review/ samples of what each step removed):
-  read records (tasks/readers.py; non-documents skipped by type, corrupt input quarantined)
+  read records (readers.py; non-documents skipped by type, corrupt input quarantined)
   → extract main text (trafilatura) and repair Unicode (ftfy)
   → URL block list → language ID → Gopher quality/repetition, FineWeb, C4 → PII scrub
-    (tasks/cleaning.py, per record, in the work units)
-  → exact dedup on normalized text → model-based quality score (tasks/quality_model.py)
-  → MinHash-LSH near-dedup (tasks/dedup.py) → benchmark decontamination (tasks/decontam.py)
-  → per-source mixing (tasks/mixing.py) → `docs/part-%05d.jsonl.gz` with
+    (cleaning.py, per record, in the work units)
+  → exact dedup on normalized text → model-based quality score (quality_model.py)
+  → MinHash-LSH near-dedup (dedup.py) → benchmark decontamination (decontam.py)
+  → per-source mixing (mixing.py) → `docs/part-%05d.jsonl.gz` with
     {"id", "text", "source", "url", "language"}.
 
 Parallelism and resume: one work unit per input file (or per chunk of demo packages), mapped by

@@ -1,6 +1,6 @@
 """Load chat conversations for SFT from the demo generator or from JSONL files of common formats.
 
-A source is `"demo:arithmetic"` (generated problems, tasks/arithmetic.py) or a path to a JSONL
+A source is `"demo:arithmetic"` (generated problems, core/arithmetic.py) or a path to a JSONL
 file (optionally gzipped). The format is detected per record by its keys:
 
     messages                          {"messages": [{"role": ..., "content": ...}, ...]}
@@ -26,9 +26,8 @@ from typing import Any
 import core.arithmetic as arithmetic
 from core.chat import Message
 from core.files import iter_jsonl
-from core.sources import JSONL_SUFFIXES, parse_source, source_files
+from core.sources import read_source
 
-DEMO_NAMES = ("arithmetic",)
 DEMO_DEFAULT_EXAMPLES = 500  # of the ~700 train-split problems with operands up to 20
 DEMO_SEED = 0  # the demo set is fixed; SFT's own seed shuffles it
 ROLES = {"system", "user", "assistant"}
@@ -156,12 +155,12 @@ def oasst_threads(records: Iterable[dict[str, Any]]) -> tuple[list[list[Message]
     return threads, dropped
 
 
-def _demo(name: str, limit: int | None) -> list[list[Message]]:
+def _demo(limit: int | None) -> list[list[Message]]:
     n = limit if limit is not None else DEMO_DEFAULT_EXAMPLES
     return [arithmetic.conversation(p) for p in arithmetic.problems("train", n, seed=DEMO_SEED)]
 
 
-def _file_candidates(path: Path | str):
+def _file_candidates(path: Path | str) -> Iterator[tuple[list | None, str | None]]:
     """(conversation, None) or (None, reason) for each candidate in one file; the first record
     tells whether the file is an OpenAssistant message tree export."""
     records = iter(iter_jsonl([path]))
@@ -181,29 +180,14 @@ def _file_candidates(path: Path | str):
             yield conv, None
 
 
-def _candidates(text: str, limit: int | None):
-    """(conversation, None) or (None, reason) for each candidate in the source."""
-    source = parse_source(text)
-    if source.kind != "files":
-        for conv in _demo(source.demo(DEMO_NAMES, "SFT data source"), limit):
-            yield conv, None
-        return
-    for path in source_files(text, JSONL_SUFFIXES):
-        yield from _file_candidates(path)
+def _file_conversations(path: Path | str) -> Iterator[list[Message] | str]:
+    """Each usable conversation of one file (only role and content kept), or a drop reason."""
+    for conv, reason in _file_candidates(path):
+        reason = reason or drop_reason(conv)
+        yield reason if reason else [{"role": m["role"], "content": m["content"]} for m in conv]
 
 
 def load_conversations(source: str, limit: int | None = None) -> tuple[list[list[Message]], dict[str, int]]:
     """Up to `limit` usable conversations from `source`, and the counts of dropped ones by reason."""
-    convs: list[list[Message]] = []
-    dropped: Counter[str] = Counter()
-    for conv, reason in _candidates(source, limit):
-        reason = reason or drop_reason(conv)
-        if reason:
-            dropped[reason] += 1
-            continue
-        convs.append([{"role": m["role"], "content": m["content"]} for m in conv])
-        if limit is not None and len(convs) >= limit:
-            break
-    if not convs:
-        raise ValueError(f"no usable conversations in SFT data source {source!r} (dropped: {dict(dropped)})")
-    return convs, dict(dropped)
+    return read_source(source, "SFT data source", {"arithmetic": _demo}, _file_conversations, limit,
+                       "conversations")

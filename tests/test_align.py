@@ -6,16 +6,15 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from align_helpers import TRL_ADAMW, run_align, sft_inputs, weights
 from pydantic import Field, ValidationError
 
-import core.arithmetic as arithmetic
 import tasks.align.stage as align
-from core.stage import Manifest, SerialEngine, StageConfig, read_metrics
+from core.stage import StageConfig, read_metrics
 from tasks.align.dpo import DPOSettings
 from tasks.align.grpo import GRPOSettings
 from tasks.align.method import AlignJob, Method
@@ -173,9 +172,9 @@ def test_a_new_method_is_one_module_and_one_registry_entry(tmp_path, tiny_model_
     config = align.config_class(methods)(method="scale", scale={"factor": 2.0})
     assert config.hashed_dict() == {"lora": None, "method": "scale", "scale": {"factor": 2.0}}
     assert align.fingerprint(config) == align.fingerprint(align.config_class(methods)(method="scale"))
-    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    s = run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["method"] == "scale" and s["scaled_by"] == 2.0
-    before, after = _weights(tiny_model_dir), _weights(tmp_path / "out" / "model")
+    before, after = weights(tiny_model_dir), weights(tmp_path / "out" / "model")
     head = next(k for k in before if "lm_head" in k or "embed_tokens" in k)
     assert torch.allclose(after[head], 2.0 * before[head])
     with pytest.raises(ValidationError, match="method"):
@@ -184,8 +183,6 @@ def test_a_new_method_is_one_module_and_one_registry_entry(tmp_path, tiny_model_
 
 # ---------------------------------------------------------------- the stage
 
-# The TRL trainers' own optimiser defaults (weight decay 0, beta2 0.999), as these tests were sized with.
-TRL_ADAMW = dict(weight_decay=0.0, beta2=0.999)
 DPO = dict(max_pairs=96, beta=0.1, heldout_fraction=0.25, max_steps=20, batch_size=8, lr=5e-3, max_seq_len=64,
            warmup_frac=0.1, seed=0, device="cpu", checkpoint_every=10, **TRL_ADAMW)
 
@@ -197,29 +194,12 @@ def dpo_config(lora: dict | None = None, **dpo) -> align.Config:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _sft_inputs(root: Path, model_dir: Path) -> dict[str, Manifest]:
-    shutil.copytree(model_dir, root / "sft" / "model")
-    return {"sft": Manifest(stage="sft", key="sft-test", path=root / "sft", config={}, upstream={},
-                            files={}, stats={})}
-
-
-def _run(config: align.Config, inputs: dict[str, Manifest], out: Path):
-    out.mkdir(exist_ok=True)
-    return align.run(config, inputs, out, engine=SerialEngine())
-
-
-def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(model_dir / "model.safetensors")
-
-
 @pytest.fixture(scope="module")
 def arithmetic_run(tmp_path_factory, tiny_model_dir):
     """One uninterrupted DPO run on demo:arithmetic: (inputs, out_dir, stats)."""
     root = tmp_path_factory.mktemp("align")
-    inputs = _sft_inputs(root, tiny_model_dir)
-    result = _run(dpo_config(), inputs, root / "align.partial")
+    inputs = sft_inputs(root, tiny_model_dir)
+    result = run_align(dpo_config(), inputs, root / "align.partial")
     return inputs, root / "align.partial", result.stats
 
 
@@ -235,7 +215,7 @@ def test_dpo_stage_trains_and_exports(arithmetic_run):
     assert s["heldout_margin_before"] == 0.0 and s["heldout_pref_acc_before"] == 0.0
     assert 0.0 <= s["heldout_logp_acc_before"] <= 1.0
 
-    before, after = _weights(inputs["sft"].path / "model"), _weights(out / "model")
+    before, after = weights(inputs["sft"].path / "model"), weights(out / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert not (out / "checkpoints").exists()
 
@@ -260,7 +240,7 @@ def test_heldout_margin_grows_on_a_learnable_preference(tmp_path, tiny_model_dir
     path.write_text("".join(json.dumps({"prompt": p["prompt"], "chosen": "Gladly, here it is.",
                                         "rejected": "No. Go away."}) + "\n" for p in pairs))
     config = dpo_config(data=[str(path)], max_steps=10, checkpoint_every=100)
-    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    s = run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["pairs_heldout"] == 12
     assert s["heldout_margin_after"] > s["heldout_margin_before"] + 1.0
     assert s["heldout_pref_acc_after"] == 1.0 > s["heldout_pref_acc_before"]
@@ -268,21 +248,21 @@ def test_heldout_margin_grows_on_a_learnable_preference(tmp_path, tiny_model_dir
 
 
 def test_killed_stage_resumes_from_checkpoint(tmp_path, tiny_model_dir, arithmetic_run, kill_at_metrics_step):
-    inputs, out = _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "align.partial"
+    inputs, out = sft_inputs(tmp_path, tiny_model_dir), tmp_path / "align.partial"
     config = dpo_config()
     kill_at_metrics_step(15)
     with pytest.raises(KeyboardInterrupt):
-        _run(config, inputs, out)
+        run_align(config, inputs, out)
     assert (out / "checkpoints" / "checkpoint-10").is_dir()
     assert not (out / "model").exists()
     kill_at_metrics_step(None)
 
-    stats = _run(config, inputs, out).stats
+    stats = run_align(config, inputs, out).stats
     assert stats["resumed_from_step"] == 10 and stats["steps"] == 20
     # steps 11-14 of the killed run were dropped and redone once: no step twice, none missing
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 21))
     # resuming restores weights, optimizer, schedule and data order: same model as never stopping
-    resumed, uninterrupted = _weights(out / "model"), _weights(arithmetic_run[1] / "model")
+    resumed, uninterrupted = weights(out / "model"), weights(arithmetic_run[1] / "model")
     assert all(torch.allclose(resumed[k], uninterrupted[k], atol=1e-5) for k in uninterrupted)
 
 
@@ -293,7 +273,7 @@ def test_overlong_pairs_are_truncated_or_dropped_and_counted(tmp_path, tiny_mode
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = dpo_config(data=[str(path)], max_steps=2)
-    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    s = run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["dropped_prompt_too_long"] == 2
     assert s["pairs_train"] + s["pairs_heldout"] == 14
     assert 0 <= s["truncated_too_long"] <= 2 and s["truncated_too_long"] + s["pairs_heldout"] >= 2
@@ -301,134 +281,14 @@ def test_overlong_pairs_are_truncated_or_dropped_and_counted(tmp_path, tiny_mode
 
 def test_dpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, tiny_model_dir):
     config = dpo_config(max_steps=4, lora={"rank": 4})
-    s = _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
+    s = run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["heldout_margin_before"] == 0.0  # adapters start at zero: policy == reference
     assert s["heldout_margin_after"] != 0.0
     assert 0 < s["params_trainable"] < s["params_total"] / 2
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
-    before, after = _weights(tiny_model_dir), _weights(tmp_path / "out" / "model")
+    before, after = weights(tiny_model_dir), weights(tmp_path / "out" / "model")
     assert set(before) == set(after)  # merged export: plain weights, no adapter names
     assert any(not torch.equal(before[k], after[k]) for k in before)
-
-
-# ---------------------------------------------------------------- grpo
-
-GRPO = dict(heldout_prompts=8, num_generations=4, max_completion_len=12, temperature=1.0, max_steps=6,
-            batch_size=4, lr=5e-3, max_seq_len=64, warmup_frac=0.0, seed=0, device="cpu", checkpoint_every=3,
-            **TRL_ADAMW)
-
-
-def grpo_config(lora: dict | None = None, **grpo) -> align.Config:
-    return align.Config(method="grpo", grpo={**GRPO, **grpo}, lora=lora)
-
-
-@pytest.fixture(scope="module")
-def answering_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
-    """The tiny model after a short SFT on the demo arithmetic: it answers in the demonstrators'
-    two styles, committed ("The answer is N.") or hedged, mostly with a wrong number, so
-    verifiable rewards vary within a group (a random model scores 0 on all)."""
-    import tasks.sft.stage as sft
-
-    root = tmp_path_factory.mktemp("sft")
-    config = sft.Config(max_steps=80, lr=3e-3, batch_size=16, max_seq_len=64, device="cpu",
-                        checkpoint_every=1000)
-    sft.run(config, _pretrain_inputs(root, tiny_model_dir), root / "out", engine=SerialEngine())
-    return root / "out" / "model"
-
-
-def _pretrain_inputs(root: Path, model_dir: Path) -> dict[str, Manifest]:
-    shutil.copytree(model_dir, root / "pretrain" / "model")
-    return {"pretrain": Manifest(stage="pretrain", key="pretrain-test", path=root / "pretrain", config={},
-                                 upstream={}, files={}, stats={})}
-
-
-@pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory, answering_model_dir):
-    """One uninterrupted GRPO run on demo:arithmetic: (inputs, out_dir, stats)."""
-    root = tmp_path_factory.mktemp("grpo")
-    inputs = _sft_inputs(root, answering_model_dir)
-    result = _run(grpo_config(), inputs, root / "align.partial")
-    return inputs, root / "align.partial", result.stats
-
-
-def test_grpo_stage_trains_measures_and_exports(grpo_run):
-    from transformers import AutoModelForCausalLM
-
-    inputs, out, s = grpo_run
-    assert s["method"] == "grpo" and s["steps"] == 6 and s["resumed_from_step"] == 0
-    assert s["prompts_heldout"] == 8 and s["dropped_prompt_too_long"] == 0
-    assert s["prompts_train"] == sum(arithmetic.split_of(p.question) == "train" for p in arithmetic.universe())
-    # the short SFT taught the reply styles, hardly the arithmetic
-    assert s["heldout_accuracy_before"] <= 0.5
-    for key in ("heldout_format_before", "heldout_accuracy_after", "heldout_format_after"):
-        assert 0.0 <= s[key] <= 1.0
-    assert 0.0 <= s["train_reward_start"] <= 1.1 and 0.0 <= s["train_reward_end"] <= 1.1
-    assert math.isfinite(s["train_loss"]) and math.isfinite(s["train_reward_end"])
-    before, after = _weights(inputs["sft"].path / "model"), _weights(out / "model")
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert not (out / "checkpoints").exists()
-    logged = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in logged] == list(range(1, 7))
-    assert {"loss", "reward", "reward_std", "rewards/numeric_match_reward/mean",
-            "rewards/format_reward/mean", "entropy"} <= logged[-1].keys()
-    assert all(math.isfinite(v) for r in logged for v in r.values())
-    AutoModelForCausalLM.from_pretrained(out / "model")
-
-
-def test_grpo_kl_to_reference_is_logged(tmp_path, answering_model_dir):
-    config = grpo_config(kl_beta=0.1, max_steps=3)
-    _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out")
-    logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
-    assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
-    assert all(r["kl"] >= 0 and math.isfinite(r["kl"]) for r in logged) and logged[-1]["kl"] > 0
-
-
-def test_grpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, answering_model_dir):
-    config = grpo_config(kl_beta=0.1, max_steps=3, lora={"rank": 4})
-    s = _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out").stats
-    assert 0 < s["params_trainable"] < s["params_total"] / 2
-    logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
-    assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6) and all(math.isfinite(r["kl"]) for r in logged)
-    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
-    assert set(_weights(tmp_path / "out" / "model")) == set(_weights(answering_model_dir))
-
-
-def test_grpo_drops_the_hedging_habit_and_raises_the_reward(tmp_path, answering_model_dir):
-    """The demo's learnable rule: hedged replies never verify, committed ones carry the format
-    reward and sometimes the right number; GRPO must shift the model to committing."""
-    config = grpo_config(num_generations=8, format_weight=1.0, max_steps=30, lr=2e-3, checkpoint_every=100)
-    s = _run(config, _sft_inputs(tmp_path, answering_model_dir), tmp_path / "out").stats
-    logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
-    formats = [r["rewards/format_reward/mean"] for r in logged]
-    assert sum(formats[-5:]) / 5 > sum(formats[:5]) / 5 + 0.2, formats
-    assert s["train_reward_end"] > s["train_reward_start"]
-    assert s["heldout_format_after"] > s["heldout_format_before"]
-
-
-def test_killed_grpo_run_resumes_from_checkpoint(tmp_path, answering_model_dir, grpo_run, kill_at_metrics_step):
-    inputs, out = _sft_inputs(tmp_path, answering_model_dir), tmp_path / "align.partial"
-    config = grpo_config()
-    kill_at_metrics_step(5)
-    with pytest.raises(KeyboardInterrupt):
-        _run(config, inputs, out)
-    assert (out / "checkpoints" / "checkpoint-3").is_dir()
-    kill_at_metrics_step(None)
-
-    stats = _run(config, inputs, out).stats
-    assert stats["resumed_from_step"] == 3 and stats["steps"] == 6
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 7))
-    # sampling RNG, weights, optimizer and data order are restored: same model as never stopping
-    resumed, uninterrupted = _weights(out / "model"), _weights(grpo_run[1] / "model")
-    assert all(torch.allclose(resumed[k], uninterrupted[k], atol=1e-5) for k in uninterrupted)
-    assert stats["heldout_accuracy_before"] == grpo_run[2]["heldout_accuracy_before"]
-
-
-def test_grpo_without_usable_prompts_names_the_file(tmp_path, tiny_model_dir):
-    path = tmp_path / "no_answers.jsonl"
-    path.write_text(json.dumps({"question": "How many?", "answer": "lots"}) + "\n")
-    config = grpo_config(prompts=[str(path)])
-    with pytest.raises(ValueError, match="no_answers.jsonl.*no_numeric_answer"):
-        _run(config, _sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out")
 
 
 # ---------------------------------------------------------------- the report
@@ -471,17 +331,17 @@ def test_ppo_stage_trains_a_reward_model_then_the_policy(tmp_path, tiny_model_di
                       "lr": 1e-3, "max_steps": 6, "kl_coef": 0.05, "checkpoint_every": 3, "device": "cpu",
                       "warmup_frac": 0.0, **TRL_ADAMW}}
     config = align.Config(method="ppo", ppo=ppo)
-    inputs = _sft_inputs(tmp_path, tiny_model_dir)
-    s = _run(config, inputs, tmp_path / "out").stats
+    inputs = sft_inputs(tmp_path, tiny_model_dir)
+    s = run_align(config, inputs, tmp_path / "out").stats
     assert s["method"] == "ppo" and s["prompts_train"] == 30 and s["prompts_heldout"] == 10
     assert s["heldout_rm_accuracy_after"] == 1.0 and s["heldout_rm_margin_after"] > s["heldout_rm_margin_before"]
     assert s["ppo_steps"] == 6 and math.isfinite(s["ppo_kl_final"])
     assert math.isfinite(s["heldout_rm_score_before"]) and math.isfinite(s["heldout_rm_score_after"])
-    before, after = _weights(inputs["sft"].path / "model"), _weights(tmp_path / "out" / "model")
+    before, after = weights(inputs["sft"].path / "model"), weights(tmp_path / "out" / "model")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (tmp_path / "out" / "reward_model" / "model.safetensors").is_file()
     assert not (tmp_path / "out" / "checkpoints").exists()
     logged = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert any("ppo/kl" in row for row in logged) and any("rm/loss" in row for row in logged)
     with pytest.raises(ValueError, match="lora"):
-        _run(config.model_copy(update={"lora": {"rank": 4}}), inputs, tmp_path / "lora")
+        run_align(config.model_copy(update={"lora": {"rank": 4}}), inputs, tmp_path / "lora")

@@ -30,6 +30,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.sources import source_files
+
 DROP_REASON = "benchmark_contamination"
 EVAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 _WORD = re.compile(r"\w+")
@@ -166,14 +168,13 @@ def _read_records(path: Path) -> Iterator[dict]:
 
 
 def eval_files(source: str) -> tuple[str, list[Path]]:
-    """(benchmark name, its files) of one `eval_sets` entry; ValueError naming it if empty."""
+    """(benchmark name, its local files) of one `eval_sets` entry (a file or folder, core.sources);
+    ValueError naming it if it is missing or holds no eval file. The name is the folder's, or
+    the file's without its suffixes."""
+    files = source_files(str(Path(source).expanduser()), EVAL_SUFFIXES)
+    if not all(isinstance(f, Path) for f in files):
+        raise ValueError(f"eval_sets entry {source!r}: benchmark files must be local")
     path = Path(source).expanduser()
-    files = ([path] if path.is_file() else
-             sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [])
-    files = [p for p in files if p.name.endswith(EVAL_SUFFIXES)]
-    if not files:
-        raise ValueError(f"eval_sets entry {source!r} does not exist or holds no "
-                         f"{', '.join(EVAL_SUFFIXES)} files")
     name = path.name if path.is_dir() else re.sub(r"(\.[a-z]+)+$", "", path.name)
     return name, files
 

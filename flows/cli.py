@@ -57,13 +57,10 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dry_run(config, until: str | None, home: Path) -> None:
-    from flows.dag import plan
-    from infra.artifacts import ArtifactStore
-
+def _dry_run(config, planned: list, home: Path) -> None:
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     print(f"\n# plan (artifacts under {env.artifacts_root(home)})")
-    for stage in plan(config, ArtifactStore(env.artifacts_root(home)), until):
+    for stage in planned:
         print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
 
 
@@ -80,16 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*args.overrides, *extras]
     home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
     from flows.config import ConfigError, load_config
-    from flows.dag import stages_until
+    from flows.dag import plan
+    from infra.artifacts import ArtifactStore
 
     try:
         config = load_config(args.config, args.overrides)
-        stages_until(args.until)
+        # Planning digests every input (core.sources): a missing or empty source is found here,
+        # before any service starts.
+        planned = plan(config, ArtifactStore(env.artifacts_root(home)), args.until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"gristmill: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
-        _dry_run(config, args.until, home)
+        _dry_run(config, planned, home)
         return 0
     from flows.pipeline import pipeline
     from infra.tracking import tracking_uri

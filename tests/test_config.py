@@ -86,3 +86,24 @@ def test_cli_dry_run_takes_overrides_before_or_after_options(tmp_path, monkeypat
     assert [(row[0], row[2]) for row in plan_rows] == [("collect", "run"), ("tokenize", "run"), ("pretrain", "run")]
     assert main(["run", str(TINY), "sft.lrr=1", "--dry-run"]) == 2
     assert "unknown config key 'sft.lrr'" in capsys.readouterr().err
+
+
+def test_missing_or_empty_sources_are_found_when_the_run_is_planned(tmp_path, monkeypatch, capsys):
+    """Before any service starts, for a run and a dry run alike: one line naming the source, exit 2."""
+    from flows.cli import main
+
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path / "home"))
+    (tmp_path / "empty").mkdir()
+    for override in (f"collect.sources=[{tmp_path / 'missing.jsonl'}]", f"sft.data=[{tmp_path / 'empty'}]",
+                     f"align.grpo.prompts=[{tmp_path / 'missing.jsonl'}]"):
+        for dry in ([], ["--dry-run"]):
+            assert main(["run", str(TINY), override, *dry]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("gristmill: source ") and str(tmp_path) in err and err.count("\n") == 1
+
+
+def test_moved_align_keys_say_where_they_went():
+    with pytest.raises(ConfigError, match=r"'align\.lr' \(it moved: use 'align\.<method>\.lr'\)"):
+        load_config(TINY, ["align.lr=1e-4"])
+    with pytest.raises(ConfigError, match=r"rollout_batch_size.*align\.ppo\.policy\.batch_size"):
+        load_config(TINY, ["align.ppo.policy.rollout_batch_size=8"])

@@ -73,12 +73,25 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def _parse_yaml(text: str, where: str) -> Any:
+    """YAML text; a syntax error is a ConfigError naming `where` with line and column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
+
+
 def load_config(path: Path | str | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
     """Read a YAML preset (or only defaults when `path` is None) and apply `key=value` overrides;
     values are parsed as YAML, so `pretrain.max_steps=50` is an int and `collect.sources=[a,b]` a list."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        if not Path(path).is_file():
+            raise ConfigError(f"{path}: no such config file")
+        loaded = _parse_yaml(Path(path).read_text(), str(path))
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of stage sections at the top level")
         data = loaded or {}
@@ -86,7 +99,7 @@ def load_config(path: Path | str | None = None, overrides: Sequence[str] = ()) -
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        _set_dotted(data, key.strip(), _parse_yaml(raw, f"override {item!r}"))
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as error:

@@ -107,3 +107,14 @@ def test_moved_align_keys_say_where_they_went():
         load_config(TINY, ["align.lr=1e-4"])
     with pytest.raises(ConfigError, match=r"rollout_batch_size.*align\.ppo\.policy\.batch_size"):
         load_config(TINY, ["align.ppo.policy.rollout_batch_size=8"])
+
+
+def test_yaml_mistakes_name_the_file_or_override_with_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nsft:\n  lr: [1, 2\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml, line \d+, column \d+: invalid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"override 'collect\.sources=\[a,', line 1, column \d+: invalid YAML"):
+        load_config(TINY, ["collect.sources=[a,"])
+    with pytest.raises(ConfigError, match=r"missing\.yaml: no such config file"):
+        load_config(tmp_path / "missing.yaml")

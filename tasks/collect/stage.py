@@ -261,11 +261,26 @@ def merge(units: list[WorkUnit], results: list[Path], config: Config, funnel: Fu
                 continue
             first_of[digest] = doc["id"]
             docs.append(doc)
-    for source in config.sources:
-        counts = funnel.source(source)
-        if counts["docs_in"] == 0:
-            raise ValueError(f"source {source!r} yielded no documents (counts: {dict(counts)})")
+    _quarantine_empty_sources(config.sources, funnel)
     return docs
+
+
+def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
+    """A source that yielded no document (an empty or corrupt file, requests only) is counted as
+    `error_source_without_documents` and quarantined with what it held; the other sources go on.
+    Only when no source yields any is it an error, one line naming each source and why."""
+    empty = {s: {k: v for k, v in sorted(funnel.source(s).items()) if k.startswith(("error_", "skipped_"))}
+             for s in sources if funnel.source(s)["docs_in"] == 0}
+    if len(empty) == len(sources):
+        raise ValueError("no source yielded a document: " + "; ".join(
+            f"{source!r} ({', '.join(f'{k} {v}' for k, v in why.items()) or 'nothing read'})"
+            for source, why in empty.items()))
+    for source, why in empty.items():
+        log.warning("source %r yielded no documents (%s); quarantined, the other sources go on", source, why)
+        funnel.counts["error_source_without_documents"] += 1
+        funnel.source(source)["error_source_without_documents"] += 1
+        funnel.quarantine.append({"reason": "error_source_without_documents", "where": source,
+                                  "source": source, "sample": json.dumps(why)})
 
 
 def apply_quality_model(docs: list[Doc], cfg: QualityConfig, out_dir: Path,

@@ -1,9 +1,11 @@
-"""Small file helpers shared by the stages: content digests and JSON-lines reading, for local
-paths and any fsspec URL."""
+"""Small file helpers shared by the stages: content digests, JSON-lines reading (local paths and
+any fsspec URL), and the free-space check made before large writes."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -26,3 +28,22 @@ def iter_jsonl(paths: Iterable[Path | str]) -> Iterable[dict[str, Any]]:
             for line in f:
                 if line.strip():
                     yield json.loads(line)
+
+
+SPACE_MARGIN = 1.2  # free space asked for, over the expected size of a write
+
+
+class DiskSpaceError(OSError):
+    """Not enough free disk space for a write; the message names the place, the need and what is free."""
+
+
+def ensure_free_space(directory: Path, needed_bytes: int, what: str) -> None:
+    """DiskSpaceError naming `directory` when its filesystem has less than `needed_bytes` (times a
+    margin) free; `what` says what was about to be written ("a checkpoint", "a token shard")."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    free, needed = shutil.disk_usage(directory).free, int(needed_bytes * SPACE_MARGIN)
+    if free < needed:
+        raise DiskSpaceError(errno.ENOSPC, f"not enough free disk space for {what} in {directory}: needs about "
+                                           f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB free; free some space and "
+                                           "run again (finished work is kept and the run resumes)")

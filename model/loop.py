@@ -5,8 +5,10 @@ Train); AdamW (fused on CUDA) with a warmup+cosine or warmup-stable-decay LR, gr
 and optional gradient accumulation, bf16 autocast and optional `torch.compile` on GPU. Resume is
 exact: batches come from `get_batch(index)`, a pure function of (seed, index), and the state of
 model, optimizer, scheduler and RNGs is checkpointed every `checkpoint_every` steps under
-`work_dir/checkpoints/step-%07d`. A checkpoint counts only once its `checkpoint.json` marker is in
-place, and it is written into a temporary directory that is renamed when complete.
+`work_dir/checkpoints/step-%07d` (model/checkpoint.py: written aside and renamed when complete,
+digests in the marker, a damaged checkpoint skipped on resume, free space checked first). Resume
+unpickles nothing freely: weights are safetensors, optimizer and RNG states load with
+`weights_only=True`, the LR scheduler's state is JSON.
 
 Faults: a non-finite loss or gradient norm, or a loss spike (above the rolling mean of the last
 `spike_window` losses by `spike_zscore` standard deviations), rolls training back to the last
@@ -16,6 +18,7 @@ after a rollback stays exact. After `max_rollbacks` rollbacks the run stops with
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
@@ -35,6 +38,7 @@ from core.stage import MetricsLog
 from model.checkpoint import (
     clear_partial_checkpoints,
     complete_checkpoints,
+    latest_good_checkpoint,
     read_marker,
     rewrite_marker,
     save_checkpoint,
@@ -46,6 +50,7 @@ Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
+SCHEDULER_FILE = "scheduler.json"  # the LR scheduler's state inside a checkpoint
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
 RECENT_LOSSES = 10  # steps averaged into the reported final train loss
 # Floor of the rolling std as a fraction of the rolling mean loss: on a flat loss curve (std near
@@ -223,30 +228,44 @@ def _fresh_state() -> dict[str, Any]:
             "loss_window": []}
 
 
-def _load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
+def _load_checkpoint(accelerator: Accelerator, scheduler: Any, path: Path) -> dict[str, Any]:
+    """Weights (safetensors), optimizer and RNG states through Accelerate, which loads them with
+    `weights_only=True`; the scheduler from JSON: nothing on resume is unpickled freely."""
     accelerator.load_state(str(path))
+    scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
     return {**_fresh_state(), **read_marker(path)}
 
 
-def _save_checkpoint(accelerator: Accelerator, work_dir: Path, state: dict[str, Any], keep: int) -> None:
-    save_checkpoint(work_dir, state, keep, lambda directory: accelerator.save_state(str(directory)),
+def _save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, scheduler: Any, work_dir: Path,
+                     state: dict[str, Any], keep: int) -> None:
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def write(directory: Path) -> None:
+        accelerator.save_state(str(directory))
+        if accelerator.is_main_process:
+            (directory / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()) + "\n")
+
+    # weights + AdamW's two moments, about 3x the model in float32
+    save_checkpoint(work_dir, state, keep, write, expected_bytes=3 * model_bytes,
                     main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
 
 
-def _resume(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, log: logging.Logger) -> dict:
-    """Load the latest complete checkpoint, if any; returns its saved loop state."""
+def _resume(accelerator: Accelerator, scheduler: Any, work_dir: Path, metrics: MetricsLog,
+            log: logging.Logger) -> dict:
+    """Load the newest complete checkpoint that verifies, if any; returns its saved loop state."""
     if accelerator.is_main_process:
         clear_partial_checkpoints(work_dir)
     accelerator.wait_for_everyone()
-    done = complete_checkpoints(work_dir)
-    if not done:
+    good = latest_good_checkpoint(work_dir, main=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    if good is None:
         if accelerator.is_main_process:
             metrics.truncate_after(-1)  # entries from a run that crashed before its first checkpoint
         return _fresh_state()
-    step, path = done[-1]
+    step, path = good
     if step:
         log.info("resuming from step %d (%s)", step, path)
-    state = _load_checkpoint(accelerator, path)
+    state = _load_checkpoint(accelerator, scheduler, path)
     if accelerator.is_main_process:
         metrics.truncate_after(step)
     return state
@@ -263,7 +282,7 @@ def _anomaly(loss: float, grad_norm: float, window: list[float], cfg: LoopConfig
     return None
 
 
-def _rollback(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
+def _rollback(accelerator: Accelerator, scheduler: Any, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
               loss: float, reason: str, cfg: LoopConfig, log: logging.Logger) -> dict[str, Any]:
     """Restore the last complete checkpoint and skip every batch from it up to the offending one;
     the new offset is written into that checkpoint's marker so a later resume keeps it."""
@@ -273,7 +292,7 @@ def _rollback(accelerator: Accelerator, work_dir: Path, metrics: MetricsLog, sta
             f"training loss is {loss} ({reason}) at step {failed} after {state['rollbacks']} rollbacks "
             f"(max_rollbacks={cfg.max_rollbacks}); lower lr, tighten grad_clip, or check the data")
     good_step, path = complete_checkpoints(work_dir)[-1]
-    saved = _load_checkpoint(accelerator, path)
+    saved = _load_checkpoint(accelerator, scheduler, path)
     skipped = failed - good_step  # the batches of steps good_step+1 .. failed
     state = {**saved, "skip_offset": state["skip_offset"] + skipped, "rollbacks": state["rollbacks"] + 1}
     log.warning("%s loss %.4g at step %d: rolled back to step %d, skipping %d batches (rollback %d of %d)",
@@ -294,7 +313,7 @@ def _due(done: int, every: int, max_steps: int) -> bool:
 
 
 def _prepare(model: torch.nn.Module, cfg: LoopConfig):
-    """Accelerator, prepared model and optimizer, and the LR scheduler (registered for checkpoints)."""
+    """Accelerator, prepared model and optimizer, and the LR scheduler (saved with checkpoints as JSON)."""
     accelerator = make_accelerator(cfg)
     model.train()
     model.to(accelerator.device)  # before the optimizer exists, so that it can be the fused one
@@ -304,7 +323,6 @@ def _prepare(model: torch.nn.Module, cfg: LoopConfig):
     # Stepped by us once per optimizer step (a prepared scheduler steps once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, cfg.max_steps, cfg.schedule, cfg.warmup_frac, cfg.decay_frac, cfg.min_lr_ratio))
-    accelerator.register_for_checkpointing(scheduler)
     return accelerator, model, optimizer, scheduler
 
 
@@ -322,10 +340,10 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     log = log or logging.getLogger("gristmill.train")
     Path(work_dir).mkdir(parents=True, exist_ok=True)
     accelerator, model, optimizer, scheduler = _prepare(model, cfg)
-    state = _resume(accelerator, work_dir, metrics, log)
+    state = _resume(accelerator, scheduler, work_dir, metrics, log)
     resumed_from = state["step"]
     if cfg.max_rollbacks and not complete_checkpoints(work_dir):
-        _save_checkpoint(accelerator, work_dir, state, cfg.keep_checkpoints)  # a rollback target
+        _save_checkpoint(accelerator, model, scheduler, work_dir, state, cfg.keep_checkpoints)  # a rollback target
     meter = Throughput(flops_per_token, device_peak_tflops(cfg.peak_tflops, accelerator.device), accelerator.num_processes)
     t0, tokens_now = time.perf_counter(), 0
     while state["step"] < cfg.max_steps:
@@ -335,7 +353,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
         loss, grad_norm = _train_step(model, optimizer, scheduler, batch, loss_fn, cfg, accelerator)
         reason = _anomaly(loss, grad_norm, state["loss_window"], cfg)
         if reason:
-            state = _rollback(accelerator, work_dir, metrics, state, loss, reason, cfg, log)
+            state = _rollback(accelerator, scheduler, work_dir, metrics, state, loss, reason, cfg, log)
             continue
         tokens = _tokens_in(batch) * accelerator.num_processes
         meter.add(tokens, time.perf_counter() - step_start)
@@ -358,7 +376,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
                      "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()))
         # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
         if _due(done, cfg.checkpoint_every, cfg.max_steps):
-            _save_checkpoint(accelerator, work_dir, state, cfg.keep_checkpoints)
+            _save_checkpoint(accelerator, model, scheduler, work_dir, state, cfg.keep_checkpoints)
     elapsed = time.perf_counter() - t0
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     recent = state["recent_losses"]

@@ -20,11 +20,12 @@ model (InstructGPT). One forward pass yields logits and values, so a step costs 
 and optimizer state instead of two, which is what a CPU or a memory-bound GPU can afford. The price:
 the value loss also moves the trunk the policy reads; vf_coef weighs it. The head starts at zero.
 
-Resume: every `checkpoint_every` steps (and after the last) the policy, value head, optimizer and
-step go to `out_dir/checkpoints/step-%07d` (model.loop's layout: written to a temporary directory,
-completion marker last, then renamed). All randomness of a step (which prompts, the sampled
-tokens, the minibatch order) is drawn after seeding torch from (seed, step), so a resumed run
-repeats exactly what an uninterrupted one does without carrying RNG states across.
+Resume: every `checkpoint_every` steps (and after the last) the policy, value head (safetensors),
+optimizer and step go to `out_dir/checkpoints/step-%07d` (model/checkpoint.py: written aside,
+marker with digests last, renamed; a damaged one is skipped on resume). All randomness of a step
+(which prompts, the sampled tokens, the minibatch order) is drawn after seeding torch from (seed,
+step), so a resumed run repeats exactly what an uninterrupted one does without carrying RNG states
+across.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from core.settings import TrainSettings
 from core.stage import MetricsLog
 from model.checkpoint import (
     clear_partial_checkpoints,
-    complete_checkpoints,
+    latest_good_checkpoint,
     read_marker,
     save_checkpoint,
 )
@@ -309,20 +310,32 @@ def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, opti
 # ---------------------------------------------------------------- checkpoints and the loop
 
 def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int) -> None:
-    tensors = {name: m.state_dict() for name, m in modules.items()}
-    save_checkpoint(out_dir, state, keep, lambda directory: torch.save(tensors, directory / "state.pt"))
+    """Weights as safetensors (policy and value head), the optimizer's tensors with torch.save."""
+    from safetensors.torch import save_model
+
+    def write(directory: Path) -> None:
+        save_model(modules["policy"], str(directory / "policy.safetensors"))
+        save_model(modules["value_head"], str(directory / "value_head.safetensors"))
+        torch.save(modules["optimizer"].state_dict(), directory / "optimizer.pt")
+
+    model_bytes = sum(p.numel() * p.element_size() for p in modules["policy"].parameters())
+    save_checkpoint(out_dir, state, keep, write, expected_bytes=3 * model_bytes)
 
 
 def _resume(out_dir: Path, modules: dict[str, Any]) -> dict[str, Any]:
+    """The newest checkpoint that verifies, loaded without unpickling: safetensors weights, and the
+    optimizer state with `weights_only=True`."""
+    from safetensors.torch import load_model
+
     clear_partial_checkpoints(out_dir)
-    done = complete_checkpoints(out_dir)
-    if not done:
+    good = latest_good_checkpoint(out_dir)
+    if good is None:
         return {"step": 0, "scores": [], "kls": []}
-    step, path = done[-1]
-    saved = torch.load(path / "state.pt", map_location=next(modules["policy"].parameters()).device,
-                       weights_only=True)
-    for name, module in modules.items():
-        module.load_state_dict(saved[name])
+    step, path = good
+    device = next(modules["policy"].parameters()).device
+    load_model(modules["policy"], str(path / "policy.safetensors"), device=str(device))
+    load_model(modules["value_head"], str(path / "value_head.safetensors"), device=str(device))
+    modules["optimizer"].load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
     log.info("resuming PPO from step %d (%s)", step, path)
     return read_marker(path)
 

@@ -199,3 +199,14 @@ def test_common_crawl_source_end_to_end(server, tmp_path):  # noqa: F811 (fixtur
     assert not (tmp_path / "out" / "downloads").exists()  # raw files are not kept
     fetched = [path for path, _ in server.requests if path.endswith(".warc.gz")]
     assert len(fetched) == 2
+
+
+def test_shard_writes_check_free_space_first(tmp_path, monkeypatch):
+    from core import files
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage._replace(free=100))
+    docs = [{"id": str(i), "text": "word " * 100, "source": "s", "url": "", "language": "en"} for i in range(3)]
+    with pytest.raises(files.DiskSpaceError, match=r"a document shard in .*docs: needs about"):
+        collect.write_shards(docs, tmp_path / "docs", 2)
+    assert not list((tmp_path / "docs").glob("*.gz"))

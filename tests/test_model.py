@@ -1,9 +1,11 @@
 """model/: LR schedule, presets, the training loop's checkpoints and exact resume, export."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,11 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core import files
 from core.chat import DOC_SEPARATOR, IM_END
+from core.files import DiskSpaceError
 from core.stage import MetricsLog, read_metrics
+from model import checkpoint
 from model.checkpoint import complete_checkpoints
 from model.export import export_model
 from model.loop import (
@@ -174,6 +179,61 @@ def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, 
     assert again["resumed_from_step"] == 6 and again["val_loss"] == straight["val_loss"]
     assert again["final_train_loss"] == straight["final_train_loss"]
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
+
+
+def test_resume_unpickles_nothing_and_skips_a_damaged_checkpoint(tiny_tokenizer_dir, tmp_path, monkeypatch, caplog):
+    """Checkpoints carry every file's sha256: flipped or truncated bytes in the newest one are
+    found on resume, which then starts from the one before it and still ends where a run that
+    never stopped ends. Nothing is loaded with weights_only=False, the scheduler is JSON."""
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    straight = _fit(tok, tmp_path / "a", 6)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(tok, tmp_path / "b", 6, crash_at=5)
+    (step2, _), (step4, newest) = complete_checkpoints(tmp_path / "b")
+    assert (step2, step4) == (2, 4) and (newest / "scheduler.json").is_file()
+    assert not list(newest.glob("custom_checkpoint_*"))
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+    real_load = torch.load
+
+    def guarded_load(*args, **kwargs):
+        assert kwargs.get("weights_only", True) is True, f"unpickling {args[:1]} with weights_only=False"
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", guarded_load)
+    with caplog.at_level(logging.WARNING, logger="gristmill.checkpoint"):
+        resumed = _fit(tok, tmp_path / "b", 6)
+    assert "model.safetensors does not match its sha256" in caplog.text
+    assert resumed["resumed_from_step"] == 2 and checkpoint.damage(newest) is None  # deleted, then rewritten
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a") and resumed["val_loss"] == straight["val_loss"]
+    # a truncated file is found by its size
+    _, last = complete_checkpoints(tmp_path / "b")[-1]
+    (last / "model.safetensors").write_bytes((last / "model.safetensors").read_bytes()[:100])
+    assert "bytes" in checkpoint.damage(last)
+
+
+def test_checkpoint_needs_free_space_and_a_full_disk_keeps_the_earlier_ones(tiny_tokenizer_dir, tmp_path, monkeypatch):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    _fit(tok, tmp_path / "run", 4, max_rollbacks=0)
+    before = complete_checkpoints(tmp_path / "run")
+    assert [s for s, _ in before] == [2, 4]
+
+    def full_disk(directory):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DiskSpaceError, match=r"disk full while writing a checkpoint to .*tmp-step-0000006"):
+        checkpoint.save_checkpoint(tmp_path / "run", {"step": 6}, 2, full_disk)
+    assert complete_checkpoints(tmp_path / "run") == before
+    assert not list((tmp_path / "run" / "checkpoints").glob("tmp-*"))
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(DiskSpaceError, match=r"not enough free disk space for a checkpoint in .*run/checkpoints: needs about"):
+        _fit(tok, tmp_path / "run", 6, max_rollbacks=0)
+    assert complete_checkpoints(tmp_path / "run") == before
 
 
 def test_non_finite_loss_fails_naming_the_step(tiny_tokenizer_dir, tmp_path):

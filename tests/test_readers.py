@@ -285,7 +285,10 @@ def test_garbled_record_header_in_plain_warc(shared_data, tmp_path):
 def test_truncated_text_gz(shared_data, tmp_path):
     data = gzip.compress((shared_data / "corpus" / "botchan_en.txt").read_bytes())
     (tmp_path / "cut.txt.gz").write_bytes(data[: len(data) // 2])
-    assert _read(tmp_path / "cut.txt.gz")[0] == {"error_truncated_gzip": 1}
+    reasons, _, skipped = _read(tmp_path / "cut.txt.gz")
+    assert reasons == {"error_truncated_gzip": 1}
+    # quarantined with the end of the file, where it was cut, as the sample to look at
+    assert skipped[0].sample == data[: len(data) // 2][-512:] and skipped[0].where == str(tmp_path / "cut.txt.gz")
 
 
 def test_bad_lines_are_quarantined(dolma_jsonl, tmp_path):

@@ -32,6 +32,7 @@ from typing import IO, Iterator
 from core.sources import filesystem, source_files
 from tasks.collect.records import (
     FILE_LEVEL_ERRORS,
+    SAMPLE_BYTES,
     RawDoc,
     Reader,
     ReadEvent,
@@ -188,15 +189,24 @@ def open_decompressed(f: IO[bytes], name: str) -> IO[bytes]:
     return io.BufferedReader(_ZstdStream(f) if codec == "zstd" else f, 1 << 20)
 
 
+def _file_tail(name: str) -> bytes:
+    """The last SAMPLE_BYTES of a file: where a truncated or damaged stream is worth a look."""
+    fs, fs_path = filesystem(name)
+    with fs.open(fs_path, "rb") as f:
+        f.seek(max(0, fs.size(fs_path) - SAMPLE_BYTES))
+        return f.read()
+
+
 def _stream_events(events: Iterator[ReadEvent], name: str) -> Iterator[ReadEvent]:
-    """Pass events on; a damaged compressed stream ends them with one counted error."""
+    """Pass events on; a damaged compressed stream ends them with one counted error, quarantined
+    with the file's last bytes as its sample."""
     codec = _codec(name) or "stream"
     try:
         yield from events
     except EOFError:  # the stream ended early: everything before it was read
-        yield Skipped(f"error_truncated_{codec}", 0, name)
+        yield quarantine(f"error_truncated_{codec}", 0, name, _file_tail(name))
     except (gzip.BadGzipFile, zlib.error, CorruptStream):
-        yield Skipped(f"error_corrupt_{codec}", 0, name)
+        yield quarantine(f"error_corrupt_{codec}", 0, name, _file_tail(name))
 
 
 # --- JSON lines and plain text ----------------------------------------------------------------

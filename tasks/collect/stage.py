@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 from pydantic import Field, model_validator
 
-from core.files import iter_jsonl
+from core.files import ensure_free_space, iter_jsonl
 from core.sources import fingerprint_sources, parse_source
 from core.stage import Engine, Manifest, StageResult
 from tasks.collect import demo_crawl
@@ -340,6 +340,7 @@ def write_shards(docs: list[Doc], docs_dir: Path, docs_per_shard: int) -> int:
     for n_shards, start in enumerate(range(0, len(docs), docs_per_shard), start=1):
         lines = "".join(json.dumps(d, ensure_ascii=False) + "\n"
                         for d in docs[start:start + docs_per_shard])
+        ensure_free_space(docs_dir, len(lines), "a document shard")  # gzip only shrinks it
         with open(docs_dir / f"part-{n_shards - 1:05d}.jsonl.gz", "wb") as raw:
             with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
                 f.write(lines.encode())

@@ -35,7 +35,7 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from core.chat import CHAT_TEMPLATE, DOC_SEPARATOR, IM_END, PAD, SPECIAL_TOKENS
-from core.files import iter_jsonl
+from core.files import ensure_free_space, iter_jsonl
 from core.sources import fingerprint_sources
 from core.stage import Engine, Manifest, StageConfig, StageResult
 
@@ -236,6 +236,10 @@ def encode_shard(job: dict[str, Any]) -> dict[str, int]:
     counts = {f"{s}_{k}": 0 for s in SPLITS for k in ("docs", "tokens", "bytes")}
     counts["val_reference_tokens"] = 0
     parts = Path(job["parts_dir"])
+    # Token ids take about as many bytes as the text (2-4 bytes per 3-4 characters): the input's
+    # size, times the compression of a .gz input, bounds the shard.
+    text_bytes = Path(job["path"]).stat().st_size * (4 if str(job["path"]).endswith(".gz") else 1)
+    ensure_free_space(parts, text_bytes, "a token shard")
     tmp = {s: parts / f"{job['stem']}.{s}.bin.tmp" for s in SPLITS}
     files = {s: tmp[s].open("wb") for s in SPLITS}
 
@@ -274,6 +278,7 @@ def encode_shard(job: dict[str, Any]) -> dict[str, int]:
 
 
 def _concat(parts: list[Path], out: Path) -> None:
+    ensure_free_space(out.parent, sum(p.stat().st_size for p in parts), f"{out.name}")
     with out.open("wb") as dst:
         for part in parts:
             with part.open("rb") as src:

@@ -257,23 +257,6 @@ def test_missing_or_empty_source_names_it(shared_data, tmp_path):
         _run(tmp_path, "c", sources=["demo:nothing"])
 
 
-def test_a_source_without_documents_is_quarantined_and_the_others_go_on(shared_data, tmp_path):
-    empty, noise = tmp_path / "empty.jsonl", tmp_path / "noise.warc.gz"
-    empty.write_bytes(b"")
-    noise.write_bytes(bytes(range(256)) * 64)  # not gzip, not WARC
-    good = str(shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0174.jsonl")
-    result, out = _run(tmp_path, "out", sources=[str(empty), good, str(noise)])
-    stats = result.stats
-    alone, _ = _run(tmp_path, "alone", sources=[good])
-    assert stats["error_source_without_documents"] == 2 and stats["docs_out"] == alone.stats["docs_out"] > 0
-    funnel = json.loads((out / "funnel.json").read_text())
-    assert funnel["per_source"][str(empty)]["error_source_without_documents"] == 1
-    assert funnel["per_source"][good].get("error_source_without_documents", 0) == 0
-    quarantined = [json.loads(line) for line in (out / "review" / "quarantine.jsonl").read_text().splitlines()]
-    assert {q["where"] for q in quarantined if q["reason"] == "error_source_without_documents"} == \
-        {str(empty), str(noise)}
-
-
 # --- the stage -----------------------------------------------------------------------------
 
 def test_stage_on_warc_and_jsonl(shared_data, tmp_path):

@@ -210,3 +210,20 @@ def test_shard_writes_check_free_space_first(tmp_path, monkeypatch):
     with pytest.raises(files.DiskSpaceError, match=r"a document shard in .*docs: needs about"):
         collect.write_shards(docs, tmp_path / "docs", 2)
     assert not list((tmp_path / "docs").glob("*.gz"))
+
+
+def test_a_source_without_documents_is_quarantined_and_the_others_go_on(shared_data, tmp_path):
+    empty, noise = tmp_path / "empty.jsonl", tmp_path / "noise.warc.gz"
+    empty.write_bytes(b"")
+    noise.write_bytes(bytes(range(256)) * 64)  # not gzip, not WARC
+    good = str(shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0174.jsonl")
+    out = tmp_path / "out"
+    stats = _run(out, sources=[str(empty), good, str(noise)]).stats
+    alone = _run(tmp_path / "alone", sources=[good])
+    assert stats["error_source_without_documents"] == 2 and stats["docs_out"] == alone.stats["docs_out"] > 0
+    funnel = json.loads((out / "funnel.json").read_text())
+    assert funnel["per_source"][str(empty)]["error_source_without_documents"] == 1
+    assert funnel["per_source"][good].get("error_source_without_documents", 0) == 0
+    quarantined = _review(out, "quarantine.jsonl")
+    assert {q["where"] for q in quarantined if q["reason"] == "error_source_without_documents"} == \
+        {str(empty), str(noise)}

@@ -8,8 +8,8 @@ method's seeds (data order, held-out split, sampling, initialisation) set to the
 run, and as min/median/max per claim (the end-to-end tests' thresholds sit below the minimum):
 
     grpo  heldout_accuracy, heldout_format     greedy accuracy / answer format on held-out problems
-    dpo   heldout_logp_acc                     how often the policy prefers the chosen reply,
-                                               against the SFT model's measured preference
+    dpo   heldout_logp_acc, heldout_logp_margin  how often / by how many nats the policy prefers the
+                                               chosen reply, against the SFT model's measured values
     ppo   heldout_rm_accuracy                  trained reward model vs its untrained head (this
                                                seed's draw, and the mean over 32 random heads)
           heldout_rm_score                     reward-model score of greedy replies, PPO vs SFT
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CLAIMS = {"grpo": ("heldout_accuracy", "heldout_format"), "dpo": ("heldout_logp_acc",),
+CLAIMS = {"grpo": ("heldout_accuracy", "heldout_format"), "dpo": ("heldout_logp_acc", "heldout_logp_margin"),
           "ppo": ("heldout_rm_accuracy", "heldout_rm_score")}
 
 

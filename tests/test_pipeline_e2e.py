@@ -196,24 +196,32 @@ def test_grpo_raises_heldout_verifiable_accuracy(tiny_preset_methods):
     assert grpo["heldout_format_after"] >= grpo["heldout_format_before"] + 0.3
 
 
+MARGIN_NATS = 1.0  # DPO's held-out log-prob margin gain asked for; the smallest seen is in the docstring
+
+
 def test_dpo_raises_the_sft_models_heldout_preference(tiny_preset_methods):
-    """How often the model gives the chosen reply more probability than the rejected one, on 174
-    held-out pairs: the SFT model's measured value before, the DPO model's after. Seeds 0-4:
-    0.466 -> 0.845, 0.437 -> 0.856, 0.500 -> 0.816, 0.534 -> 0.868, 0.402 -> 0.902 (gains
-    +0.32 to +0.50; a paired gain of 0.15 is about three standard errors at this size)."""
+    """How strongly the model prefers the chosen reply on 174 held-out pairs: the SFT model's
+    measured log-prob margin (nats, chosen minus rejected) and accuracy before, the DPO model's
+    after. Margin gains over DPO seeds 0-4: +4.21, +4.82, +4.01, +4.37, +5.95 nats; on the SFT
+    model of sft.seed=1, seeds 0-2: +4.27, +4.93, +4.38. The accuracy saturates: whole-pipeline reruns differ in their
+    SFT model, and one in CI already preferred the chosen (shorter, committed) reply on 0.874 of the
+    pairs (DPO: 0.891), so the accuracy is only required not to fall; locally it rose
+    0.40-0.53 -> 0.82-0.90."""
     dpo = tiny_preset_methods["dpo"]
     assert dpo["pairs_heldout"] >= 150
-    assert dpo["heldout_logp_acc_after"] >= dpo["heldout_logp_acc_before"] + 0.15
+    assert dpo["heldout_logp_margin_after"] >= dpo["heldout_logp_margin_before"] + MARGIN_NATS
+    assert dpo["heldout_logp_acc_after"] >= dpo["heldout_logp_acc_before"]
 
 
 def test_reward_model_beats_its_untrained_head_and_ppo_raises_its_score(tiny_preset_methods):
     """139 held-out pairs. The reward model's accuracy after training against the untrained head:
     the one this run drew (seeds 0-4: 0.597 -> 0.784, 0.417 -> 0.755, 0.669 -> 0.719,
     0.446 -> 0.763, 0.389 -> 0.777) and the mean over 32 random heads (0.47-0.54; gains +0.24 to
-    +0.27). Half the demo pairs reject a hedge, which a random head ranks all one way, so a single
+    +0.27; on the SFT model of sft.seed=1: +0.25 to +0.31, own head +0.06 to +0.42). Half the demo pairs reject a hedge, which a random head ranks all one way, so a single
     head's accuracy swings with the seed (seed 2's was right on them by chance: +0.05); the mean
     over heads is the baseline with the statistical weight. The reward-model score of greedy
-    replies to held-out prompts, PPO policy against the SFT model: +2.55, +2.67, +2.52, +2.44, +2.56."""
+    replies to held-out prompts, PPO policy against the SFT model: +2.55, +2.67, +2.52, +2.44, +2.56
+    (sft.seed=1: +2.39, +2.40, +2.26)."""
     ppo = tiny_preset_methods["ppo"]
     assert ppo["rm_pairs_heldout"] >= 130
     assert ppo["heldout_rm_accuracy_after"] >= ppo["heldout_rm_accuracy_untrained_mean"] + 0.12

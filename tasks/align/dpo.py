@@ -83,13 +83,14 @@ def response_logps(model: torch.nn.Module, rows: Any, collate: Callable, batch_s
 
 
 def preference_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> dict[str, float]:
-    """Implicit-reward accuracy and mean margin (reward = beta * log(policy/reference)), and how
-    often the policy alone gives the chosen response more probability."""
+    """Implicit-reward accuracy and mean margin (reward = beta * log(policy/reference)), how often
+    the policy alone gives the chosen response more probability, and by how many nats on average."""
     rewards = beta * (policy - reference)
     margins = rewards[:, 0] - rewards[:, 1]
     return {"pref_acc": (margins > 0).float().mean().item(),
             "margin": margins.mean().item(),
-            "logp_acc": (policy[:, 0] > policy[:, 1]).float().mean().item()}
+            "logp_acc": (policy[:, 0] > policy[:, 1]).float().mean().item(),
+            "logp_margin": (policy[:, 0] - policy[:, 1]).mean().item()}
 
 
 def build_trainer(settings: DPOSettings, job: AlignJob, train: list[Pair], heldout: list[Pair]) -> Any:

@@ -10,7 +10,7 @@ import sys
 
 BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretrain": "bench.pretrain",
               "dedup": "bench.dedup", "langid": "bench.langid", "clean": "bench.clean",
-              "claims": "bench.claims"}
+              "claims": "bench.claims", "chaos": "bench.chaos"}
 
 
 def main() -> int:

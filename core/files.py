@@ -19,6 +19,13 @@ def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def describe_files(directory: Path, exclude: str) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under `directory` (relative posix paths) except the ones
+    named `exclude` (the record being written about them: a manifest, a checkpoint marker)."""
+    return {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+            for p in sorted(Path(directory).rglob("*")) if p.is_file() and p.name != exclude}
+
+
 def iter_jsonl(paths: Iterable[Path | str]) -> Iterable[dict[str, Any]]:
     """Yield records from JSON-lines files (gzip/zstd by suffix), local or fsspec URLs."""
     import fsspec

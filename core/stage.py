@@ -5,7 +5,10 @@ A stage is a package in `tasks/` whose `__init__` exposes
     VERSION: int                      # bump when outputs change for the same config
     class Config(pydantic.BaseModel)  # its own typed config, strict about unknown keys
     def fingerprint(config) -> str | None  # digest of external data it reads (core.sources)
-    def run(config, inputs, out_dir, *, engine) -> StageResult
+    def run(config, inputs, out_dir, *, engine) -> StageResult  # may be imported on first use
+
+Planning a run needs only `Config`, `VERSION` and `fingerprint`, so a package keeps them importable
+without its heavy dependencies (torch, TRL, datatrove...) and may resolve `run` lazily.
 
 `inputs` maps an upstream stage name to that stage's committed `Manifest`; `out_dir` is the only
 place the stage may write (it is a `.partial` directory that survives a crash, so a long stage can

@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="run the DAG up to and including STAGE")
     run.add_argument("--dry-run", action="store_true",
                      help="print the resolved config and which stages would be reused or run")
+    run.add_argument("--in-process", action="store_true",
+                     help="run the pipeline in this process instead of a supervised child "
+                          "(for debuggers; Ctrl-C then stops only as fast as Prefect and Ray allow)")
     plan = commands.add_parser("plan", help="compute budget of a model preset (Chinchilla tokens, "
                                             "FLOPs, GPU-hours, cost)")
     plan.add_argument("preset", help="model preset: tiny, 125m, 1b, 7b")
@@ -65,6 +68,7 @@ def _dry_run(config, planned: list, home: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     # Overrides may come after options too (`run CONFIG --until pretrain a.b=1`): argparse leaves
     # those as extras, which are taken as overrides when they look like key=value.
@@ -91,10 +95,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         _dry_run(config, planned, home)
         return 0
-    from flows.pipeline import pipeline
-    from infra.tracking import tracking_uri
+    if not args.in_process:
+        from infra.supervisor import supervise
 
-    outputs = pipeline(config=config, until=args.until)
+        return supervise([sys.executable, "-m", "flows.cli", *argv, "--in-process"])
+    from flows.pipeline import pipeline
+    from infra.services import start_embedded_services
+    from infra.supervisor import die_with_supervisor
+    from infra.tracking import TrackingUnavailable, tracking_uri
+
+    die_with_supervisor()
+
+    try:
+        start_embedded_services(home)
+        outputs = pipeline(config=config, until=args.until)
+    except KeyboardInterrupt:  # Ctrl-C relayed by the supervisor, which reports it in one line
+        return 130
+    except TrackingUnavailable as error:
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 1
     for stage, path in outputs.items():
         print(f"{stage:<9} {path}")
     print(f"MLflow: mlflow ui --backend-store-uri {tracking_uri(home)}")

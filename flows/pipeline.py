@@ -86,7 +86,11 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
             logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
                         existing.meta.get("mlflow_run_id"))
             _publish(name, existing, runtime, run_id)
-            runtime.tracker.finish_stage(run_id, existing, [], replay_metrics=False)
+            # Back-fill: the run that computed it may have lost MLflow before logging its metrics.
+            backfill = not runtime.tracker.finished(existing.meta.get("mlflow_run_id"))
+            if backfill:
+                runtime.tracker.set_tag(run_id, "gristmill.backfilled", "true")
+            runtime.tracker.finish_stage(run_id, existing, [], replay_metrics=backfill)
             return existing
         logger.info("%s: computing %s-%s", name, name, stage.key)
         artifacts: list[str] = []
@@ -94,7 +98,10 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
             name, stage.key, _compute(stage, upstream, run_id, artifacts))
         _publish(name, manifest, runtime, run_id)
         runtime.tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
-        logger.info("%s: done in %.1f s -> %s", name, manifest.meta.get("seconds", 0), manifest.path)
+        if reused:
+            logger.info("%s: reused %s, computed meanwhile by another run", name, manifest.path)
+        else:
+            logger.info("%s: done in %.1f s -> %s", name, manifest.meta.get("seconds", 0), manifest.path)
         return manifest
     except BaseException:
         runtime.tracker.end(run_id, ok=False)

@@ -5,11 +5,15 @@ input order, so a stage's output does not depend on the worker count. It joins t
 by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use. The actors live
 from the first map to `shutdown()`, so a stage that maps several times (collect: units, then
 MinHash signatures and buckets) pays their start-up and warm caches (spaCy, fastText) once.
+A worker that dies (OOM, a kill) is restarted and its call retried: the mapped functions are
+pure, so a retry gives the same result. A local Ray binds to 127.0.0.1 and its session directory
+(logs, sockets) is removed at shutdown, so runs do not pile them up in the system temp folder.
 """
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Callable, Sequence, TypeVar
 
 import ray
@@ -18,6 +22,7 @@ from ray.util import ActorPool
 T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("gristmill.ray")
+MAX_RESTARTS = 3  # of a worker that died, each time retrying the call it was running
 
 
 @ray.remote
@@ -34,6 +39,7 @@ class RayEngine:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
         self._started_here = False
+        self._session_dir: str | None = None
         self._actors: list = []
 
     def start(self) -> None:
@@ -45,8 +51,9 @@ class RayEngine:
             ray.init(address=address, log_to_driver=False)
         else:
             ray.init(num_cpus=max(self.num_workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+                     log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
             self._started_here = True
+            self._session_dir = _session_dir()
         log.info("ray: %s, %s workers", address or "local", self.num_workers)
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
@@ -54,7 +61,8 @@ class RayEngine:
             return []
         self.start()
         if not self._actors:
-            self._actors = [_Worker.remote() for _ in range(self.num_workers)]
+            self._actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS).remote()
+                            for _ in range(self.num_workers)]
         pool = ActorPool(self._actors[: len(items)])
         return list(pool.map(lambda actor, item: actor.call.remote(fn, item), items))
 
@@ -68,3 +76,11 @@ class RayEngine:
         if self._started_here and ray.is_initialized():
             ray.shutdown()
             self._started_here = False
+            if self._session_dir:
+                shutil.rmtree(self._session_dir, ignore_errors=True)
+
+
+def _session_dir() -> str | None:
+    """The local Ray's session directory (Ray has no public accessor for it)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node.get_session_dir_path() if node is not None else None

@@ -7,9 +7,16 @@ each upstream artifact as an MLflow dataset input (digest = artifact key, source
 plus a tag naming the upstream stage's run.
 
 Uses `MLFLOW_TRACKING_URI` when set, else a SQLite store under GRISTMILL_HOME.
+
+When a tracking server stops answering (after MLflow's own retries, about four minutes by
+default: `MLFLOW_HTTP_REQUEST_MAX_RETRIES`), the run fails with one `TrackingUnavailable` line
+rather than carrying on untracked. Nothing computed is lost: a stage's metrics live in its
+artifact (metrics.jsonl, manifest stats), and the next run that reuses a stage whose computing
+MLflow run never finished logs them into its own stage run (tagged `gristmill.backfilled`).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -17,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from core.stage import METRICS_FILE, Manifest, read_metrics
@@ -51,12 +59,47 @@ def _numeric(stats: Mapping[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def stage_runs(uri: str, stage: str) -> list:
+    """Every MLflow run of one stage, newest first (for checks and tools)."""
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    return client.search_runs([experiment.experiment_id], f"tags.`gristmill.stage` = '{stage}'") \
+        if experiment else []
+
+
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server did not answer."""
+
+
+class _Guarded:
+    """An MlflowClient whose connection failures become one clear TrackingUnavailable."""
+
+    def __init__(self, client: MlflowClient, uri: str):
+        self._client, self._uri = client, uri
+
+    def __getattr__(self, name: str):
+        method = getattr(self._client, name)
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except MlflowException as error:
+                if "API request to" not in str(error):  # MLflow's words for "no answer"
+                    raise
+                raise TrackingUnavailable(
+                    f"MLflow at {self._uri} is not answering ({name}); the stages finished so far "
+                    "are kept and the next run logs them to MLflow") from error
+
+        return call
+
+
 class Tracker:
     """Parent and stage runs of one pipeline run, addressed by explicit run ids (thread-safe)."""
 
     def __init__(self, home: Path):
         self.uri = tracking_uri(home)
-        self.client = MlflowClient(self.uri)
+        self.client = _Guarded(MlflowClient(self.uri), self.uri)
         experiment = self.client.get_experiment_by_name(EXPERIMENT)
         if experiment is None:
             # With the default SQLite store, keep artifacts under GRISTMILL_HOME, not the cwd.
@@ -106,9 +149,24 @@ class Tracker:
                 self.client.log_artifact(run_id, str(manifest.path / rel))
         self.end(run_id, ok=True)
 
+    def finished(self, run_id: str | None) -> bool:
+        """Whether `run_id` exists and ended as FINISHED (a stage whose logging was cut short
+        does not)."""
+        if not run_id:
+            return False
+        try:
+            return self.client.get_run(run_id).info.status == RunStatus.to_string(RunStatus.FINISHED)
+        except TrackingUnavailable:
+            raise
+        except MlflowException:  # no such run: a different tracking store, or a deleted run
+            return False
+
     def end(self, run_id: str, ok: bool) -> None:
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self.client.set_terminated(run_id, status=status)
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        self.client.set_tag(run_id, key, value)
 
     def log_text(self, run_id: str, text: str, name: str) -> None:
         self.client.log_text(run_id, text, name)

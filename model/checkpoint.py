@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from core.files import DiskSpaceError, ensure_free_space, file_digest
+from core.files import DiskSpaceError, describe_files, ensure_free_space, file_digest
 
 MARKER = "checkpoint.json"  # written last inside a checkpoint: its completion marker
 CHECKPOINTS_DIR = "checkpoints"
@@ -60,11 +60,6 @@ def rewrite_marker(path: Path, state: dict[str, Any]) -> None:
     tmp = Path(path) / (MARKER + ".tmp")
     tmp.write_text(json.dumps({**state, FILES_KEY: files}) + "\n")
     os.replace(tmp, Path(path) / MARKER)
-
-
-def _describe_files(directory: Path) -> dict[str, dict[str, Any]]:
-    return {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
 def damage(path: Path) -> str | None:
@@ -117,7 +112,7 @@ def save_checkpoint(work_dir: Path, state: dict[str, Any], keep: int, write: Cal
         write(tmp)
         barrier()
         if main:
-            marker = {**state, FILES_KEY: _describe_files(tmp)}
+            marker = {**state, FILES_KEY: describe_files(tmp, exclude=MARKER)}
             (tmp / MARKER).write_text(json.dumps(marker) + "\n")
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)

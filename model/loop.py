@@ -25,15 +25,13 @@ import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from pydantic import Field, model_validator
 
-from core.settings import TrainSettings
 from core.stage import MetricsLog
 from model.checkpoint import (
     clear_partial_checkpoints,
@@ -44,6 +42,7 @@ from model.checkpoint import (
     save_checkpoint,
 )
 from model.schedule import lr_multiplier
+from model.settings import LoopConfig
 from model.throughput import Throughput, device_peak_tflops
 
 Batch = dict[str, torch.Tensor]
@@ -60,61 +59,6 @@ MIN_SPIKE_STD_FRAC = 0.01
 
 class TrainingDiverged(RuntimeError):
     """Training kept producing non-finite or spiking losses after `max_rollbacks` rollbacks."""
-
-
-class LoopConfig(TrainSettings):
-    """The shared training settings (core.settings) plus the knobs only this loop has: gradient
-    accumulation, the LR schedule's shape, evaluation cadence, compilation, MFU and spike rollback."""
-
-    unhashed_fields: ClassVar[frozenset[str]] = TrainSettings.unhashed_fields | {"eval_every", "compile", "peak_tflops"}
-
-    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches each step's batch is split into "
-                                                       "(a memory knob; batch_size must divide evenly).")
-    tokens_per_step: int | None = Field(
-        None, gt=0, description="Target tokens per optimizer step (all processes). When set, batch_size is "
-                                "the micro-batch (sequences per forward pass) and the stage derives the "
-                                "accumulation: grad_accum_steps = tokens_per_step / (batch_size * seq_len).")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine floor).")
-    schedule: Literal["cosine", "wsd"] = Field(
-        "cosine", description="LR after warmup: cosine decay to the floor, or wsd (warmup-stable-decay: "
-                              "constant, then linear decay over the last decay_frac of the steps).")
-    decay_frac: float = Field(0.2, ge=0, le=1, description="wsd only: share of max_steps spent decaying.")
-    eval_every: int = Field(50, ge=0, description="Run the stage's evaluation every N steps "
-                                                   "(and always at the end); 0: only at the end.")
-    compile: bool = Field(False, description="torch.compile the model (inductor). Pays off on GPU; on a "
-                                             "CPU it adds ~30 s of compilation and gains nothing.")
-    peak_tflops: float | None = Field(
-        None, gt=0, description="Peak FLOP/s (in TFLOP/s) of one device, for the logged MFU. None: known "
-                                "GPUs by name (bf16 dense), no MFU on CPU.")
-    spike_zscore: float = Field(6.0, ge=0, description="Roll back when a step's loss exceeds the rolling mean "
-                                                        "by this many standard deviations; 0 disables.")
-    spike_window: int = Field(50, gt=1, description="Steps of loss history the spike mean/std are taken over "
-                                                    "(no spike check until the window is full).")
-    max_rollbacks: int = Field(3, ge=0, description="Rollbacks (spike or non-finite loss/grad) allowed before "
-                                                    "the run stops with an error; 0: stop at the first.")
-
-    @model_validator(mode="after")
-    def _check_accumulation(self) -> "LoopConfig":
-        if self.batch_size % self.grad_accum_steps:
-            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by "
-                             f"grad_accum_steps ({self.grad_accum_steps})")
-        if self.tokens_per_step is not None and self.grad_accum_steps != 1:
-            raise ValueError("set tokens_per_step or grad_accum_steps, not both "
-                             f"(tokens_per_step={self.tokens_per_step}, grad_accum_steps={self.grad_accum_steps})")
-        return self
-
-    def with_seq_len(self, seq_len: int) -> "LoopConfig":
-        """For fixed-length sequences: a copy with tokens_per_step resolved into batch_size (sequences
-        per step) and grad_accum_steps (micro-batches of the configured batch_size)."""
-        if self.tokens_per_step is None:
-            return self
-        micro_tokens = self.batch_size * seq_len
-        if self.tokens_per_step % micro_tokens:
-            raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must be a multiple of batch_size * "
-                             f"seq_len = {self.batch_size} * {seq_len} = {micro_tokens}")
-        accum = self.tokens_per_step // micro_tokens
-        return self.model_copy(update={"tokens_per_step": None, "grad_accum_steps": accum,
-                                       "batch_size": self.batch_size * accum})
 
 
 def resolve_device(device: str) -> torch.device:
@@ -291,7 +235,11 @@ def _rollback(accelerator: Accelerator, scheduler: Any, work_dir: Path, metrics:
         raise TrainingDiverged(
             f"training loss is {loss} ({reason}) at step {failed} after {state['rollbacks']} rollbacks "
             f"(max_rollbacks={cfg.max_rollbacks}); lower lr, tighten grad_clip, or check the data")
-    good_step, path = complete_checkpoints(work_dir)[-1]
+    good = latest_good_checkpoint(work_dir, main=accelerator.is_main_process)
+    if good is None:
+        raise TrainingDiverged(f"training loss is {loss} ({reason}) at step {failed} and no intact "
+                               "checkpoint is left to roll back to")
+    good_step, path = good
     saved = _load_checkpoint(accelerator, scheduler, path)
     skipped = failed - good_step  # the batches of steps good_step+1 .. failed
     state = {**saved, "skip_offset": state["skip_offset"] + skipped, "rollbacks": state["rollbacks"] + 1}

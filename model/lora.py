@@ -1,7 +1,7 @@
-"""LoRA adapters (PEFT) for the fine-tuning stages: the settings, wrapping a model, and export.
+"""LoRA adapters (PEFT) for the fine-tuning stages: wrapping a model, and export.
 
-`LoraSettings` is the one typed config of low-rank adapters; a stage config holds
-`lora: LoraSettings | None` (None: full fine-tuning). `apply_lora` freezes the base model and
+`LoraSettings` (model/settings.py) is the one typed config of low-rank adapters; a stage config
+holds `lora: LoraSettings | None` (None: full fine-tuning). `apply_lora` freezes the base model and
 adds trainable rank-`rank` matrices A, B beside each targeted linear layer W, so the layer computes
 W x + (alpha / rank) * B A x; B starts at zero, so the wrapped model starts equal to the base.
 `export_lora` writes the adapter alone (`adapter/`, loadable with peft onto the base model) and the
@@ -14,26 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
 
-from core.stage import StageConfig
 from model.export import export_model
+from model.settings import LoraSettings
 
-# Every linear layer of a Llama block: attention projections and the SwiGLU MLP. Adapting all of
-# them (not only q/v) is what QLoRA found to match full fine-tuning.
-LLAMA_LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_PARAM_MARKER = "lora_"  # PEFT names the adapter matrices lora_A / lora_B
-
-
-class LoraSettings(StageConfig):
-    """Low-rank adapter shape and regularisation (PEFT's LoraConfig, the knobs that matter)."""
-
-    rank: int = Field(8, gt=0, description="Rank r of each adapter (A is r x in, B is out x r).")
-    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: list(LLAMA_LINEAR_MODULES), min_length=1,
-        description="Names of the linear submodules that get adapters (Llama: q/k/v/o_proj, gate/up/down_proj).")
 
 
 def _peft():

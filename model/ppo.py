@@ -36,10 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field, model_validator
 
 from core.chat import Message, prompt_ids
-from core.settings import TrainSettings
 from core.stage import MetricsLog
 from model.checkpoint import (
     clear_partial_checkpoints,
@@ -49,39 +47,13 @@ from model.checkpoint import (
 )
 from model.export import generation_config
 from model.schedule import warmup_linear
+from model.settings import PPOSettings
 
 log = logging.getLogger("gristmill.ppo")
 
 # (prompts, response texts) -> scores, shape [n]: a reward model's scorer, or a rule in tests
 RewardFn = Callable[[list[list[Message]], list[str]], torch.Tensor]
 FINAL_WINDOW = 10  # steps averaged into the final score/KL stats
-
-
-class PPOSettings(TrainSettings):
-    """PPO hyperparameters beside the shared training settings (core.settings: lr, max_steps,
-    batch_size = prompts sampled per PPO step, warmup_frac, AdamW, grad_clip per update, seed,
-    checkpoints). Clip ranges, vf_coef, kl_coef, gamma and lam default to TRL 0.x's PPOConfig."""
-
-    minibatch_size: int = Field(4, ge=1, description="Responses per optimizer update; divides batch_size.")
-    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout's minibatches.")
-    clip_range: float = Field(0.2, gt=0, description="Policy ratio clip: ratios outside 1 +- this give no gradient.")
-    value_clip_range: float = Field(0.2, gt=0, description="How far a value may move from its rollout value "
-                                                            "before the clipped value loss takes over.")
-    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
-    kl_coef: float = Field(0.05, ge=0, description="beta: per-token reward penalty per nat of log(pi / pi_ref).")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount per response token.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1) of the advantages.")
-    max_new_tokens: int = Field(32, ge=1, description="Longest sampled response, in tokens.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are of logits / temperature.")
-    missing_eos_penalty: float = Field(0.0, ge=0, description=(
-        "Subtracted from the score of a response cut at max_new_tokens before it ended its turn; 0: none."))
-
-    @model_validator(mode="after")
-    def _minibatches_fit(self) -> PPOSettings:
-        if self.batch_size % self.minibatch_size:
-            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by "
-                             f"minibatch_size ({self.minibatch_size})")
-        return self
 
 
 # ---------------------------------------------------------------- the PPO arithmetic (tensors [batch, tokens])

@@ -1,5 +1,5 @@
-"""Model presets: a small typed config, named Llama-style shapes from a CPU toy to ~7B, their
-analytic parameter counts, and a stock `LlamaForCausalLM` built from a config.
+"""Model presets: named Llama-style shapes from a CPU toy to ~7B, their analytic parameter
+counts, and a stock `LlamaForCausalLM` built from a config (`ModelConfig`, model/settings.py).
 
 Stock architectures only, so every exported model loads with `AutoModelForCausalLM` and no
 `trust_remote_code`. Seeding the initialisation is the caller's job (`torch.manual_seed` first).
@@ -8,32 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core.stage import StageConfig
-
-
-class ModelConfig(StageConfig):
-    """Shape of a Llama-style decoder; the defaults (about 0.5M non-embedding parameters) suit a CPU."""
-
-    hidden_size: int = Field(128, gt=0, description="Width of the residual stream (model dimension).")
-    num_layers: int = Field(2, gt=0, description="Number of transformer blocks.")
-    num_heads: int = Field(4, gt=0, description="Attention heads per block (no grouped-query sharing).")
-    intermediate_size: int = Field(512, gt=0, description="Hidden width of the SwiGLU MLP.")
-    max_seq_len: int = Field(256, gt=1, description="Longest sequence in tokens the model is trained for "
-                                                    "(RoPE max_position_embeddings).")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> "ModelConfig":
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
-                             f"num_heads ({self.num_heads})")
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"hidden_size / num_heads = {self.hidden_size // self.num_heads} must be "
-                             "even (RoPE rotates pairs of dimensions); change hidden_size or num_heads")
-        return self
+from model.settings import ModelConfig
 
 
 def build_model(cfg: ModelConfig, tokenizer: Any) -> LlamaForCausalLM:

@@ -1,10 +1,12 @@
-"""Shared fixtures: the one way tests find ../shared/data, and tiny throwaway models."""
+"""Shared fixtures: the one way tests find ../shared/data, tiny throwaway models, and the one
+tiny-pipeline run the end-to-end tests share."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+from pipeline_helpers import FAST, STAGES, TinyRun, gristmill, plan_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -87,3 +89,16 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     out = tmp_path_factory.mktemp("model")
     export_model(model, tokenizer, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
+    """The tiny pipeline, run once through the real CLI (Prefect's ephemeral API, MLflow on SQLite,
+    a local Ray) in a fresh GRISTMILL_HOME, shared by every end-to-end test."""
+    # Compression is reported next to GPT-2's vocabulary when its rank file is at hand.
+    reference_vocab = f"tokenize.reference_vocab={shared_data / 'tokenizer' / 'gpt2.tiktoken'}"
+    overrides = [*FAST, reference_vocab]
+    home = tmp_path_factory.mktemp("e2e") / "home"
+    assert plan_of(home, overrides) == {s: "run" for s in STAGES}
+    proc = gristmill(home, "run", "configs/tiny.yaml", *overrides)
+    return TinyRun(home, proc, overrides, reference_vocab)

@@ -152,6 +152,14 @@ def test_only_the_chosen_methods_settings_are_hashed():
     assert {"dpo", "grpo", "ppo"} <= set(align.METHODS) <= set(align.Config.model_fields)
 
 
+def test_registered_methods_name_modules_with_a_train_function():
+    """The registry names each shipped method's module, imported only when the method runs (so the
+    config needs no torch): each is an align module whose `train` the stage calls."""
+    for name, method in align.METHODS.items():
+        assert isinstance(method.train, str) and method.train == f"tasks.align.{name}", name
+        assert align.train_function(method).__module__ == method.train, name
+
+
 def test_a_new_method_is_one_module_and_one_registry_entry(tmp_path, tiny_model_dir, monkeypatch):
     """What a method module provides (settings with sources(), train(settings, job)) plus one
     METHODS entry is all the stage needs: config section, hashing, dispatch and export follow."""

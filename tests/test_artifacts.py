@@ -137,3 +137,33 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     proc.join(10)
     with ArtifactStore(tmp_path).lock("pretrain", "k5"):
         pass
+
+
+def _materialize_and_die_in_the_commit_window(root: str) -> None:
+    import os
+
+    os.environ["GRISTMILL_FAULT"] = "commit:tokenize"
+
+    def compute(d: Path):
+        (d / "shard.bin").write_bytes(b"x" * 100)
+        return _fields(n=1)
+
+    ArtifactStore(Path(root)).materialize("tokenize", "k1", compute)
+
+
+def test_a_kill_inside_the_commit_window_is_finished_by_the_next_run_without_recompute(tmp_path):
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_materialize_and_die_in_the_commit_window, args=(str(tmp_path),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -9  # died between writing the manifest and the rename
+    store = ArtifactStore(tmp_path)
+    assert store.load("tokenize", "k1") is None and store.partial_dir("tokenize", "k1").is_dir()
+
+    def must_not_run(_d):
+        raise AssertionError("the stage was computed again")
+
+    manifest, reused = store.materialize("tokenize", "k1", must_not_run)
+    assert not reused and manifest.stats == {"n": 1}
+    assert (store.final_dir("tokenize", "k1") / "shard.bin").read_bytes() == b"x" * 100
+    assert not store.partial_dir("tokenize", "k1").exists()

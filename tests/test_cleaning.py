@@ -292,3 +292,21 @@ def test_config_is_frozen_described_and_composes_with_collect():
     assert from_yaml.allowed_languages == ("en", "de") and from_yaml.pii_kinds == ("email",)
     assert issubclass(collect.Config, CleaningConfig) and CFG.min_words > 0  # + Gopher fields
     assert CleaningConfig().hashed_dict() != CleaningConfig(c4_filter=False).hashed_dict()
+
+
+def test_the_demo_key_follows_docs_of_a_package_installed_from_a_source_tree(tmp_path, monkeypatch):
+    """A source checkout's egg-info (or an editable install) changes its files without a new
+    version; the demo crawl's fingerprint must see that, or a stale corpus is reused."""
+    from tasks.collect.demo_crawl import installed_state
+
+    info = tmp_path / "demo_pkg.egg-info"
+    info.mkdir()
+    (info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n\nAbout.\n")
+    (info / "SOURCES.txt").write_text("README.md\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("first words\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = installed_state()
+    assert "demo-pkg==1.0" in before and "README.md" in before
+    readme.write_text("other words, longer\n")
+    assert installed_state() != before

@@ -244,6 +244,12 @@ def test_stage_survives_bad_inputs(shared_data, tmp_path):
     assert stats["error_empty_file"] == 1 and stats["error_not_warc"] == 1
     assert stats["error_truncated_record"] == 1 and stats["error_bad_json"] == 1
     assert stats["docs_out"] > 10 and len(_read_docs(out)) == stats["docs_out"]
+    accounting = json.loads((out / "funnel.json").read_text())["accounting"]
+    assert accounting["balanced"] and accounting["kept"] == stats["docs_out"]
+    assert accounting["quarantined"] == {"error_bad_json": 1, "error_truncated_record": 1}
+    assert accounting["file_level"] == {"error_empty_file": 1, "error_not_warc": 1}
+    assert stats["accounting_in"] == stats["records_read"] == accounting["in"] == stats["docs_out"] \
+        + stats["accounting_dropped"] + stats["accounting_quarantined"]
 
 
 def test_missing_or_empty_source_names_it(shared_data, tmp_path):
@@ -288,6 +294,11 @@ def test_stage_on_warc_and_jsonl(shared_data, tmp_path):
     assert {r["reason"] for r in review} == set(funnel["dropped"])
     assert all(r["preview"] for r in review)
     assert not (out / "units").exists()  # resume state is gone once the stage is done
+    accounting = funnel["accounting"]  # every record read: kept, dropped with a reason, quarantined
+    assert accounting["balanced"] and accounting["in"] == stats["records_read"]
+    assert accounting["kept"] == len(docs) and accounting["quarantined"] == {}
+    assert accounting["dropped"]["skipped_mime_image"] == stats["skipped_mime_image"]
+    assert accounting["in"] == len(docs) + sum(accounting["dropped"].values())
 
 
 def test_duplicate_file_is_deduplicated(shared_data, tmp_path):

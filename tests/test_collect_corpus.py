@@ -1,11 +1,13 @@
 """collect+clean at corpus level: resume of unfinished units, near dedup across sources and
 against an earlier run's index, decontamination, mixing, the quality model, quarantine and
-review samples, and a Common Crawl source served over HTTP."""
+review samples, the accounting of every record read, and a Common Crawl source served over
+HTTP."""
 from __future__ import annotations
 
 import gzip
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from test_common_crawl import CRAWL, server  # noqa: F401 (fixture)
 
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
+from tasks.collect.funnel import AccountingError
+from tasks.collect.readers import FILE_LEVEL_ERRORS, read_file
 
 DOLMA = Path("jsonl") / "dolma_cc"
 
@@ -29,6 +33,30 @@ def _docs(out: Path) -> list[dict]:
 
 def _review(out: Path, name: str = "dropped.jsonl") -> list[dict]:
     return [json.loads(line) for line in (out / "review" / name).open()]
+
+
+def _accounting(out: Path, stats: dict) -> dict:
+    """funnel.json's accounting, checked against what the run wrote: kept is the distinct output
+    documents of each source, in the records read, dropped and quarantined hold every
+    record-level reason and corpus-level removal the stats count, and in = kept + dropped +
+    quarantined, in total and per source."""
+    accounting = json.loads((out / "funnel.json").read_text())["accounting"]
+    docs = _docs(out)
+    kept = Counter(source for source, _ in {(d["source"], d["id"]) for d in docs})
+    assert {s: b["kept"] for s, b in accounting["per_source"].items() if b["kept"]} == kept
+    assert accounting["kept"] == kept.total() and accounting["docs_out"] == len(docs)
+    assert accounting["in"] == stats["records_read"]
+    counted = {k: v for k, v in stats.items() if v and (
+        k.startswith(("dropped_", "skipped_", "error_")) or k in ("exact_duplicates", "near_duplicates"))
+        and k not in FILE_LEVEL_ERRORS and k != "error_source_without_documents"}
+    fates = Counter(accounting["dropped"]) + Counter(accounting["quarantined"])
+    assert fates == counted
+    assert accounting["in"] == kept.total() + fates.total()
+    for block in [accounting, *accounting["per_source"].values()]:
+        assert block["balanced"] and block["unaccounted"] == 0
+        assert block["in"] == block["kept"] + sum(block["dropped"].values()) \
+            + sum(block["quarantined"].values())
+    return accounting
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> Path:
@@ -87,6 +115,7 @@ def test_killed_stage_redoes_only_unfinished_units(shared_data, tmp_path):
     assert len(unit_jobs) == n_units - 2
     fresh = _run(tmp_path / "fresh", sources=sources)
     assert resumed.stats == fresh.stats
+    assert _accounting(tmp_path / "out", resumed.stats) == _accounting(tmp_path / "fresh", fresh.stats)
     assert _docs(tmp_path / "out") == _docs(tmp_path / "fresh")
 
 
@@ -97,6 +126,9 @@ def test_near_duplicates_across_sources_keep_the_first(shared_data, tmp_path):
     result = _run(tmp_path / "out", sources=[str(a), str(b)])
     docs = _docs(tmp_path / "out")
     assert result.stats["near_duplicates"] == 3 and len(docs) == 6
+    accounting = _accounting(tmp_path / "out", result.stats)
+    assert accounting["per_source"][str(b)]["dropped"] == {"near_duplicates": 3}
+    assert accounting["per_source"][str(b)]["kept"] == 0 and accounting["kept"] == 6
     assert {d["source"] for d in docs} == {str(a)}
     removed = [r for r in _review(tmp_path / "out") if r["reason"] == "near_duplicates"]
     assert {r["duplicate_of"] for r in removed} <= {d["id"] for d in docs}
@@ -132,6 +164,8 @@ def test_decontamination_removes_benchmark_text_and_reports_it(shared_data, tmp_
                   decontam={"eval_sets": [str(gsm8k)]}, near_dedup=False)
     assert result.stats["dropped_benchmark_contamination"] == 1
     assert len(_docs(tmp_path / "out")) == 2
+    assert _accounting(tmp_path / "out", result.stats)["dropped"] == \
+        {"dropped_benchmark_contamination": 1}
     report = json.loads((tmp_path / "out" / "decontamination.json").read_text())
     assert report["documents_checked"] == 3 and report["documents_flagged"] == 1
     gsm = next(b for name, b in report["benchmarks"].items() if "gsm8k" in name)
@@ -149,6 +183,9 @@ def test_mix_weights_repeat_and_subsample_sources(shared_data, tmp_path):
     record = json.loads((tmp_path / "out" / "mix.json").read_text())
     assert record["sources"][str(a)]["docs_taken"] == 8
     assert record["sources"][str(b)]["docs_taken"] == 0 and record["docs"] == 8
+    accounting = _accounting(tmp_path / "out", result.stats)  # a repeat is one document kept
+    assert (accounting["in"], accounting["kept"], accounting["docs_out"]) == (10, 4, 8)
+    assert accounting["dropped"] == {"dropped_not_in_mix": 6}
     with pytest.raises(ValueError, match="nope"):
         _run(tmp_path / "bad", sources=[str(a)], mix={"weights": {"nope": 1.0}})
 
@@ -163,6 +200,9 @@ def test_quality_model_drops_low_scores_and_is_saved(shared_data, tmp_path):
     assert stats["dropped_low_quality_score"] > 0
     assert stats["docs_out"] == stats["docs_after_exact_dedup"] - stats["dropped_low_quality_score"]
     assert (tmp_path / "out" / "quality_model" / "quality_model.npz").is_file()
+    accounting = _accounting(tmp_path / "out", stats)
+    assert accounting["dropped"]["dropped_low_quality_score"] == stats["dropped_low_quality_score"]
+    assert accounting["dropped"]["skipped_record_request"] > 0  # WARC requests: read, not documents
     scores = [r["score"] for r in _review(tmp_path / "out") if r["reason"] == "dropped_low_quality_score"]
     assert scores and max(scores) < 0.5
 
@@ -189,6 +229,13 @@ def test_bad_inputs_are_quarantined_and_the_stage_completes(shared_data, tmp_pat
     assert {"error_bad_json", "error_invalid_utf8", "skipped_binary"} <= \
         {q["reason"] for q in quarantined}
     assert all(q["where"] and q["source"] == str(inputs) for q in quarantined)
+    accounting = _accounting(tmp_path / "out", stats)
+    assert accounting["quarantined"] == {"error_bad_json": 1, "error_invalid_utf8": 1,
+                                         "skipped_binary": 1}
+    assert accounting["file_level"] == {"error_empty_file": 1, "error_truncated_gzip": 1}
+    before_cut = sum(1 for _ in read_file(inputs / "truncated.jsonl.gz")) - 1  # - the error
+    assert 0 < before_cut < 10
+    assert accounting["in"] == 10 + 3 + 1 + before_cut  # good, bad, binary, the truncated copy
 
 
 def test_common_crawl_source_end_to_end(server, tmp_path):  # noqa: F811 (fixture)
@@ -227,3 +274,23 @@ def test_a_source_without_documents_is_quarantined_and_the_others_go_on(shared_d
     quarantined = _review(out, "quarantine.jsonl")
     assert {q["where"] for q in quarantined if q["reason"] == "error_source_without_documents"} == \
         {str(empty), str(noise)}
+    accounting = _accounting(out, stats)  # the two sources hold no record: nothing to balance
+    assert accounting["file_level"] == {"error_empty_file": 1, "error_corrupt_warc": 1,
+                                        "error_source_without_documents": 2}
+    assert accounting["per_source"][str(noise)]["in"] == 0 == accounting["per_source"][str(empty)]["in"]
+
+
+def test_a_document_removed_without_a_count_fails_the_stage(shared_data, tmp_path, monkeypatch):
+    real = collect.apply_near_dedup
+
+    def losing(docs, *args):  # a step that drops one document and counts no reason for it
+        kept, stats = real(docs, *args)
+        return kept[:-1], stats
+
+    monkeypatch.setattr(collect, "apply_near_dedup", losing)
+    good = str(shared_data / DOLMA / "cc_en_head-0174.jsonl")
+    with pytest.raises(AccountingError, match=r"does not add up: in 10 = kept \d+ \+ dropped \d+ "
+                       rf"\+ quarantined 0 \+ unaccounted 1; by source: '{good}': in 10 = .*unaccounted 1"):
+        _run(tmp_path / "out", sources=[good])
+    accounting = json.loads((tmp_path / "out" / "funnel.json").read_text())["accounting"]
+    assert not accounting["balanced"] and accounting["unaccounted"] == 1

@@ -10,35 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-STAGES = ["collect", "tokenize", "pretrain", "sft", "align", "evaluate"]
-# The tiny preset, shortened so CI spends seconds, not minutes, per training stage.
-FAST = ["pretrain.max_steps=60", "sft.max_steps=30", "align.grpo.max_steps=10",
-        "evaluate.arith_problems=20", "evaluate.max_eval_tokens=8192"]
+from pipeline_helpers import REPO, STAGES, committed_dir, gristmill, plan_of
 
 pytestmark = pytest.mark.slow
-
-
-def gristmill(home: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GRISTMILL_HOME": str(home)}
-    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "PREFECT_HOME"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"gristmill {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
-
-
-def plan_of(home: Path, *overrides: str) -> dict[str, str]:
-    """stage -> 'reuse' | 'run', as printed by --dry-run."""
-    out = gristmill(home, "run", "configs/tiny.yaml", *FAST, *overrides, "--dry-run").stdout
-    rows = [line.split() for line in out.split("# plan", 1)[1].splitlines()[1:] if line.strip()]
-    return {row[0]: row[2] for row in rows}
-
-
-def committed_dir(home: Path, stage: str) -> Path:
-    return next((home / "artifacts" / stage).glob("*/manifest.json")).parent
 
 
 def artifact_files(home: Path) -> dict[str, tuple[int, int]]:
@@ -47,18 +21,8 @@ def artifact_files(home: Path) -> dict[str, tuple[int, int]]:
             for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock")}
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory, shared_data):
-    # Compression is reported next to GPT-2's vocabulary when its rank file is at hand.
-    FAST.append(f"tokenize.reference_vocab={shared_data / 'tokenizer' / 'gpt2.tiktoken'}")
-    home = tmp_path_factory.mktemp("e2e") / "home"
-    assert plan_of(home) == {s: "run" for s in STAGES}
-    proc = gristmill(home, "run", "configs/tiny.yaml", *FAST)
-    return home, proc
-
-
-def test_first_run_computes_every_stage_and_commits_manifests(first_run):
-    home, proc = first_run
+def test_tiny_run_computes_every_stage_and_commits_manifests(tiny_run):
+    home, proc = tiny_run.home, tiny_run.proc
     for stage in STAGES:
         manifests = list((home / "artifacts" / stage).glob("*/manifest.json"))
         assert len(manifests) == 1, stage
@@ -70,33 +34,33 @@ def test_first_run_computes_every_stage_and_commits_manifests(first_run):
     assert "computing" in proc.stdout + proc.stderr
 
 
-def test_rerun_reuses_everything_and_changes_no_file(first_run):
-    home, _ = first_run
+def test_rerun_reuses_everything_and_changes_no_file(tiny_run):
+    home = tiny_run.home
     before = artifact_files(home)
-    proc = gristmill(home, "run", "configs/tiny.yaml", *FAST)
+    proc = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides)
     log = proc.stdout + proc.stderr
     assert all(f"{stage}: reused" in log for stage in STAGES), log[-3000:]
     assert "computing" not in log
     assert artifact_files(home) == before
 
 
-def test_changing_one_stage_reruns_it_and_downstream_only(first_run):
-    home, _ = first_run
-    plan = plan_of(home, "sft.lr=0.0005")
+def test_changing_one_stage_reruns_it_and_downstream_only(tiny_run):
+    home = tiny_run.home
+    plan = plan_of(home, tiny_run.overrides, "sft.lr=0.0005")
     assert plan == {"collect": "reuse", "tokenize": "reuse", "pretrain": "reuse",
                     "sft": "run", "align": "run", "evaluate": "run"}
 
 
-def test_unknown_override_is_an_error_naming_the_key(first_run):
-    home, _ = first_run
+def test_unknown_override_is_an_error_naming_the_key(tiny_run):
+    home = tiny_run.home
     env = {**os.environ, "GRISTMILL_HOME": str(home)}
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "sft.lrr=1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "sft.lrr" in proc.stderr
 
 
-def test_mlflow_has_parent_and_stage_runs_with_lineage(first_run):
-    home, _ = first_run
+def test_mlflow_has_parent_and_stage_runs_with_lineage(tiny_run):
+    home = tiny_run.home
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{home}/mlflow.db")
@@ -131,8 +95,8 @@ def test_mlflow_has_parent_and_stage_runs_with_lineage(first_run):
     assert collect.data.metrics["docs_after_language"] <= collect.data.metrics["docs_after_extracted"]
 
 
-def test_prefect_shows_the_funnel_and_the_report_card(first_run):
-    home, _ = first_run
+def test_prefect_shows_the_funnel_and_the_report_card(tiny_run):
+    home = tiny_run.home
     import sqlite3
 
     with sqlite3.connect(home / "prefect" / "prefect.db") as db:
@@ -141,8 +105,8 @@ def test_prefect_shows_the_funnel_and_the_report_card(first_run):
     assert "| quality_heuristics |" in artifacts["collect-funnel"]
 
 
-def test_final_model_loads_with_auto_classes_and_chats(first_run):
-    home, _ = first_run
+def test_final_model_loads_with_auto_classes_and_chats(tiny_run):
+    home = tiny_run.home
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = committed_dir(home, "align") / "model"
@@ -159,12 +123,11 @@ def test_final_model_loads_with_auto_classes_and_chats(first_run):
 # ---------------------------------------------------------------- the alignment claims, tiny preset
 
 @pytest.fixture(scope="module")
-def tiny_preset_methods(first_run):
+def tiny_preset_methods(tiny_run):
     """The tiny preset as shipped (full pretraining and SFT), aligned with each method; collect and
     tokenize are reused from the first run. Returns method -> the align stage's stats, and the
     SFT stats."""
-    home, _ = first_run
-    reference_vocab = next(o for o in FAST if o.startswith("tokenize.reference_vocab="))
+    home, reference_vocab = tiny_run.home, tiny_run.reference_vocab
     for method in ("grpo", "dpo", "ppo"):
         gristmill(home, "run", "configs/tiny.yaml", reference_vocab, f"align.method={method}",
                   "--until", "align", timeout=1800)

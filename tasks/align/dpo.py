@@ -14,42 +14,15 @@ import logging
 from typing import Any, Callable
 
 import torch
-from pydantic import Field, field_validator
 
 from core.stage import MetricsLog
-from tasks.align.method import AlignJob, Method
+from model.checkpoint import CHECKPOINTS_DIR
+from tasks.align.method import AlignJob
 from tasks.align.preferences import Pair, load_pairs, split_heldout
-from tasks.align.trl_common import TrlSettings, train_resumably, trainer_args, with_lora
+from tasks.align.settings import DPOSettings
+from tasks.align.trl_common import train_resumably, trainer_args, with_lora
 
 log = logging.getLogger("gristmill.align")
-
-
-class DPOSettings(TrlSettings):
-    """DPO on preference pairs; prompt+reply sequences longer than max_seq_len are cut at the end
-    (counted), pairs whose prompt alone fills it are dropped."""
-
-    data: list[str] = Field(["demo:arithmetic"], description=(
-        "Preference sources: 'demo:arithmetic' or JSONL(.gz) files, folders or globs in "
-        "prompt/chosen/rejected, hh-rlhf or AlpacaEval-annotation format (tasks/align/preferences.py)."))
-    max_pairs: int | None = Field(None, ge=1, description=(
-        "At most this many usable pairs from each source (None: all; demo: 256)."))
-    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the pull towards the reference model.")
-    sft_weight: float = Field(0.0, ge=0, description=(
-        "Weight of an added NLL loss on the chosen responses (RPO). DPO alone can lower a rejected "
-        "reply by garbling the tokens after the point where it departs from the chosen one; this "
-        "keeps the chosen replies likely. 0: plain DPO."))
-    heldout_fraction: float = Field(0.1, gt=0, lt=1, description=(
-        "Share of the pairs held out of training to measure preference accuracy and margin."))
-
-    @field_validator("data")
-    @classmethod
-    def _data_not_empty(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("data must name at least one preference source")
-        return value
-
-    def sources(self) -> list[str]:
-        return self.data
 
 
 def to_trl_rows(pairs: list[Pair]) -> list[dict[str, Any]]:
@@ -98,7 +71,7 @@ def build_trainer(settings: DPOSettings, job: AlignJob, train: list[Pair], heldo
     from trl import DPOConfig, DPOTrainer
 
     losses = {"sigmoid": 1.0, **({"sft": settings.sft_weight} if settings.sft_weight else {})}
-    args = DPOConfig(**trainer_args(settings, job.out_dir / "checkpoints"),
+    args = DPOConfig(**trainer_args(settings, job.out_dir / CHECKPOINTS_DIR),
                      per_device_train_batch_size=settings.batch_size, beta=settings.beta,
                      loss_type=list(losses), loss_weights=list(losses.values()),
                      max_length=settings.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
@@ -140,6 +113,3 @@ def train(settings: DPOSettings, job: AlignJob) -> tuple[torch.nn.Module, dict[s
         **{f"heldout_{k}_after": v for k, v in after.items()},
         **{f"dropped_{reason}": n for reason, n in sorted(drops.items())},
     }
-
-
-METHOD = Method(DPOSettings, train, "Settings of method 'dpo' (preference pairs, TRL DPOTrainer).")

@@ -14,57 +14,30 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch
-from pydantic import Field
 
 import core.arithmetic as arithmetic
 from core.chat import prompt_ids
 from core.stage import MetricsLog, read_metrics
+from model.checkpoint import CHECKPOINTS_DIR
 from model.generate import generate_greedy
-from tasks.align.method import AlignJob, Method
+from tasks.align.method import AlignJob
 from tasks.align.rewards import (
     MathPrompt,
     format_reward,
     load_math_prompts,
     numeric_match_reward,
 )
-from tasks.align.trl_common import TrlSettings, train_resumably, trainer_args, with_lora
+from tasks.align.settings import GRPOSettings
+from tasks.align.trl_common import train_resumably, trainer_args, with_lora
 
 log = logging.getLogger("gristmill.align")
 
 REWARD_FUNCS = [numeric_match_reward, format_reward]  # weights: 1 and settings.format_weight
 EVAL_BATCH = 32  # prompts per greedy generation batch in the held-out evaluation
 REWARD_WINDOW_FRAC = 0.1  # share of the steps averaged for the start/end training reward
-
-
-class GRPOSettings(TrlSettings):
-    """Group relative policy optimisation with verifiable rewards (tasks/align/rewards.py);
-    prompts that leave no room for max_completion_len tokens within max_seq_len are dropped."""
-
-    prompts: list[str] = Field(["demo:arithmetic"], min_length=1, description=(
-        "Prompt sources with reference answers: 'demo:arithmetic' or JSONL(.gz) math word problems "
-        "(SVAMP context/answer, GSM8K question/answer, question|prompt + answer; see tasks/align/rewards.py)."))
-    max_prompts: int | None = Field(None, ge=1, description="At most this many training prompts (None: all).")
-    heldout_prompts: int = Field(64, ge=1, description=(
-        "Held-out prompts (those hashing into the test bucket, core.arithmetic.split_of) whose "
-        "greedy accuracy is measured before and after training."))
-    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt: the group whose "
-                                                      "mean reward is each completion's baseline.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the training completions.")
-    max_completion_len: int = Field(16, ge=1, description="Tokens generated per completion at most.")
-    kl_beta: float = Field(0.0, ge=0, description=(
-        "Weight of the per-token KL penalty to the reference (SFT) model; 0 skips the reference."))
-    format_weight: float = Field(0.1, ge=0, description=(
-        "Weight of the format reward (ends with the answer sentence) beside the numeric match (weight 1)."))
-    scale_rewards: Literal["group", "batch", "none"] = Field("batch", description=(
-        "Advantage = reward - group mean, divided by the std of its group, of the whole batch, or "
-        "nothing. 'group' blows a small format difference within an all-wrong group up to the "
-        "size of a right answer, rewarding wrong answers; 'batch' keeps the rewards' proportions."))
-
-    def sources(self) -> list[str]:
-        return self.prompts
 
 
 def load_prompts(settings: GRPOSettings, tokenizer: Any) -> tuple[list[MathPrompt], list[MathPrompt], dict[str, int]]:
@@ -107,7 +80,7 @@ def build_trainer(settings: GRPOSettings, job: AlignJob, train: list[MathPrompt]
     from trl import GRPOConfig, GRPOTrainer
 
     s = settings
-    args = GRPOConfig(**trainer_args(s, job.out_dir / "checkpoints"),
+    args = GRPOConfig(**trainer_args(s, job.out_dir / CHECKPOINTS_DIR),
                       per_device_train_batch_size=s.batch_size * s.num_generations,
                       num_generations=s.num_generations, max_completion_length=s.max_completion_len,
                       temperature=s.temperature, beta=s.kl_beta, reward_weights=[1.0, s.format_weight],
@@ -147,6 +120,3 @@ def train(settings: GRPOSettings, job: AlignJob) -> tuple[torch.nn.Module, dict[
         **{f"heldout_{k}_after": v for k, v in after.items()},
         **{f"dropped_{reason}": n for reason, n in sorted(drops.items())},
     }
-
-
-METHOD = Method(GRPOSettings, train, "Settings of method 'grpo' (verifiable rewards, TRL GRPOTrainer).")

@@ -1,21 +1,24 @@
 """What an alignment method is to the align stage: a settings section and a training function.
 
-A method module (dpo.py, grpo.py, ppo.py) defines a settings class (a pydantic `StageConfig` with
-`sources()`, the data it reads) and `train(settings, job) -> (trained model, stats)`, and exports
-`METHOD = Method(...)`; `tasks/align/stage.py` lists it in `METHODS`. The stage then offers the
-section `align.<name>` in its config, hashes only the chosen method's section, and exports
-whatever model the method returns.
+A method has a settings class in settings.py (a pydantic `StageConfig` with `sources()`, the data
+it reads) and a module (dpo.py, grpo.py, ppo.py) with `train(settings, job) -> (trained model,
+stats)`; `tasks/align/config.py` lists it in `METHODS` by the settings class and the module's name.
+The stage then offers the section `align.<name>` in its config, hashes only the chosen method's
+section, imports the module when the method runs, and exports whatever model `train` returns.
+Registering the module by name keeps torch and TRL out of planning a run (the config needs only
+the settings classes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from core.stage import StageConfig
-from model.lora import LoraSettings
+from model.settings import LoraSettings
+
+if TYPE_CHECKING:  # annotations only: importing this module must not import torch
+    import torch
 
 
 @dataclass
@@ -28,8 +31,13 @@ class AlignJob:
     lora: LoraSettings | None  # train only LoRA adapters (methods that cannot, say so)
 
 
+TrainFn = Callable[[Any, AlignJob], "tuple[torch.nn.Module, dict[str, Any]]"]
+
+
 @dataclass(frozen=True)
 class Method:
     settings: type[StageConfig]  # the `align.<name>` section; must have `sources() -> list[str]`
-    train: Callable[[Any, AlignJob], tuple[torch.nn.Module, dict[str, Any]]]
+    # The training function, or the dotted name of the module whose `train` it is, imported only
+    # when the method runs (tasks/align/stage.py).
+    train: str | TrainFn
     description: str  # one line, shown in the config's field description

@@ -21,42 +21,24 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from pydantic import Field
 
 from core.chat import Message, prompt_ids
-from core.stage import MetricsLog, StageConfig
+from core.stage import MetricsLog
+from model.checkpoint import CHECKPOINTS_DIR
 from model.generate import generate_greedy
 from model.loop import resolve_device
-from model.ppo import PPOSettings, ppo_train
-from tasks.align.method import AlignJob, Method
+from model.ppo import ppo_train
+from tasks.align.method import AlignJob
 from tasks.align.preferences import load_pairs, split_heldout
 from tasks.align.reward_model import (
     RM_CHECKPOINT_DIR,
-    RewardModelSettings,
     RewardScorer,
     train_reward_model,
 )
+from tasks.align.settings import PPOMethodSettings
 
 log = logging.getLogger("gristmill.align")
 EVAL_BATCH = 32  # prompts per greedy generation batch
-
-
-class PPOMethodSettings(StageConfig):
-    """RLHF: a reward model trained on preference pairs, then PPO against it. Each of the two
-    trainings has its own section of the shared training settings (`reward_model`, `policy`);
-    the held-out split is drawn with reward_model.seed."""
-
-    data: list[str] = Field(["demo:arithmetic"], min_length=1, description=(
-        "Preference sources for the reward model (formats as dpo.data); their prompts are PPO's prompts."))
-    max_pairs: int | None = Field(None, ge=1, description="At most this many usable pairs per source.")
-    heldout_fraction: float = Field(0.2, gt=0, lt=1, description=(
-        "Share of the pairs held out: reward-model accuracy and the policy's held-out score."))
-    reward_model: RewardModelSettings = Field(default_factory=RewardModelSettings,
-                                              description="Reward-model training (Bradley-Terry).")
-    policy: PPOSettings = Field(default_factory=PPOSettings, description="PPO rollouts and updates.")
-
-    def sources(self) -> list[str]:
-        return self.data
 
 
 def greedy_score(policy: Any, tokenizer: Any, prompts: Sequence[list[Message]], scorer: RewardScorer,
@@ -89,13 +71,10 @@ def train(settings: PPOMethodSettings, job: AlignJob) -> tuple[torch.nn.Module, 
     max_new = settings.policy.max_new_tokens
     before = greedy_score(reference, job.tokenizer, heldout_prompts, scorer, max_new)
     ppo_stats = ppo_train(model, reference, job.tokenizer, [p["prompt"] for p in train_pairs], scorer,
-                          settings.policy, job.out_dir / "checkpoints" / "ppo", metrics,
+                          settings.policy, job.out_dir / CHECKPOINTS_DIR / "ppo", metrics,
                           metrics_step_offset=rm_stats["rm_steps"])
     after = greedy_score(model, job.tokenizer, heldout_prompts, scorer, max_new)
     log.info("held-out reward-model score of greedy responses %.3f -> %.3f", before, after)
     return model, {**rm_stats, **ppo_stats, "prompts_train": len(train_pairs), "prompts_heldout": len(heldout),
                    "heldout_rm_score_before": before, "heldout_rm_score_after": after,
                    **{f"dropped_{reason}": n for reason, n in sorted(drops.items())}}
-
-
-METHOD = Method(PPOMethodSettings, train, "Settings of method 'ppo' (a reward model, then PPO against it).")

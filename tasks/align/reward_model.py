@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from core.chat import Message, render_with_mask
 from core.stage import MetricsLog
 from tasks.align.preferences import Pair
-from tasks.align.trl_common import TrlSettings, train_resumably, trainer_args
+from tasks.align.settings import RewardModelSettings
+from tasks.align.trl_common import train_resumably, trainer_args
 
 log = logging.getLogger("gristmill.reward_model")
 
@@ -38,15 +38,6 @@ RM_DIR = "reward_model"  # the exported reward model, under the caller's out_dir
 RM_CHECKPOINT_DIR = "rm_checkpoints"  # Trainer checkpoints while training; removed after export
 UNTRAINED_HEADS = 32  # random score heads averaged into the untrained baseline accuracy
 STATS_FILE = "rm_stats.json"  # written last into RM_DIR: marks the reward model as complete
-
-
-class RewardModelSettings(TrlSettings):
-    """How the reward model is trained (the shared training settings; batch_size counts pairs).
-    Pairs with a side longer than max_seq_len are dropped (counted as dropped_rm_too_long)."""
-
-    center_rewards_coef: float = Field(0.01, ge=0, description=(
-        "Weight of the mean squared reward added to the loss, which keeps scores centred on 0 "
-        "(Eisenstein et al. 2023) so PPO's kl_coef means the same across runs; 0 disables."))
 
 
 # ---------------------------------------------------------------- tokens and scores

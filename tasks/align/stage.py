@@ -13,67 +13,40 @@ With `lora:` set, only low-rank adapters train (model/lora.py); the export merge
 again on the same `out_dir` after a crash resumes from the last one; they are deleted once the
 model is exported.
 
-Adding a method: write a module with its settings class and `train(settings, job)` (see
-method.py), and add one entry to `METHODS` below.
+Adding a method: its settings class in settings.py, a module with `train(settings, job)` (see
+method.py), and one entry in `METHODS` (config.py), which names the module: it is imported only
+when the method runs, so planning a run needs neither torch nor TRL.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Literal, Mapping, get_args
+from typing import Mapping
 
 import torch
-from pydantic import Field, create_model
 
-from core.sources import JSONL_SUFFIXES, fingerprint_sources
-from core.stage import Engine, Manifest, StageConfig, StageResult
-from model.lora import LoraSettings
-from tasks.align import dpo, grpo, ppo
-from tasks.align.method import AlignJob, Method
+from core.stage import Engine, Manifest, StageResult
+from model.checkpoint import CHECKPOINTS_DIR
+from tasks.align.config import (  # noqa: F401 (the contract and the registry, re-exported)
+    METHODS,
+    VERSION,
+    AlignConfigBase,
+    Config,
+    config_class,
+    fingerprint,
+)
+from tasks.align.method import AlignJob, Method, TrainFn
 
-VERSION = 3  # 3: one settings section per method, shared training settings (core.settings)
 log = logging.getLogger("gristmill.align")
 
-# The registry: method name -> its settings section and training function.
-METHODS: dict[str, Method] = {"dpo": dpo.METHOD, "grpo": grpo.METHOD, "ppo": ppo.METHOD}
 
-
-class AlignConfigBase(StageConfig):
-    """What every method shares; `config_class` adds `method` and one section per method."""
-
-    lora: LoraSettings | None = Field(None, description="Train LoRA adapters on the frozen SFT model "
-                                                        "(None: full fine-tuning). The export merges them.")
-
-    def hashed_dict(self) -> dict[str, Any]:
-        """Only the chosen method's settings section changes the output."""
-        data = super().hashed_dict()
-        for name in set(get_args(type(self).model_fields["method"].annotation)) - {self.method}:
-            data.pop(name, None)
-        return data
-
-    def method_settings(self) -> StageConfig:
-        """The chosen method's settings section."""
-        return getattr(self, self.method)
-
-
-def config_class(methods: Mapping[str, Method]) -> type[AlignConfigBase]:
-    """The stage's config type for a registry: `method` (one of its names) and a section per method."""
-    names = tuple(methods)
-    return create_model(
-        "Config", __base__=AlignConfigBase, __doc__="Alignment: the method, its settings section, optional LoRA.",
-        method=(Literal[names], Field(names[0], description="Alignment algorithm; its settings are the "
-                                                            "section of the same name.")),
-        **{name: (m.settings, Field(default_factory=m.settings, description=m.description))
-           for name, m in methods.items()})
-
-
-Config = config_class(METHODS)
-
-
-def fingerprint(config: AlignConfigBase) -> str:
-    """Digest of the data files the chosen method reads (its settings' `sources()`)."""
-    return fingerprint_sources(config.method_settings().sources(), JSONL_SUFFIXES)
+def train_function(method: Method) -> TrainFn:
+    """The method's `train`: a registered module name is imported here, when the method runs."""
+    if isinstance(method.train, str):
+        return importlib.import_module(method.train).train
+    return method.train
 
 
 def run(config: AlignConfigBase, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
@@ -87,7 +60,7 @@ def run(config: AlignConfigBase, inputs: Mapping[str, Manifest], out_dir: Path, 
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32)
     job = AlignJob(model=model, tokenizer=tokenizer, out_dir=out_dir, lora=config.lora)
-    trained, stats = METHODS[config.method].train(config.method_settings(), job)
+    trained, stats = train_function(METHODS[config.method])(config.method_settings(), job)
     params = trainable_parameters(trained)
     artifacts = ["metrics.jsonl"]
     if config.lora is not None:
@@ -95,5 +68,5 @@ def run(config: AlignConfigBase, inputs: Mapping[str, Manifest], out_dir: Path, 
         artifacts.append("adapter/adapter_config.json")
     else:
         export_model(trained, tokenizer, out_dir / "model")
-    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)  # the committed artifact is the export
+    shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)  # the committed artifact is the export
     return StageResult(stats={"method": config.method, **stats, **params}, artifacts=artifacts)

@@ -1,6 +1,6 @@
-"""The plumbing every TRL-trained method shares (DPO, GRPO, the reward model): settings, trainer
-arguments from the shared training settings, metrics into metrics.jsonl, and resume from the
-last Trainer checkpoint."""
+"""The plumbing every TRL-trained method shares (DPO, GRPO, the reward model): trainer arguments
+from the shared training settings (their `TrlSettings` are in settings.py), metrics into
+metrics.jsonl, and resume from the last Trainer checkpoint."""
 from __future__ import annotations
 
 import logging
@@ -8,22 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from core.settings import TrainSettings
 from core.stage import MetricsLog
 from model.loop import resolve_device
-from model.lora import LoraSettings
+from model.settings import LoraSettings
 
 log = logging.getLogger("gristmill.align")
-
-
-class TrlSettings(TrainSettings):
-    """The shared training settings plus the sequence limit of a TRL-trained method."""
-
-    max_seq_len: int = Field(256, ge=8, description=(
-        "Most tokens of a prompt+response sequence (what happens to longer ones, cut or dropped, "
-        "is counted in the stage's stats)."))
 
 
 def trainer_args(settings: TrainSettings, ckpt_dir: Path) -> dict[str, Any]:

@@ -6,7 +6,18 @@ benchmarks, and mix sources to token budgets. Every drop is a counted reason in 
 Modules, in the order a document meets them: `readers` (+ `warc`, `tables`, `common_crawl`,
 `demo_crawl`), `cleaning` (+ `filters`, `langid`, `pii`), `quality_model`, `dedup`, `decontam`,
 `mixing`, `funnel`; `stage` runs them over work units on the injected engine.
-"""
-from tasks.collect.stage import VERSION, Config, fingerprint, run
+
+`Config`, `VERSION` and `fingerprint` come from `config` (light, so planning a run stays fast);
+`run` is imported from `stage` on first use."""
+from typing import Any
+
+from tasks.collect.config import VERSION, Config, fingerprint
 
 __all__ = ["Config", "VERSION", "fingerprint", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run":  # the stage imports its heavy dependencies: only when it is used
+        from tasks.collect.stage import run
+        return run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

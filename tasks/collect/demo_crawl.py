@@ -41,6 +41,30 @@ def list_packages() -> list[tuple[str, str]]:
     return [found[key] for key in sorted(found)]
 
 
+def installed_state() -> str:
+    """What the demo crawl would read, cheaply: `name==version` of every installed package, and for
+    packages not installed into site-packages (a source checkout's egg-info, an editable install),
+    whose files change without a new version, each documentation file's size and mtime."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    for dist in importlib.metadata.distributions():
+        if dist.metadata["Name"]:
+            found.setdefault(normalize_name(dist.metadata["Name"]), dist)
+    lines = []
+    for key in sorted(found):
+        dist = found[key]
+        lines.append(f"{dist.metadata['Name']}=={dist.version}")
+        home = str(getattr(dist, "_path", ""))
+        editable = '"editable": true' in (dist.read_text("direct_url.json") or "")
+        if editable or not any(part in home for part in ("site-packages", "dist-packages")):
+            for file in _doc_files(dist):
+                try:
+                    stat = file.locate().stat()
+                except OSError:
+                    continue
+                lines.append(f"  {file} {stat.st_size} {stat.st_mtime_ns}")
+    return "\n".join(lines) + "\n"
+
+
 def _description(dist: importlib.metadata.Distribution) -> str:
     """The long description: the METADATA body (Metadata 2.1+) or the older header form."""
     metadata = dist.metadata

@@ -6,7 +6,7 @@ None keeps the document, a string is a snake_case drop reason: datatrove's own f
 "gopher_short_doc", "dup_line_frac"), datatrove's prefixed with "c4_"/"fineweb_" for those
 blocks (datatrove's bare "empty" or "too_few_sentences" would not say which filter spoke); the
 stage turns reasons into `dropped_<reason>` counters. `cfg` is anything with the attributes
-named in the field maps below (a tasks.collect.cleaning.CleaningConfig).
+named in the field maps below (a tasks.collect.config.CleaningConfig).
 
 The datatrove blocks are called through their `.filter(Document)` method, without a datatrove
 executor, and each one is built once per process and per threshold set (building loads spaCy).

@@ -4,7 +4,26 @@ of what each step removed, kept for review.
 Record-level events (read, extracted, URL, language, heuristic filters) come from the work units;
 corpus-level steps (quality model, exact and near dedup, decontamination, mixing) are added by
 the stage as it applies them. `report()` is `funnel.json`: the steps in order with documents and
-bytes after each, reasons grouped by kind, languages, and per-source counts.
+bytes after each, reasons grouped by kind, languages, per-source counts, and `accounting`.
+
+Accounting (`Funnel.accounting`, checked by `check_accounting`): every record read is accounted for,
+in total and per source,
+
+    in = kept + dropped + quarantined
+
+- in: records read, i.e. every event a reader yielded for one record (a document, a non-document
+  record such as a WARC request or an image, an undecodable line, a binary payload) up to the
+  `max_docs_per_source` cap. Not in it: FILE_LEVEL_ERRORS (an empty, truncated or corrupt file or
+  stretch: whatever records it held could not be read, so they cannot be counted) and
+  `error_source_without_documents`; they are listed apart, under `file_level`.
+- kept: distinct documents in the output (a document the mix repeats counts once; `docs_out`
+  counts the repeats).
+- dropped: by reason, every record that is neither kept nor quarantined: record-level drops
+  (`dropped_*` of the cleaning chain, `skipped_*` non-documents) and corpus-level ones (exact and
+  near duplicates, quality model, decontamination, and `dropped_not_in_mix` for documents the
+  mix did not take).
+- quarantined: by reason, records whose event carries a sample for review/quarantine.jsonl
+  (`error_*` per record, `skipped_binary`).
 """
 from __future__ import annotations
 
@@ -17,6 +36,14 @@ from tasks.collect.records import FILE_LEVEL_ERRORS
 
 PREVIEW_CHARS = 500  # of a dropped document's text in review/dropped.jsonl
 Doc = dict[str, Any]  # {"id", "text", "source", "url", "language"}
+# Quarantined entries that stand for a source, not for a record (see the module docstring).
+SOURCE_LEVEL_ERRORS = frozenset({"error_source_without_documents"})
+NOT_IN_MIX = "dropped_not_in_mix"  # a document the mix did not take (weight < 1, budgets, cap)
+
+
+class AccountingError(RuntimeError):
+    """A bug guard: the funnel's numbers do not add up, so some step removed (or added) a document
+    without counting it."""
 
 
 def is_extracted(reason: str) -> bool:
@@ -52,10 +79,16 @@ class Funnel:
         self.steps: list[dict[str, Any]] = []
         self.review: list[dict[str, Any]] = []
         self.quarantine: list[dict[str, Any]] = []
+        # source -> "dropped" | "quarantined" -> reason -> records: the fate of every record read
+        # that is not a kept document (see `accounting`)
+        self.fates: dict[str, dict[str, Counter[str]]] = {}
         self._review_samples = review_samples
 
     def source(self, name: str) -> Counter[str]:
         return self.per_source.setdefault(name, Counter())
+
+    def _fate(self, source: str, fate: str) -> Counter[str]:
+        return self.fates.setdefault(source, {}).setdefault(fate, Counter())
 
     def add_event(self, source: str, event: dict[str, Any]) -> None:
         """One record's event from a work unit (see tasks.collect.stage.document_event)."""
@@ -65,6 +98,8 @@ class Funnel:
             c["bytes_in"] += event["nbytes"]
             c["records_read"] += reason not in FILE_LEVEL_ERRORS
             c["docs_in"] += is_extracted(reason)
+        if reason != "kept" and reason not in FILE_LEVEL_ERRORS:
+            self._fate(source, "quarantined" if "quarantine" in event else "dropped")[reason] += 1
         if event.get("language"):
             self.languages[event["language"]] += 1
         for kind, n in event.get("pii", {}).items():
@@ -82,9 +117,18 @@ class Funnel:
         """A corpus-level decision that removed `doc` (reason already prefixed, e.g. dropped_...)."""
         for c in (self.counts, self.source(doc["source"])):
             c[reason] += 1
+        self._fate(doc["source"], "dropped")[reason] += 1
         self._sample(self.review, {"reason": reason, "source": doc["source"], "url": doc.get("url"),
                                    "id": doc["id"], **detail, "preview": doc["text"][:PREVIEW_CHARS]},
                      reason)
+
+    def drop_missing(self, reason: str, before: Iterable[Doc], after: Iterable[Doc]) -> None:
+        """Count each document of `before` that `after` does not hold (by id) as dropped for
+        `reason`: for a step that selects rather than rejects, like the mix."""
+        taken = {doc["id"] for doc in after}
+        for doc in before:
+            if doc["id"] not in taken:
+                self.drop(reason, doc)
 
     def _sample(self, sink: list[dict[str, Any]], row: dict[str, Any], reason: str) -> None:
         key = f"sampled_{reason}"
@@ -130,6 +174,30 @@ class Funnel:
             "per_source": {s: dict(sorted(c.items())) for s, c in self.per_source.items()},
         }
 
+    def accounting(self, out_docs: Iterable[Doc]) -> dict[str, Any]:
+        """funnel.json's `accounting` block for the output documents `out_docs` (after the mix):
+        in, kept, dropped and quarantined by reason, whether in = kept + dropped + quarantined
+        holds, in total and per source (see the module docstring)."""
+        kept: dict[str, set[str]] = {}
+        docs_out = 0
+        for doc in out_docs:
+            kept.setdefault(doc["source"], set()).add(doc["id"])
+            docs_out += 1
+        sources = list(self.per_source) + [s for s in kept if s not in self.per_source]
+        per_source = {s: _balance(self.source(s)["records_read"], len(kept.get(s, ())),
+                                  self.fates.get(s, {})) for s in sources}
+        totals: dict[str, Counter[str]] = {"dropped": Counter(), "quarantined": Counter()}
+        for fates in self.fates.values():
+            for fate, reasons in fates.items():
+                totals[fate].update(reasons)
+        block = _balance(self.counts["records_read"], sum(len(ids) for ids in kept.values()),
+                         totals)
+        block["balanced"] = block["balanced"] and all(b["balanced"] for b in per_source.values())
+        return {**block, "docs_out": docs_out,
+                "file_level": {k: v for k, v in sorted(self.counts.items())
+                               if k in FILE_LEVEL_ERRORS or k in SOURCE_LEVEL_ERRORS},
+                "per_source": per_source}
+
     def write_review(self, review_dir: Path) -> list[str]:
         """review/dropped.jsonl and review/quarantine.jsonl; returns their names relative to the
         stage dir."""
@@ -142,11 +210,42 @@ class Funnel:
         return written
 
 
+def _balance(n_in: int, kept: int, fates: dict[str, Counter[str]]) -> dict[str, Any]:
+    dropped = dict(sorted(fates.get("dropped", Counter()).items()))
+    quarantined = dict(sorted(fates.get("quarantined", Counter()).items()))
+    n_dropped, n_quarantined = sum(dropped.values()), sum(quarantined.values())
+    unaccounted = n_in - kept - n_dropped - n_quarantined  # > 0 lost, < 0 counted twice
+    return {"in": n_in, "kept": kept, "dropped": dropped, "quarantined": quarantined,
+            "unaccounted": unaccounted, "balanced": unaccounted == 0,
+            "summary": f"in {n_in:,} = kept {kept:,} + dropped {n_dropped:,} + quarantined "
+                       f"{n_quarantined:,}" + ("" if unaccounted == 0 else
+                                               f" + unaccounted {unaccounted:,}")}
+
+
+def check_accounting(accounting: dict[str, Any]) -> None:
+    """AccountingError naming the numbers, in total and for each source that does not add up."""
+    if accounting["balanced"]:
+        return
+    unbalanced = [f"{source!r}: {b['summary']}" for source, b in accounting["per_source"].items()
+                  if not b["balanced"]]
+    raise AccountingError(
+        f"collect funnel does not add up: {accounting['summary']}"
+        + (f"; by source: {'; '.join(unbalanced)}" if unbalanced else "")
+        + ". Every record read must end kept, dropped with a reason or quarantined: a step "
+          "removed or added documents without counting them (a bug; see funnel.json)")
+
+
 def flatten(report: dict[str, Any]) -> dict[str, int]:
-    """funnel.json → flat stats (reason keys already carry their kind prefix)."""
+    """funnel.json → flat stats (reason keys already carry their kind prefix); the accounting
+    block as accounting_{in,kept,dropped,quarantined,unaccounted}."""
     stats: dict[str, int] = {}
+    accounting = report.get("accounting")
+    if accounting:
+        stats.update({f"accounting_{k}": v if isinstance(v, int) else sum(v.values())
+                      for k, v in accounting.items()
+                      if k in ("in", "kept", "dropped", "quarantined", "unaccounted")})
     for key, value in report.items():
-        if isinstance(value, dict) and key not in ("per_source", "languages"):
+        if isinstance(value, dict) and key not in ("per_source", "languages", "accounting"):
             stats.update(value)
         elif isinstance(value, (int, float)):
             stats[key] = value

@@ -21,6 +21,7 @@ binary payloads) is input worth a look; `where` names the file and the place in 
 """
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
@@ -131,6 +132,12 @@ class CorruptStream(OSError):
     """Compressed data that cannot be decoded (not a truncation)."""
 
 
+# Compressed bytes per decompress call. The call returns everything they expand to, and a zstd
+# block of 4 bytes can stand for 128 KiB (a ratio of 32768), so 1 KiB bounds one call's output at
+# 32 MiB: a 12 KB "bomb" fed 1 MiB at a time expanded to 400 MB at once.
+ZSTD_FEED_BYTES = 1024
+
+
 class _ZstdStream(io.RawIOBase):
     """Concatenated zstd frames, decompressed. zstandard's stream_reader ends silently on a
     truncated frame; this raises EOFError there, as gzip does."""
@@ -143,24 +150,28 @@ class _ZstdStream(io.RawIOBase):
         self._obj = self._dctx.decompressobj()
         self._in_frame = False
         self._out, self._pos = b"", 0
+        self._input, self._at = memoryview(b""), 0  # compressed bytes read, not yet fed
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
         while self._pos >= len(self._out):
-            data = self._raw.read(self._chunk_bytes)
-            if not data:
-                if self._in_frame:
-                    raise EOFError("zstd stream ends inside a frame")
-                return 0
-            self._out, self._pos = self._decompress(data), 0
+            if self._at >= len(self._input):
+                self._input, self._at = memoryview(self._raw.read(self._chunk_bytes)), 0
+                if not self._input:
+                    if self._in_frame:
+                        raise EOFError("zstd stream ends inside a frame")
+                    return 0
+            piece = self._input[self._at:self._at + ZSTD_FEED_BYTES]
+            self._at += len(piece)
+            self._out, self._pos = self._decompress(piece), 0
         n = min(len(buffer), len(self._out) - self._pos)
         buffer[:n] = self._out[self._pos:self._pos + n]
         self._pos += n
         return n
 
-    def _decompress(self, data: bytes) -> bytes:
+    def _decompress(self, data: bytes | memoryview) -> bytes:
         pieces = []
         try:
             while data:
@@ -213,10 +224,14 @@ def _stream_events(events: Iterator[ReadEvent], name: str) -> Iterator[ReadEvent
 
 def _jsonl_event(line: bytes, where: str) -> ReadEvent:
     try:
-        record = json.loads(line.decode("utf-8"))
+        text = line.decode("utf-8")
     except UnicodeDecodeError:
         return quarantine("error_invalid_utf8", len(line), where, line)
-    except json.JSONDecodeError:
+    try:
+        record = json.loads(text)
+    # ValueError: json's own, and an integer of over 4300 digits; RecursionError: nesting
+    # deeper than the interpreter's stack ("[[[[..." a few thousand deep)
+    except (ValueError, RecursionError):
         return quarantine("error_bad_json", len(line), where, line)
     return record_event(record, len(line), where, line)
 
@@ -242,7 +257,10 @@ def read_jsonl(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEven
         for lineno, line, nbytes in _lines(open_decompressed(f, name), max_doc_bytes):
             if line is None:
                 yield Skipped("skipped_too_large", nbytes, f"{name}:{lineno}")
-            elif line.strip():
+                continue
+            if lineno == 1:  # a UTF-8 byte order mark (Windows tools write one) is not JSON
+                line = line.removeprefix(codecs.BOM_UTF8)
+            if line.strip():
                 yield _jsonl_event(line, f"{name}:{lineno}")
 
     yield from _stream_events(events(), name)

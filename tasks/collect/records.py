@@ -4,10 +4,12 @@ module (readers, warc, tables, demo_crawl), which is why it sits apart from them
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import IO, Callable, Iterator
 
 SAMPLE_BYTES = 512  # bytes of offending input kept with a quarantined event
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Reasons that describe a whole file (or a damaged stretch of one) rather than one record; the
 # stage does not count them as records read.
@@ -28,6 +30,9 @@ class RawDoc:
     nbytes: int  # size of the raw record payload in bytes, for the funnel's bytes_in
     charset: str | None = None
     where: str = ""  # file and place in it, as in Skipped.where
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", valid_unicode(self.url))  # it is written out as UTF-8
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,14 @@ def record_event(record: object, nbytes: int, where: str, raw: bytes | None = No
         return quarantine("error_missing_text", nbytes, where,
                           raw if raw is not None else repr(record))
     metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
-    record_id = str(record.get("id") or "")
-    url = metadata.get("url") or record.get("url") or (record_id if "://" in record_id else "")
-    return RawDoc(str(url), record["text"], False, nbytes, where=where)
+    record_id = record.get("id") if isinstance(record.get("id"), str) else ""
+    url = next((u for u in (metadata.get("url"), record.get("url")) if isinstance(u, str) and u),
+               record_id if "://" in record_id else "")
+    return RawDoc(url, record["text"], False, nbytes, where=where)
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with lone surrogates (valid JSON escapes such as "\\ud800", but not characters)
+    replaced by U+FFFD: they cannot be written as UTF-8, so one would fail the unit's write."""
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace") \
+        if _SURROGATE.search(text) else text

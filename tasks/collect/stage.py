@@ -10,6 +10,9 @@ Funnel, each step a counted decision (funnel.json, review/ samples of what each 
   → MinHash-LSH near-dedup (dedup.py) → benchmark decontamination (decontam.py)
   → per-source mixing (mixing.py) → `docs/part-%05d.jsonl.gz` with
     {"id", "text", "source", "url", "language"}.
+Every record read ends kept, dropped with a reason or quarantined: funnel.json's `accounting`
+(in = kept + dropped + quarantined, in total and per source; funnel.py) is checked before the
+stage returns, and a gap fails it with the numbers (AccountingError).
 
 Parallelism and resume: one work unit per input file (or per chunk of demo packages), mapped by
 the injected engine. Each unit writes its events to `units/unit-%05d.jsonl.gz` in out_dir (the
@@ -28,27 +31,38 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Mapping
-
-from pydantic import Field, model_validator
+from typing import Any, Iterator, Mapping
 
 from core.files import ensure_free_space, iter_jsonl
-from core.sources import fingerprint_sources, parse_source
+from core.sources import parse_source
 from core.stage import Engine, Manifest, StageResult
 from tasks.collect import demo_crawl
-from tasks.collect.cleaning import CleaningConfig, clean_document
+from tasks.collect.cleaning import clean_document
 from tasks.collect.common_crawl import (
-    DEFAULT_BASE_URL,
     CommonCrawlSource,
     download,
     list_files,
     local_path,
 )
+from tasks.collect.config import (  # noqa: F401 (the contract, re-exported)
+    DEDUP_INDEX_DIR,
+    VERSION,
+    Config,
+    fingerprint,
+)
 from tasks.collect.decontam import DecontamConfig, build_index
 from tasks.collect.decontam import drop_reason as contamination_reason
-from tasks.collect.dedup import DedupConfig, DedupIndex, near_dedup
-from tasks.collect.funnel import PREVIEW_CHARS, Doc, Funnel, flatten, text_bytes
-from tasks.collect.mixing import MixConfig, mix_documents
+from tasks.collect.dedup import DedupIndex, near_dedup
+from tasks.collect.funnel import (
+    NOT_IN_MIX,
+    PREVIEW_CHARS,
+    Doc,
+    Funnel,
+    check_accounting,
+    flatten,
+    text_bytes,
+)
+from tasks.collect.mixing import mix_documents
 from tasks.collect.quality_model import (
     QualityConfig,
     cross_fit_scores,
@@ -57,67 +71,16 @@ from tasks.collect.quality_model import (
 )
 from tasks.collect.quality_model import drop_reason as quality_reason
 from tasks.collect.readers import (
-    SUPPORTED_SUFFIXES,
     extract_text,
     read_file,
     resolve_source,
 )
 from tasks.collect.records import ReadEvent, Skipped, quarantine_record
 
-VERSION = 3  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing
 log = logging.getLogger("gristmill.collect")
 
 DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
-UNITS_DIR, DOWNLOADS_DIR, DEDUP_INDEX_DIR = "units", "downloads", "dedup_index"
-
-
-class Config(CleaningConfig):
-    """Where the raw text comes from and how it is cleaned, deduplicated and mixed."""
-
-    unhashed_fields: ClassVar[frozenset[str]] = frozenset(
-        {"num_workers", "cc_base_url", "download_retries", "download_timeout_s", "review_samples"})
-
-    sources: list[str] = Field(
-        default_factory=lambda: [demo_crawl.DEMO_SOURCE],
-        description="Inputs, in order: 'demo:python-docs' (docs of installed Python packages), "
-                    "'cc:<crawl id>[?files=N][&kind=warc|wet][&seed=S]' (Common Crawl, e.g. "
-                    "'cc:CC-MAIN-2024-22?files=2&kind=wet'), or files, directories or globs on "
-                    "any fsspec filesystem of .warc[.gz], .wet[.gz], .jsonl[.gz|.zst], .json.gz, "
-                    ".parquet, .arrow (a `datasets` save_to_disk dir), .txt[.gz|.zst].")
-    cc_base_url: str = Field(DEFAULT_BASE_URL, description="Where 'cc:' files are fetched from "
-                                                           "(a mirror serves the same files).")
-    download_retries: int = Field(5, ge=0, description="Retries of a failing download.")
-    download_timeout_s: float = Field(60.0, gt=0, description="Socket timeout of a download, s.")
-    max_doc_bytes: int = Field(10_000_000, ge=1, description="Records larger than this are "
-                                                             "skipped (skipped_too_large).")
-    max_docs_per_source: int | None = Field(
-        None, ge=1,
-        description="Cap on documents extracted per source, in input order (None: all).")
-    quality: QualityConfig = Field(default_factory=QualityConfig,
-                                   description="Model-based quality score (off by default).")
-    near_dedup: bool = Field(True, description="Remove MinHash-LSH near-duplicates (the `dedup` "
-                                               "settings); exact duplicates always go.")
-    dedup: DedupConfig = Field(default_factory=DedupConfig, description="MinHash-LSH settings.")
-    dedup_index_from: str | None = Field(
-        None, description="An earlier collect artifact dir: documents near-duplicating anything "
-                          "in its dedup_index/ are removed too, without re-reading its inputs "
-                          "(incremental refresh). Its index is carried into this one.")
-    decontam: DecontamConfig = Field(default_factory=DecontamConfig,
-                                     description="Benchmark decontamination (off: no eval sets).")
-    mix: MixConfig = Field(default_factory=MixConfig, description="Per-source weights and budgets.")
-    docs_per_shard: int = Field(
-        10_000, ge=1, description="Documents per output docs/part-*.jsonl.gz file.")
-    review_samples: int = Field(20, ge=0, description="Documents (or quarantined records) kept "
-                                                      "per drop reason in review/ for inspection.")
-    num_workers: int = Field(
-        2, ge=1,
-        description="Parallel workers the engine may use (not hashed: output is the same).")
-
-    @model_validator(mode="after")
-    def _check_sources(self) -> "Config":
-        if not self.sources:
-            raise ValueError("sources: give at least one source")
-        return self
+UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
 
 
 # ---------------------------------------------------------------- work units (per input file)
@@ -375,35 +338,24 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *,
     by_source: dict[str, list[Doc]] = {}
     for doc in docs:
         by_source.setdefault(doc["source"], []).append(doc)
-    docs, mix_record = mix_documents(by_source, config.mix)
+    mixed, mix_record = mix_documents(by_source, config.mix)
+    funnel.drop_missing(NOT_IN_MIX, docs, mixed)
+    docs = mixed
     funnel.step_docs("mix", docs)
     (out_dir / "mix.json").write_text(json.dumps(mix_record, indent=2) + "\n")
     report = funnel.report()
+    report["accounting"] = funnel.accounting(docs)
     report["shards"] = write_shards(docs, out_dir / "docs", config.docs_per_shard)
     (out_dir / "funnel.json").write_text(json.dumps(report, indent=2) + "\n")
+    check_accounting(report["accounting"])  # after funnel.json, which shows where it went wrong
     artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]
     if config.decontam.eval_sets:
         artifacts.append("decontamination.json")
     shutil.rmtree(out_dir / UNITS_DIR)  # the committed output is docs/; units only serve resume
     shutil.rmtree(out_dir / DOWNLOADS_DIR, ignore_errors=True)
     last = report["steps"][-1]
-    log.info("collect: kept %d docs, %.2f MB (%s)", last["docs"], last["bytes"] / 1e6,
-             ", ".join(f"{s['step']} {s['docs']}" for s in report["steps"]))
+    log.info("collect: kept %d docs, %.2f MB (%s); records %s", last["docs"], last["bytes"] / 1e6,
+             ", ".join(f"{s['step']} {s['docs']}" for s in report["steps"]),
+             report["accounting"]["summary"])
     return StageResult(stats={**flatten(report), **stats, "docs_out": last["docs"],
                               "bytes_out": last["bytes"]}, artifacts=artifacts)
-
-
-def fingerprint(config: Config) -> str:
-    """Digest of the inputs: every input file's content, the installed package versions (demo),
-    the crawl files chosen ('cc:' files never change), eval sets, reference text and the
-    earlier dedup index."""
-    def installed_packages(_source) -> str:
-        return "".join(f"{name}=={version}\n" for name, version in demo_crawl.list_packages())
-
-    extra = [*config.decontam.eval_sets]
-    if config.quality.enabled:
-        extra += config.quality.reference
-    if config.dedup_index_from:
-        extra.append(str(Path(config.dedup_index_from) / DEDUP_INDEX_DIR))
-    inputs = fingerprint_sources(config.sources, SUPPORTED_SUFFIXES, demo_digest=installed_packages)
-    return hashlib.sha256(f"{inputs} {fingerprint_sources(extra)}".encode()).hexdigest()

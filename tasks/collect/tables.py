@@ -17,7 +17,8 @@ ARROW_FILE_MAGIC = b"ARROW1"
 
 
 def _rows(batches: Iterable, names: list[str], name: str, fmt: str) -> Iterator[ReadEvent]:
-    """Events of the rows of record batches; a damaged batch ends the file with one error."""
+    """Events of the rows of record batches; a batch that cannot be decoded ends the file with
+    one error, a bad value in one is one quarantined row."""
     import pyarrow as pa
 
     if "text" not in names:
@@ -27,13 +28,33 @@ def _rows(batches: Iterable, names: list[str], name: str, fmt: str) -> Iterator[
     row = 0
     try:
         for batch in batches:
-            for record in batch.select(columns).to_pylist():
-                text = record["text"]
-                nbytes = len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
-                yield record_event(record, nbytes, f"{name}#{row}")
+            for event in _batch_events(batch.select(columns), name, row):
+                yield event
                 row += 1
     except (pa.ArrowException, OSError) as exc:
         yield quarantine(f"error_corrupt_{fmt}", 0, f"{name}#{row}", str(exc))
+
+
+def _batch_events(batch, name: str, first_row: int) -> Iterator[ReadEvent]:
+    """One event per row. Parquet and Arrow IPC readers do not check string data (UTF-8,
+    offsets) unless asked, and to_pylist would raise on a bad value (or read out of bounds): a
+    batch that fails full validation is read row by row, and each bad row is quarantined as
+    `error_invalid_row`, the rows around it read."""
+    import pyarrow as pa
+
+    try:
+        batch.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        if batch.num_rows == 1:
+            yield quarantine("error_invalid_row", 0, f"{name}#{first_row}", str(exc))
+            return
+        for i in range(batch.num_rows):
+            yield from _batch_events(batch.slice(i, 1), name, first_row + i)
+        return
+    for i, record in enumerate(batch.to_pylist()):
+        text = record["text"]
+        nbytes = len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
+        yield record_event(record, nbytes, f"{name}#{first_row + i}")
 
 
 def read_parquet(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:

@@ -2,20 +2,22 @@
 
 Response and conversion (WET) records with an HTML or plain-text payload become `RawDoc`s; every
 other record is a `Skipped` counted by type: `skipped_record_<WARC-Type>` (request, metadata,
-revisit, warcinfo, resource...), `skipped_http_<N>xx`, `skipped_mime_<kind>` (image, css,
-javascript...), `skipped_empty_payload`, `skipped_too_large`.
+revisit, warcinfo, resource...; `_unknown` for a type WARC 1.1 does not define, `_missing`),
+`skipped_http_<N>xx` (`skipped_http_bad_status` when the status is not three digits),
+`skipped_mime_<kind>` (image, css, javascript...), `skipped_empty_payload`, `skipped_too_large`.
 A damaged stretch (corrupt gzip member, garbled record header) is counted once as
 `error_corrupt_warc`, and reading resumes at the next record boundary found after it: the next
 gzip member header, or the next line starting `WARC/1.` in an uncompressed file.
 """
 from __future__ import annotations
 
-import zlib
 from typing import IO, Iterator
 
 from tasks.collect.records import SAMPLE_BYTES, RawDoc, ReadEvent, Skipped, quarantine
 
 HTML_MIMES = frozenset({"text/html", "application/xhtml+xml"})
+WARC_TYPES = frozenset({"warcinfo", "response", "resource", "request", "metadata", "revisit",
+                        "conversion", "continuation"})  # WARC 1.1, 6.3
 GZIP_MEMBER = b"\x1f\x8b\x08"  # gzip magic + deflate method: where a per-record member starts
 WARC_LINE = b"\nWARC/1."  # a record's first line, after the previous record's line end
 SCAN_CHUNK_BYTES = 1 << 20
@@ -50,12 +52,16 @@ def _charset(content_type: str) -> str | None:
 def _skip_reason(record) -> str | None:
     """Why a record carries no document, judged from its headers alone."""
     if record.rec_type not in ("response", "conversion"):
-        return f"skipped_record_{record.rec_type}"
+        # reasons become counter (and MLflow metric) names: none made of a header's raw value
+        kind = record.rec_type if record.rec_type in WARC_TYPES else \
+            "unknown" if record.rec_type else "missing"
+        return f"skipped_record_{kind}"
     headers = record.http_headers  # None for conversion (WET) and non-HTTP (dns:) responses
     if headers is not None:
-        status = int(headers.get_statuscode() or 0)
+        code = headers.get_statuscode() or ""
+        status = int(code) if len(code) == 3 and code.isascii() and code.isdigit() else 0
         if not 200 <= status < 300:
-            return f"skipped_http_{status // 100}xx"
+            return f"skipped_http_{status // 100}xx" if status else "skipped_http_bad_status"
     kind = classify_mime((headers or record.rec_headers).get_header("Content-Type") or "")
     return kind if kind.startswith("skipped_") else None
 
@@ -65,12 +71,12 @@ def warc_event(record, where: str, max_doc_bytes: int) -> ReadEvent:
     size = int(record.length or 0)
     reason = _skip_reason(record)
     if reason is not None:
-        return Skipped(reason, size)
+        return Skipped(reason, size, where)
     if size > max_doc_bytes:  # judged before reading: the payload never enters memory
         return Skipped("skipped_too_large", size, where)
     try:  # content_stream() undoes chunking and gzip/br content encodings, which can be broken
         payload = record.content_stream().read(max_doc_bytes + 1)  # +1: a bomb shows as too large
-    except (OSError, EOFError, ValueError, zlib.error):
+    except Exception:  # noqa: BLE001 (zlib, brotli, chunking: each decoder has its own errors)
         return quarantine("error_bad_payload", size, where, record.rec_headers.to_str())
     if getattr(record.raw_stream, "limit", 0) > 0:  # fewer bytes than Content-Length: cut off
         return quarantine("error_truncated_record", size, where, payload)
@@ -107,21 +113,24 @@ class _NotWarc(Exception):
 
 def _records(f: IO[bytes], name: str, max_doc_bytes: int, state: dict) -> Iterator[ReadEvent]:
     """Events from the current position until the end or the first damage, which raises;
-    state["records"].offset is the start of the record being read (or parsed) in the file."""
+    state["records"].offset is the start of the record being read (or parsed) in the file,
+    state["last"] that of the last record whose event was yielded."""
     from warcio.archiveiterator import ArchiveIterator
 
     records = state["records"] = ArchiveIterator(f)
     for record in records:
         if not record.format.startswith("warc"):
             raise _NotWarc(record.format)
-        yield warc_event(record, f"{name}@{records.offset}", max_doc_bytes)
+        event = warc_event(record, f"{name}@{records.offset}", max_doc_bytes)
+        state["last"] = records.offset
+        yield event
 
 
 def read_warc(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
     """Records of a WARC/WET file, resynchronizing after each damaged stretch."""
-    from warcio.exceptions import ArchiveLoadFailed
-
     gzipped = f.read(2) == GZIP_MEMBER[:2]
+    f.seek(0, 2)
+    size = f.tell()
     marker, skip = (GZIP_MEMBER, 0) if gzipped else (WARC_LINE, 1)
     start: int | None = 0
     while start is not None:
@@ -134,9 +143,16 @@ def read_warc(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent
             if start == 0:  # the file does not start as a WARC: not one at all
                 yield quarantine("error_not_warc", 0, name, _peek(f, 0))
                 return
-        except (ArchiveLoadFailed, EOFError, zlib.error, OSError, ValueError):
+        # warcio's parser fails on damaged headers with whatever the line it was on raised
+        # (ArchiveLoadFailed, ValueError, also AttributeError for a response record without a
+        # WARC-Target-URI): every one is a damaged stretch, counted and stepped over
+        except Exception:  # noqa: BLE001
             pass
         bad = state["records"].offset if "records" in state else start
+        # warcio's offset follows the lengths damaged headers declare: it can point back before
+        # records already read (resuming there would count them again, or loop for ever) or
+        # far past the end of the file
+        bad = min(max(bad, state["last"] + 1 if "last" in state else start), size)
         yield quarantine("error_corrupt_warc", 0, f"{name}@{bad}", _peek(f, bad))
         found = _find(f, marker, bad + 1)
         start = None if found is None else found + skip

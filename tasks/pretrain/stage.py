@@ -22,7 +22,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
-from pydantic import Field, model_validator
 from transformers import AutoTokenizer
 
 from core.stage import Engine, Manifest, MetricsLog, SerialEngine, StageResult
@@ -30,35 +29,12 @@ from core.units import bits_per_byte
 from model.checkpoint import remove_checkpoints
 from model.data import read_tokens, window_starts
 from model.export import export_model
-from model.loop import Batch, LoopConfig, mean_token_loss, train
+from model.loop import Batch, mean_token_loss, train
 from model.plan import flops_per_token
-from model.presets import ModelConfig, build_model, count_params
+from model.presets import build_model, count_params
+from tasks.pretrain.config import VERSION, Config, fingerprint  # noqa: F401 (the contract, re-exported)
 
-VERSION = 1
 log = logging.getLogger("gristmill.pretrain")
-
-
-class Config(LoopConfig):
-    """Pretraining: model shape, sequence length, and the shared optimisation knobs."""
-
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the model trained from scratch.")
-    seq_len: int = Field(256, gt=0, description="Tokens per training sequence (each window holds seq_len + 1 "
-                                                "tokens: inputs and their next-token targets).")
-    val_windows: int = Field(32, gt=0, description="Number of fixed, evenly spaced val.bin windows the "
-                                                   "validation loss is measured on.")
-
-    @model_validator(mode="after")
-    def _check_seq_len(self) -> "Config":
-        if self.seq_len > self.model.max_seq_len:
-            raise ValueError(f"seq_len ({self.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
-        self.with_seq_len(self.seq_len)  # tokens_per_step must be whole micro-batches
-        return self
-
-
-def fingerprint(config: Config) -> None:
-    """Pretraining reads only its upstream token shards: no external data to digest."""
-    return None
-
 
 UNIGRAM_CHUNK_TOKENS = 1 << 24  # bincount in chunks: np.bincount widens the ids to int64
 

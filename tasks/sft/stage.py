@@ -32,55 +32,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.chat import Message, render_with_mask
-from core.sources import JSONL_SUFFIXES, fingerprint_sources
 from core.stage import Engine, Manifest, MetricsLog, StageResult
 from model.checkpoint import remove_checkpoints
 from model.export import export_model
 from model.loop import (
     IGNORE_INDEX,
     Batch,
-    LoopConfig,
     causal_lm_loss,
     mean_token_loss,
     resolve_device,
     train,
 )
-from model.lora import LoraSettings, apply_lora, export_lora, trainable_parameters
+from model.lora import apply_lora, export_lora, trainable_parameters
 from model.packing import Example, collate_packed, pack_examples
+from tasks.sft.config import VERSION, Config, fingerprint  # noqa: F401 (the contract, re-exported)
 from tasks.sft.conversations import load_conversations
 
-VERSION = 2
 log = logging.getLogger("gristmill.sft")
-
-
-class Config(LoopConfig):
-    """Supervised fine-tuning: data sources, sequence limits, held-out share, packing, LoRA, and the
-    loop knobs."""
-
-    data: list[str] = Field(["demo:arithmetic"], min_length=1,
-                            description="Conversation sources: 'demo:arithmetic' or JSONL(.gz) paths "
-                                        "(messages, prompt/response, self-instruct, or OpenAssistant "
-                                        "message trees; detected per file).")
-    max_examples: int | None = Field(None, gt=0, description="At most this many conversations per source "
-                                                             "(None: all; the demo then gives 500).")
-    max_seq_len: int = Field(256, gt=1, description="Rendered conversations longer than this many tokens "
-                                                    "are truncated (and counted); with packing, the row length.")
-    heldout_fraction: float = Field(0.1, ge=0, lt=1, description="Share of conversations held out to "
-                                                                 "measure assistant-token loss before/after.")
-    packing: bool = Field(False, description="Concatenate examples into rows of up to max_seq_len tokens "
-                                             "(best fit decreasing); each keeps its own positions and "
-                                             "attends only to itself. batch_size then counts rows.")
-    lora: LoraSettings | None = Field(None, description="Train LoRA adapters on a frozen base model "
-                                                        "(None: full fine-tuning). The export merges them.")
-
-
-def fingerprint(config: Config) -> str:
-    """Digest of the data files the config points at, so an edited file triggers a re-run."""
-    return fingerprint_sources(config.data, JSONL_SUFFIXES)
 
 
 def sft_example(ids: list[int], mask: list[int]) -> Example:

@@ -1,0 +1,29 @@
+"""The Ray engine: results in input order whatever the worker count, a worker killed mid-call is
+restarted and the call retried, and a local Ray leaves no session directory behind."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from infra.ray_engine import RayEngine
+
+
+def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_removed(tmp_path):
+    def square_killing_once(n: int) -> int:  # nested, so Ray ships it by value to the workers
+        """The first call for 3 kills its own worker process, as an OOM killer would."""
+        marker = tmp_path / f"killed-{n}"
+        if n == 3 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n * n
+
+    engine = RayEngine(num_workers=2)
+    try:
+        assert engine.map(square_killing_once, list(range(8))) == [n * n for n in range(8)]
+        assert (tmp_path / "killed-3").exists()  # the fault did happen
+        session = engine._session_dir
+        assert session and Path(session).is_dir()
+    finally:
+        engine.shutdown()
+    assert not Path(session).exists()

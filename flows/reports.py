@@ -20,8 +20,12 @@ FUNNEL = "funnel.json"
 
 
 def funnel_markdown(funnel: dict) -> str:
-    """The funnel as Markdown tables: documents and MB after each step, then languages."""
-    rows = ["| step | documents | MB | kept of previous |", "|---|---:|---:|---:|"]
+    """The funnel as Markdown: the accounting line (every record read, where it ended), documents
+    and MB after each step, drop reasons, languages, and each source that had quarantined files."""
+    accounting = funnel.get("accounting")
+    rows = [f"**Records:** {accounting['summary']}"
+            f"{'' if accounting['balanced'] else ' — does not add up'}", ""] if accounting else []
+    rows += ["| step | documents | MB | kept of previous |", "|---|---:|---:|---:|"]
     previous = None
     for step in funnel["steps"]:
         share = f"{step['docs'] / previous:.1%}" if previous else ""
@@ -35,6 +39,11 @@ def funnel_markdown(funnel: dict) -> str:
     if languages:
         rows += ["", "| language | documents |", "|---|---:|"]
         rows += [f"| {k} | {v:,} |" for k, v in sorted(languages.items(), key=lambda kv: -kv[1])]
+    faulty = {s: b for s, b in (accounting or {}).get("per_source", {}).items() if b["quarantined"]}
+    if faulty:
+        rows += ["", "| source | accounting | quarantined |", "|---|---|---|"]
+        rows += [f"| {s} | {b['summary']} | {', '.join(f'{k} {v}' for k, v in b['quarantined'].items())} |"
+                 for s, b in faulty.items()]
     return "\n".join(rows)
 
 

@@ -250,6 +250,12 @@ def test_stage_survives_bad_inputs(shared_data, tmp_path):
     assert accounting["file_level"] == {"error_empty_file": 1, "error_not_warc": 1}
     assert stats["accounting_in"] == stats["records_read"] == accounting["in"] == stats["docs_out"] \
         + stats["accounting_dropped"] + stats["accounting_quarantined"]
+    # the funnel report (Prefect artifact `collect-funnel`) leads with the same accounting
+    from flows.reports import funnel_markdown
+
+    report = funnel_markdown(json.loads((out / "funnel.json").read_text()))
+    assert report.startswith(f"**Records:** {accounting['summary']}\n")
+    assert "error_bad_json 1, error_truncated_record 1 |" in report
 
 
 def test_missing_or_empty_source_names_it(shared_data, tmp_path):

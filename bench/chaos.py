@@ -67,7 +67,7 @@ class Run:
 
     def __init__(self, bench: "Suite", home: Path, until: str, env: dict[str, str] | None = None,
                  tag: str = "run"):
-        self.home, self.log = home, home.parent / f"{home.name}-{tag}.log"
+        self.home, self.log = home, self.log_of(home, tag)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         environment = {**os.environ, "GRISTMILL_HOME": str(home), **(env or {})}
         for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "PREFECT_HOME"):
@@ -79,6 +79,10 @@ class Run:
                  "--until", until], cwd=REPO, env=environment, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
 
+    @staticmethod
+    def log_of(home: Path, tag: str) -> Path:
+        return home.parent / f"{home.name}-{tag}.log"
+
     def tree(self) -> list[psutil.Process]:
         root = psutil.Process(self.proc.pid)
         return [root, *root.children(recursive=True)]
@@ -88,6 +92,13 @@ class Run:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def _said(log: Path) -> str:
+    """The one line `gristmill run` ends a failure with ("gristmill: ..."), or ""."""
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if line.startswith("gristmill: ")]
+    return lines[-1] if lines else ""
 
 
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -191,7 +202,7 @@ def _partial(home: Path, stage: str) -> Callable[[], bool]:
 def kill9(suite: Suite, name: str, stage: str) -> Trial:
     home = suite.home_for(name, stage)
     run = Run(suite, home, stage)
-    offset = suite.rng.uniform(0, 0.9 * suite.seconds[stage])
+    offset = suite.rng.uniform(0, 0.7 * suite.seconds[stage])
     if _wait_for(_partial(home, stage), run):
         time.sleep(offset)
     processes = run.tree() if run.proc.poll() is None else []
@@ -203,7 +214,7 @@ def kill9(suite: Suite, name: str, stage: str) -> Trial:
 def sigint(suite: Suite, name: str, stage: str) -> Trial:
     home = suite.home_for(name, stage)
     run = Run(suite, home, stage)
-    offset = suite.rng.uniform(0, 0.9 * suite.seconds[stage])
+    offset = suite.rng.uniform(0, 0.7 * suite.seconds[stage])
     if not (_wait_for(_partial(home, stage), run) and (time.sleep(offset) or run.proc.poll() is None)):
         return suite.finish("sigint", stage, home, "finished before Ctrl-C")
     processes = run.tree()
@@ -263,7 +274,7 @@ def commit(suite: Suite, name: str, stage: str) -> Trial:
     killed = rc == 128 + signal.SIGKILL and any((home / "artifacts" / stage).glob("*.partial/manifest.json"))
     trial = suite.finish("commit", stage, home, f"killed in {stage}'s commit window (exit {rc})",
                          ok=killed)
-    finished = "finishing the commit" in (home.parent / "home-rerun.log").read_text()
+    finished = "finishing the commit" in Run.log_of(home, "rerun").read_text()
     return Trial(**{**trial.__dict__, "survived": trial.survived and finished})
 
 
@@ -280,11 +291,11 @@ def disk_full(suite: Suite, name: str, stage: str) -> Trial:
                      f"not run: cannot mount a small filesystem ({mounted.stderr.strip()[:80]})")
     try:
         rc = Run(suite, home, stage).wait()
-        output = (home.parent / "home-run.log").read_text()
-        clear = rc != 0 and "free" in output.splitlines()[-1]
+        said = _said(Run.log_of(home, "run"))
+        clear = rc != 0 and "free disk space" in said
         subprocess.run(["mount", "-o", "remount,size=2g", str(folder)], check=True)
         return suite.finish("disk_full", stage, home, f"{size >> 10} KiB for {stage}: exit {rc}, "
-                            f"last line {output.splitlines()[-1][:90]!r}", ok=clear)
+                            f"said {said[:100]!r}", ok=clear)
     finally:
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
@@ -329,11 +340,11 @@ def mlflow_down(suite: Suite, name: str, stage: str) -> Trial:
     time.sleep(suite.rng.uniform(0, 0.5 * suite.seconds[stage]))
     _stop(server)
     rc = run.wait()
-    last = run.output().strip().splitlines()[-1]
-    clear = rc == 0 or "MLflow at" in last
+    said = _said(run.log)
+    clear = rc == 0 or "MLflow at" in said
     server = _server(cmd, port, {}, home.parent / "mlflow.log")
     try:
-        trial = suite.finish("mlflow_down", stage, home, f"exit {rc}, last line {last[:90]!r}",
+        trial = suite.finish("mlflow_down", stage, home, f"exit {rc}, said {said[:100]!r}",
                              ok=clear, env=env)
         from infra.tracking import stage_runs
 

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         from infra.supervisor import supervise
 
         return supervise([sys.executable, "-m", "flows.cli", *argv, "--in-process"])
+    from core.files import DiskSpaceError
     from flows.pipeline import pipeline
     from infra.services import start_embedded_services
     from infra.supervisor import die_with_supervisor
@@ -111,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         outputs = pipeline(config=config, until=args.until)
     except KeyboardInterrupt:  # Ctrl-C relayed by the supervisor, which reports it in one line
         return 130
-    except TrackingUnavailable as error:
-        print(f"gristmill: {error}", file=sys.stderr)
+    except (TrackingUnavailable, DiskSpaceError) as error:  # after the log's traceback, one line
+        cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
+        print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
         return 1
     for stage, path in outputs.items():
         print(f"{stage:<9} {path}")

@@ -62,7 +62,7 @@ def _interrupt(home: Path, overrides: list[str], stage: str, ready, signum: int,
 
 
 def _has_checkpoint(partial: Path) -> bool:
-    return any(p.name != "step-0000000" for p in partial.glob("checkpoints/step-*/checkpoint.json"))
+    return any(p.parent.name != "step-0000000" for p in partial.glob("checkpoints/step-*/checkpoint.json"))
 
 
 def test_signals_at_several_stages_stop_fast_and_the_next_run_resumes_identically(tiny_run, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from pipeline_helpers import REPO, gristmill
 
 pytestmark = pytest.mark.slow
-ARGS = ["run", "configs/tiny.yaml", "--until", "pretrain", "pretrain.max_steps=200",
+ARGS = ["run", "configs/tiny.yaml", "--until", "pretrain", "pretrain.max_steps=80",
         "pretrain.checkpoint_every=20"]
 
 

@@ -6,7 +6,7 @@ by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use. 
 from the first map to `shutdown()`, so a stage that maps several times (collect: units, then
 MinHash signatures and buckets) pays their start-up and warm caches (spaCy, fastText) once.
 A worker that dies (OOM, a kill) is restarted and its call retried: the mapped functions are
-pure, so a retry gives the same result. A local Ray binds to 127.0.0.1 and its session directory
+pure, so a retry gives the same result. A local Ray's session directory
 (logs, sockets) is removed at shutdown, so runs do not pile them up in the system temp folder.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class RayEngine:
             ray.init(address=address, log_to_driver=False)
         else:
             ray.init(num_cpus=max(self.num_workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False, _node_ip_address="127.0.0.1")
+                     log_to_driver=False, configure_logging=False)
             self._started_here = True
             self._session_dir = _session_dir()
         log.info("ray: %s, %s workers", address or "local", self.num_workers)

@@ -43,13 +43,11 @@ from typing import Callable
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-STAGES = ["collect", "tokenize", "pretrain", "sft", "align", "evaluate"]
-SHORT = ["pretrain.max_steps=60", "sft.max_steps=30", "align.grpo.max_steps=10",
-         "evaluate.arith_problems=20", "evaluate.max_eval_tokens=8192"]
+from bench.runs import REPO, SHORT, STAGES, cli_env, committed_dir, committed_files
+from infra.supervisor import alive, kill_all, process_tree
+
 CYCLE = ["kill9", "sigint", "concurrent", "fuzz", "ray_worker", "kill9", "commit", "disk_full",
          "kill9", "mlflow_down", "kill9", "prefect_restart"]
-TIMED_FILES = {"metrics.jsonl"}
 
 
 @dataclass
@@ -69,10 +67,7 @@ class Run:
                  tag: str = "run"):
         self.home, self.log = home, self.log_of(home, tag)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        environment = {**os.environ, "GRISTMILL_HOME": str(home), **(env or {})}
-        for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "PREFECT_HOME"):
-            if var not in (env or {}):
-                environment.pop(var, None)
+        environment = cli_env(home, env)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *bench.overrides,
@@ -84,8 +79,7 @@ class Run:
         return home.parent / f"{home.name}-{tag}.log"
 
     def tree(self) -> list[psutil.Process]:
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
+        return process_tree(self.proc.pid)
 
     def wait(self, timeout: float = 1800) -> int:
         return self.proc.wait(timeout=timeout)
@@ -99,19 +93,6 @@ def _said(log: Path) -> str:
     lines = [line for line in log.read_text(errors="replace").splitlines()
              if line.startswith("gristmill: ")]
     return lines[-1] if lines else ""
-
-
-def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def _kill_all(processes: list[psutil.Process]) -> None:
-    for proc in _alive(processes):
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(processes, timeout=5)
 
 
 def _free_port() -> int:
@@ -135,7 +116,7 @@ class Suite:
         self.overrides, self.work, self.rng = overrides, work, random.Random(seed)
         self.seed = seed
         self.reference = reference or self._reference_run()
-        self.seconds = {s: json.loads((self._committed(self.reference, s) / "manifest.json")
+        self.seconds = {s: json.loads((committed_dir(self.reference, s) / "manifest.json")
                                       .read_text())["meta"].get("seconds", 10.0) for s in STAGES}
 
     # -- homes and comparisons ------------------------------------------------------------------
@@ -146,25 +127,17 @@ class Suite:
             raise SystemExit(f"chaos: the reference run failed; see {run.log}")
         return home
 
-    @staticmethod
-    def _committed(home: Path, stage: str) -> Path:
-        return next((home / "artifacts" / stage).glob("*/manifest.json")).parent
-
     def home_for(self, name: str, stage: str) -> Path:
         """A fresh home holding the reference's committed stages upstream of `stage`."""
         home = self.work / name / "home"
         for upstream in STAGES[:STAGES.index(stage)]:
-            src = self._committed(self.reference, upstream)
+            src = committed_dir(self.reference, upstream)
             shutil.copytree(src, home / "artifacts" / upstream / src.name, copy_function=os.link)
         return home
 
     def same_as_reference(self, home: Path, stage: str) -> bool:
-        def files(h: Path) -> dict[str, str]:
-            manifest = json.loads((self._committed(h, stage) / "manifest.json").read_text())
-            return {rel: f["sha256"] for rel, f in manifest["files"].items()
-                    if Path(rel).name not in TIMED_FILES}
         try:
-            return files(home) == files(self.reference)
+            return committed_files(home, stage) == committed_files(self.reference, stage)
         except StopIteration:
             return False
 
@@ -172,7 +145,7 @@ class Suite:
         """Documents the reference kept that this home's collect output lacks (collect only)."""
         if stage != "collect":
             return 0
-        kept = lambda h: json.loads((self._committed(h, "collect") / "funnel.json").read_text())  # noqa: E731
+        kept = lambda h: json.loads((committed_dir(h, "collect") / "funnel.json").read_text())  # noqa: E731
         try:
             return max(0, _kept(kept(self.reference)) - _kept(kept(home)))
         except StopIteration:
@@ -206,7 +179,7 @@ def kill9(suite: Suite, name: str, stage: str) -> Trial:
     if _wait_for(_partial(home, stage), run):
         time.sleep(offset)
     processes = run.tree() if run.proc.poll() is None else []
-    _kill_all(processes)
+    kill_all(processes)
     note = f"SIGKILL {offset:.1f} s into {stage}" if processes else "finished before the kill"
     return suite.finish("kill9", stage, home, note)
 
@@ -223,8 +196,8 @@ def sigint(suite: Suite, name: str, stage: str) -> Trial:
     rc = run.wait(60)
     seconds = time.monotonic() - started
     time.sleep(1)
-    left = _alive(processes)
-    _kill_all(left)
+    left = alive(processes)
+    kill_all(left)
     ok = rc == 130 and seconds < 10 and not left
     return suite.finish("sigint", stage, home, f"Ctrl-C {offset:.1f} s into {stage}: exit {rc} "
                         f"after {seconds:.1f} s, {len(left)} processes left", ok)
@@ -260,7 +233,7 @@ def ray_worker(suite: Suite, name: str, stage: str) -> Trial:
     _wait_for(seen, run)
     if found:
         time.sleep(suite.rng.uniform(0, 3))
-        _kill_all(found)
+        kill_all(found)
     rc = run.wait()
     same = rc == 0 and suite.same_as_reference(home, "collect")
     return Trial("ray_worker", "collect", same, same, suite.docs_lost(home, "collect"),
@@ -282,7 +255,7 @@ def disk_full(suite: Suite, name: str, stage: str) -> Trial:
     home = suite.home_for(name, stage)
     folder = home / "artifacts" / stage
     folder.mkdir(parents=True, exist_ok=True)
-    ref_bytes = sum(p.stat().st_size for p in suite._committed(suite.reference, stage).rglob("*"))
+    ref_bytes = sum(p.stat().st_size for p in committed_dir(suite.reference, stage).rglob("*"))
     size = max(1 << 20, ref_bytes // 2)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
                              capture_output=True, text=True)
@@ -323,7 +296,7 @@ def _server(cmd: list[str], port: int, env: dict[str, str], log: Path) -> subpro
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    _kill_all([psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)])
+    kill_all(process_tree(proc.pid))
 
 
 def mlflow_down(suite: Suite, name: str, stage: str) -> Trial:

@@ -16,21 +16,47 @@ unattended.
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import psutil
 
 GRACE_S = 7.0  # the child's time to unwind before everything left is killed; exit stays < 10 s
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 SUPERVISOR_ENV = "GRISTMILL_SUPERVISOR_PID"  # set in the child: whom to watch
-log = logging.getLogger("gristmill.supervisor")
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process `pid` and all its descendants, now."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def alive(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """Those of `processes` still running (zombies are done). psutil.Process compares create
+    times, so a reused pid is never mistaken for one of ours."""
+    def running(proc: psutil.Process) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # gone between the two questions
+            return False
+    return [p for p in processes if running(p)]
+
+
+def kill_all(processes: Iterable[psutil.Process], timeout: float = 2) -> None:
+    """SIGKILL whatever of `processes` still runs and wait up to `timeout` for them to go."""
+    doomed = alive(processes)
+    for proc in doomed:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(doomed, timeout=timeout)
 
 
 class _Tree:
@@ -48,20 +74,9 @@ class _Tree:
         except psutil.NoSuchProcess:
             pass
 
-    def alive(self) -> list[psutil.Process]:
-        # psutil.Process compares create times, so a reused pid is never mistaken for ours.
-        return [p for p in self.known.values()
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
     def kill(self, spare_root: bool = False) -> None:
         self.refresh()
-        doomed = [p for p in self.alive() if not (spare_root and p.pid == self.root.pid)]
-        for proc in doomed:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(doomed, timeout=2)
+        kill_all(p for p in self.known.values() if not (spare_root and p.pid == self.root.pid))
 
 
 def die_with_supervisor(poll_s: float = 0.5) -> None:

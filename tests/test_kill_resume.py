@@ -10,9 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from pipeline_helpers import REPO, gristmill
+
+from infra.supervisor import alive, process_tree
 
 pytestmark = pytest.mark.slow
 ARGS = ["run", "configs/tiny.yaml", "--until", "pretrain", "pretrain.max_steps=80",
@@ -38,11 +39,11 @@ def test_kill_during_pretraining_then_resume(tmp_path):
         time.sleep(0.5)
     assert proc.poll() is None, "the run ended before it could be killed mid-pretraining"
     assert len(_checkpoints(home)) >= 2, "no checkpoints appeared in time"
-    processes = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    processes = process_tree(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)  # `gristmill run` killed: the pipeline child must follow
     proc.wait()
     time.sleep(3)  # the child notices within half a second, then stops what it started
-    left = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = alive(processes)
     assert not left, [" ".join(p.cmdline()[:4]) for p in left]
     assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
     killed_at = max(int(p.name.split("-")[1]) for p in _checkpoints(home))

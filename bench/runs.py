@@ -1,0 +1,39 @@
+"""Running the real `gristmill` CLI against a home of its own, and reading what a run committed:
+shared by the fault suite (`bench chaos`) and the end-to-end tests."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from flows.dag import STAGE_NAMES
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = list(STAGE_NAMES)
+# The tiny preset, shortened so a training stage takes seconds, not minutes.
+SHORT = ["pretrain.max_steps=60", "sft.max_steps=30", "align.grpo.max_steps=10",
+         "evaluate.arith_problems=20", "evaluate.max_eval_tokens=8192"]
+TIMED_FILES = {"metrics.jsonl"}  # step metrics carry tokens/s: the one output that differs by run
+SERVICE_VARS = ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "PREFECT_HOME")
+
+
+def cli_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment pointed at `home`, with no external service configured but
+    those `extra` names."""
+    env = {**os.environ, "GRISTMILL_HOME": str(home)}
+    for var in SERVICE_VARS:
+        env.pop(var, None)
+    return {**env, **(extra or {})}
+
+
+def committed_dir(home: Path, stage: str) -> Path:
+    """The committed output of `stage` in `home` (StopIteration when there is none)."""
+    return next((home / "artifacts" / stage).glob("*/manifest.json")).parent
+
+
+def committed_files(home: Path, stage: str) -> dict[str, str]:
+    """relative path -> sha256 of the committed output of `stage` (from its manifest), but the
+    files that record timings."""
+    manifest = json.loads((committed_dir(home, stage) / "manifest.json").read_text())
+    return {rel: info["sha256"] for rel, info in manifest["files"].items()
+            if Path(rel).name not in TIMED_FILES}

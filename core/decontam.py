@@ -1,4 +1,7 @@
-"""Benchmark decontamination by n-gram overlap (13-grams of normalized words, as GPT-3, OLMo).
+"""Benchmark contamination by n-gram overlap (13-grams of normalized words, as GPT-3, OLMo).
+
+Used in both directions: the collect stage drops crawled documents that contain a benchmark item,
+and the evaluate stage marks each benchmark item whose n-grams occur in a model's training data.
 
 Evaluation sets are files or folders of JSONL (optionally gzipped) or Parquet records. A small
 table (`SHAPES`) says, per record shape, which fields make up the text of an item (question,
@@ -32,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.sources import source_files
 
-DROP_REASON = "benchmark_contamination"
+DROP_REASON = "benchmark_contamination"  # a crawled document's drop reason in the collect funnel
 EVAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 _WORD = re.compile(r"\w+")
 _MULT = np.uint64(0x100000001B3)  # FNV-64 prime: odd, so the window polynomial mixes every word
@@ -89,19 +92,19 @@ def ngram_hashes(hashes: np.ndarray, n: int) -> np.ndarray:
 # ---- what text an item is, per record shape ---------------------------------------------------
 def _join(*parts: Any) -> str:
     """Field values as one text: the strings in them (lists, nested dicts), numbers as str."""
-    return " ".join(" ".join(_all_strings(p)) if isinstance(p, (list, tuple, dict)) else str(p)
+    return " ".join(" ".join(all_strings(p)) if isinstance(p, (list, tuple, dict)) else str(p)
                     for p in parts)
 
 
-def _all_strings(value: Any) -> Iterator[str]:
+def all_strings(value: Any) -> Iterator[str]:
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _all_strings(v)
+            yield from all_strings(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _all_strings(v)
+            yield from all_strings(v)
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ def item_texts(record: dict) -> tuple[str, list[str]]:
             return shape.name, [
                 _clean(_join(*(variant if field == shape.one_text_per else record[field]
                                for field in shape.fields))) for variant in variants]
-    return FALLBACK, [" ".join(_all_strings(record))]
+    return FALLBACK, [" ".join(all_strings(record))]
 
 
 def _read_records(path: Path) -> Iterator[dict]:
@@ -249,36 +252,46 @@ def _item_ngrams(texts: list[str], cfg: DecontamConfig) -> tuple[np.ndarray, set
 
 
 def build_index(cfg: DecontamConfig) -> DecontamIndex:
-    """Read every eval set and index its items' n-grams.
+    """Read every eval set and index its items' n-grams (see `index_items`)."""
+    benchmarks: dict[str, list[tuple[str, dict]]] = {}
+    for source in cfg.eval_sets:
+        name, files = eval_files(source)
+        if name in benchmarks:
+            raise ValueError(f"eval_sets: two entries are both named {name!r}; rename a folder")
+        benchmarks[name] = []
+        for path in files:
+            prefix = f"{path.name}:" if len(files) > 1 else ""
+            for line_no, record in enumerate(_read_records(path)):
+                item_key = next((record[f] for f in _ID_FIELDS if f in record), line_no)
+                benchmarks[name].append((f"{prefix}{item_key}", record))
+    return index_items(cfg, benchmarks)
+
+
+def index_items(cfg: DecontamConfig, benchmarks: dict[str, list[tuple[str, dict]]]) -> DecontamIndex:
+    """Index the n-grams of benchmark items given as {benchmark: [(item id, record)]}.
 
     A text shorter than `ngram_words` is indexed whole, as one n-gram of its own length: short
     items (COPA premises, PIQA goals) would otherwise never be found, and a whole 5-12 word
     item verbatim in a document is as strong a sign as a 13-gram of a long one."""
     keys, items, ngrams_per_item, lengths = [], [], [], {cfg.ngram_words}
-    benchmarks: dict[str, dict[str, Any]] = {}
-    for source in cfg.eval_sets:
-        name, files = eval_files(source)
-        if name in benchmarks:
-            raise ValueError(f"eval_sets: two entries are both named {name!r}; rename a folder")
-        info = benchmarks[name] = {"items_indexed": 0, "items_too_short": 0, "ngrams_indexed": 0,
-                                   "shapes": {}}
-        for path in files:
-            prefix = f"{path.name}:" if len(files) > 1 else ""
-            for line_no, record in enumerate(_read_records(path)):
-                shape, texts = item_texts(record)
-                info["shapes"][shape] = info["shapes"].get(shape, 0) + 1
-                grams, item_lengths = _item_ngrams(texts, cfg)
-                if len(grams) == 0:
-                    info["items_too_short"] += 1
-                    continue
-                item_key = next((record[f] for f in _ID_FIELDS if f in record), line_no)
-                items.append((name, f"{prefix}{item_key}"))
-                keys.append(grams)
-                ngrams_per_item.append(len(grams))
-                lengths |= item_lengths
-                info["items_indexed"] += 1
-                info["ngrams_indexed"] += len(grams)
+    infos: dict[str, dict[str, Any]] = {}
+    for name, records in benchmarks.items():
+        info = infos[name] = {"items_indexed": 0, "items_too_short": 0, "ngrams_indexed": 0,
+                              "shapes": {}}
+        for item_id, record in records:
+            shape, texts = item_texts(record)
+            info["shapes"][shape] = info["shapes"].get(shape, 0) + 1
+            grams, item_lengths = _item_ngrams(texts, cfg)
+            if len(grams) == 0:
+                info["items_too_short"] += 1
+                continue
+            items.append((name, str(item_id)))
+            keys.append(grams)
+            ngrams_per_item.append(len(grams))
+            lengths |= item_lengths
+            info["items_indexed"] += 1
+            info["ngrams_indexed"] += len(grams)
     counts = np.array(ngrams_per_item, dtype=np.int64)
     item_of_key = np.repeat(np.arange(len(items), dtype=np.int64), counts)
     all_keys = np.concatenate(keys) if keys else np.empty(0, dtype=np.uint64)
-    return DecontamIndex(cfg, all_keys, item_of_key, items, counts, sorted(lengths), benchmarks)
+    return DecontamIndex(cfg, all_keys, item_of_key, items, counts, sorted(lengths), infos)

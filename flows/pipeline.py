@@ -18,12 +18,11 @@ from prefect.runtime import flow_run
 from core.stage import Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, plan
+from flows.history import publish_report_card
 from flows.reports import PUBLISHERS
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.tracking import Tracker
-
-REPORT = "report.md"
 
 
 class Runtime:
@@ -129,7 +128,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
         logger.info("plan: %-8s %s  %s", stage.spec.name, stage.key,
                     "reuse" if stage.complete else "run")
     tracker = Tracker(home)
-    parent = tracker.start_pipeline(f"{config.name} {flow_run.name}", config.model_dump(mode="json"),
+    run_name = f"{config.name} {flow_run.name}"
+    parent = tracker.start_pipeline(run_name, config.model_dump(mode="json"),
                                     {"prefect.flow_run_id": str(flow_run.id),
                                      "gristmill.code_version": env.code_version()})
     runtime = Runtime(store, tracker, parent)
@@ -147,8 +147,9 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     logging.getLogger("gristmill").info("pipeline summary\n%s", summary)
     create_markdown_artifact(summary, key="pipeline-summary", description="Stages reused or computed")
     tracker.log_text(parent, summary, "summary.md")
-    if "evaluate" in manifests and (report := manifests["evaluate"].path / REPORT).is_file():
-        create_markdown_artifact(report.read_text(), key="report-card", description="Evaluation report")
-        tracker.log_text(parent, report.read_text(), REPORT)
+    statuses = {s.spec.name: "reused" if s.complete else "computed" for s in planned}
+    card, _ = publish_report_card(tracker, home, parent, run_name, manifests, statuses)
+    create_markdown_artifact(card.read_text(), key="report-card",
+                             description="base → SFT → aligned, curves, funnel, time, lineage")
     tracker.end(parent, ok=True)
     return {name: str(m.path) for name, m in manifests.items()}

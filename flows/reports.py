@@ -31,7 +31,9 @@ def funnel_markdown(funnel: dict) -> str:
         share = f"{step['docs'] / previous:.1%}" if previous else ""
         rows.append(f"| {step['step']} | {step['docs']:,} | {step['bytes'] / 1e6:,.2f} | {share} |")
         previous = step["docs"] or None
-    drops = {**funnel.get("dropped", {}), **funnel.get("skipped", {}), **funnel.get("errors", {})}
+    # The accounting's reasons include the dedup removals; older funnels lack it.
+    drops = (accounting or {}).get("dropped") or {
+        **funnel.get("dropped", {}), **funnel.get("skipped", {}), **funnel.get("errors", {})}
     if drops:
         rows += ["", "| reason | records |", "|---|---:|"]
         rows += [f"| {k} | {v:,} |" for k, v in sorted(drops.items(), key=lambda kv: -kv[1])]

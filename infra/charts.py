@@ -1,4 +1,4 @@
-"""PNG charts for the data funnel: the only matplotlib user. Rendered off-screen (Agg)."""
+"""PNG charts (data funnel, training curves): the only matplotlib user. Rendered off-screen (Agg)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,6 +44,25 @@ def histogram_chart(counts: Mapping[str, int], path: Path, title: str, top: int 
     ax.bar_label(bars, fontsize=8)
     ax.set_ylabel("documents")
     ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def curves_chart(series: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: Path,
+                 title: str) -> Path:
+    """One panel per training stage, one line per metric against the step."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.4), squeeze=False)
+    for ax, (stage, metrics) in zip(axes[0], series.items()):
+        for name, points in metrics.items():
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o" if len(points) < 12 else None, ms=3, label=name)
+        ax.set_title(stage)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

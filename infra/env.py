@@ -52,6 +52,11 @@ def artifacts_root(home: Path) -> Path:
     return Path(home) / "artifacts"
 
 
+def reports_root(home: Path) -> Path:
+    """Report cards, one folder per pipeline run (MLflow run id): rendered, never artifacts."""
+    return Path(home) / "reports"
+
+
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """The package version plus the git commit of the checkout, when there is one."""

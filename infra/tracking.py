@@ -20,6 +20,7 @@ import functools
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -65,6 +66,20 @@ def stage_runs(uri: str, stage: str) -> list:
     experiment = client.get_experiment_by_name(EXPERIMENT)
     return client.search_runs([experiment.experiment_id], f"tags.`gristmill.stage` = '{stage}'") \
         if experiment else []
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """One version of a registered model, as plain data: its number, tags and aliases."""
+
+    name: str
+    version: str
+    tags: dict[str, str]
+    aliases: tuple[str, ...]
+
+
+def _version(mv: Any) -> ModelVersion:
+    return ModelVersion(mv.name, str(mv.version), dict(mv.tags or {}), tuple(mv.aliases or ()))
 
 
 class TrackingUnavailable(RuntimeError):
@@ -174,6 +189,36 @@ class Tracker:
     def log_file(self, run_id: str, path: Path, folder: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), folder)
 
+    # --- the model registry: versions and aliases (registry "stages" are deprecated; never used) ---
+
+    def register_model(self, name: str, run_id: str, model_dir: Path, tags: Mapping[str, str]) -> ModelVersion:
+        """Log `model_dir` into run `run_id` as its `model/` artifact and register that as a new
+        version of `name` (the registered model is created on first use). A plain HF directory,
+        not an MLflow flavor: `mlflow.artifacts.download_artifacts("models:/NAME@champion")` fetches it."""
+        self.client.log_artifacts(run_id, str(model_dir), "model")
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        return _version(self.client.create_model_version(name, f"runs:/{run_id}/model", run_id=run_id,
+                                                         tags=dict(tags)))
+
+    def model_versions(self, name: str) -> list[ModelVersion]:
+        """Every version of registered model `name`, oldest first (none when it does not exist)."""
+        escaped = name.replace("'", "\\'")
+        found = self.client.search_model_versions(f"name = '{escaped}'")
+        return sorted((_version(mv) for mv in found), key=lambda v: int(v.version))
+
+    def version_by_alias(self, name: str, alias: str) -> ModelVersion | None:
+        return next((v for v in self.model_versions(name) if alias in v.aliases), None)
+
+    def set_alias(self, name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(name, alias, version)
+
+    def set_version_tag(self, name: str, version: str, key: str, value: str) -> None:
+        self.client.set_model_version_tag(name, version, key, value)
+
     def _log_params(self, run_id: str, config: Mapping[str, Any]) -> None:
         params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
         for start in range(0, len(params), 100):  # MLflow caps params per batch at 100
@@ -190,3 +235,43 @@ class Tracker:
         ]
         if inputs:
             self.client.log_inputs(run_id, datasets=inputs)
+
+
+class RunRecord(dict):
+    """A finished run as plain data: run_id, name, start_time (ms), status, params, metrics
+    (latest value of each), tags."""
+
+
+def _record(run: Any) -> RunRecord:
+    return RunRecord(run_id=run.info.run_id, name=run.info.run_name, start_time=run.info.start_time,
+                     status=run.info.status, params=dict(run.data.params),
+                     metrics=dict(run.data.metrics), tags=dict(run.data.tags))
+
+
+def pipeline_run(tracker: Tracker, run: str | None = None) -> RunRecord:
+    """A pipeline's parent run by id or by name, or the latest one when `run` is None;
+    LookupError naming what was asked when there is none."""
+    kind = "tags.`gristmill.kind` = 'pipeline'"
+    if run is None:
+        found = tracker.client.search_runs([tracker.experiment_id], kind, max_results=1,
+                                           order_by=["attributes.start_time DESC"])
+    else:
+        try:
+            return _record(tracker.client.get_run(run))
+        except MlflowException:
+            escaped = run.replace("'", "\\'")
+            found = tracker.client.search_runs([tracker.experiment_id],
+                                               f"{kind} and attributes.run_name = '{escaped}'",
+                                               max_results=1, order_by=["attributes.start_time DESC"])
+    if not found:
+        raise LookupError(f"no pipeline run {run!r} in {tracker.uri}" if run else
+                          f"no pipeline run in {tracker.uri} yet; run `gristmill run CONFIG` first")
+    return _record(found[0])
+
+
+def stage_runs_of(tracker: Tracker, parent_id: str) -> list[RunRecord]:
+    """The stage runs of one pipeline run, in the order they started."""
+    runs = tracker.client.search_runs([tracker.experiment_id],
+                                      f"tags.`mlflow.parentRunId` = '{parent_id}'",
+                                      order_by=["attributes.start_time ASC"])
+    return [_record(r) for r in runs]

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from model.settings import ModelConfig
 
 
-def build_model(cfg: ModelConfig, tokenizer: Any) -> LlamaForCausalLM:
-    """A randomly initialised Llama with the tokenizer's vocabulary and special ids, tied
-    input/output embeddings, and PyTorch SDPA attention."""
+def build_model(cfg: ModelConfig, tokenizer: Any) -> Any:
+    """A randomly initialised `LlamaForCausalLM` with the tokenizer's vocabulary and special ids,
+    tied input/output embeddings, and PyTorch SDPA attention."""
+    # imported here: the presets' shapes and counts (`gristmill plan`) need no transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,

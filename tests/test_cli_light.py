@@ -68,3 +68,14 @@ def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path):
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr == f"gristmill: {TINY}: unknown config key 'collect.bogus'\n"
+
+
+def test_the_compute_budget_command_imports_no_heavy_module(tmp_path):
+    script = ("import contextlib, io, json, sys\nfrom flows.cli import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+              "    code = main(['plan', '125m'])\n"
+              "print(json.dumps({'code': code, 'flops': 'flops' in out.getvalue(), 'loaded': "
+              "sorted({m.split('.')[0] for m in sys.modules} & set(json.loads(sys.argv[1])))}))")
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(HEAVY)], cwd=REPO,
+                            env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert json.loads(result.stdout.splitlines()[-1]) == {"code": 0, "flops": True, "loaded": []}

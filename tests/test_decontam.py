@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from tasks.collect.decontam import (
+from core.decontam import (
     DROP_REASON,
     FALLBACK,
     DecontamConfig,

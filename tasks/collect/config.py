@@ -14,11 +14,11 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
+from core.decontam import DecontamConfig
 from core.sources import fingerprint_sources
 from core.stage import StageConfig
 from tasks.collect import demo_crawl
 from tasks.collect.common_crawl import DEFAULT_BASE_URL
-from tasks.collect.decontam import DecontamConfig
 from tasks.collect.dedup import DedupConfig
 from tasks.collect.langid import model_languages
 from tasks.collect.mixing import MixConfig

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.decontam import ngram_hashes, token_hashes
 from core.sources import DEMO_PREFIX, parse_source
-from tasks.collect.decontam import ngram_hashes, token_hashes
 from tasks.collect.readers import (
     TEXT_SUFFIXES,
     Skipped,

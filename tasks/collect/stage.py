@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from core.decontam import DecontamConfig, build_index
+from core.decontam import drop_reason as contamination_reason
 from core.files import ensure_free_space, iter_jsonl
 from core.sources import parse_source
 from core.stage import Engine, Manifest, StageResult
@@ -50,8 +52,6 @@ from tasks.collect.config import (  # noqa: F401 (the contract, re-exported)
     Config,
     fingerprint,
 )
-from tasks.collect.decontam import DecontamConfig, build_index
-from tasks.collect.decontam import drop_reason as contamination_reason
 from tasks.collect.dedup import DedupIndex, near_dedup
 from tasks.collect.funnel import (
     NOT_IN_MIX,

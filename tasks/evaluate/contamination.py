@@ -1,0 +1,73 @@
+"""Which benchmark items a model may have seen: each item's 13-grams (core/decontam.py: normalized
+words, short items whole) against the text of the data in the model's lineage.
+
+The training text is the collect stage's documents (what pretraining read) and every record of
+the SFT and alignment data sources named in those stages' configs (all string fields of each
+record: prompts, replies, rejected replies alike). `demo:arithmetic` stands for every problem the
+generator can make, with its answer: a superset of what training saw, so never an undercount.
+
+A contaminated item is still scored; the report shows, per task, how many items were seen and
+the score on the clean rest next to the full score.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import core.arithmetic as arithmetic
+from core.decontam import DecontamConfig, all_strings, index_items
+from core.files import iter_jsonl
+from core.sources import JSONL_SUFFIXES, parse_source, source_files
+from core.stage import Manifest
+
+# Config fields of the training stages that name their data sources (sft.data, align.<method>.data,
+# align.grpo.prompts).
+SOURCE_FIELDS = ("data", "prompts")
+DOCS_GLOB = "docs/*.jsonl.gz"  # the collect stage's output documents
+
+
+def training_sources(config: Mapping[str, Any]) -> list[str]:
+    """Every source string under a SOURCE_FIELDS key anywhere in a stage's resolved config; with a
+    `method` key (align), only the chosen method's section counts: the others' data was not used."""
+    found: list[str] = []
+    chosen = config.get("method")
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            if isinstance(chosen, str) and chosen in config and key != chosen:
+                continue
+            found += training_sources(value)
+        elif key in SOURCE_FIELDS and isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, str)]
+    return list(dict.fromkeys(found))
+
+
+def _source_texts(source: str) -> Iterator[str]:
+    if parse_source(source).kind != "files":  # the only demo is the arithmetic generator
+        for p in arithmetic.universe():
+            yield f"{p.question} {arithmetic.answer_text(p.answer)}"
+        return
+    for record in iter_jsonl(source_files(source, JSONL_SUFFIXES)):
+        yield " ".join(all_strings(record))
+
+
+def training_texts(inputs: Mapping[str, Manifest]) -> Iterator[str]:
+    """The text of every training record in the lineage given (collect, sft, align manifests)."""
+    if "collect" in inputs:
+        for doc in iter_jsonl(sorted(Path(inputs["collect"].path).glob(DOCS_GLOB))):
+            yield doc["text"]
+    for stage in ("sft", "align"):
+        if stage in inputs:
+            for source in training_sources(inputs[stage].config):
+                yield from _source_texts(source)
+
+
+def contaminated_items(tasks: Mapping[str, list[tuple[str, dict]]], texts: Iterator[str],
+                       config: DecontamConfig = DecontamConfig()) -> dict[str, set[str]]:
+    """task -> ids of its items sharing an n-gram with any of `texts`, from {task: [(id, record)]}."""
+    index = index_items(config, dict(tasks))
+    for number, text in enumerate(texts):
+        index.record(str(number), index.find(text))
+    found: dict[str, set[str]] = {task: set() for task in tasks}
+    for task, item in index.found:
+        found[task].add(item)
+    return found

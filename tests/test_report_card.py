@@ -1,0 +1,87 @@
+"""The report card (Markdown + self-contained HTML), `gristmill report` and `gristmill compare`:
+unit tests on hand-made manifests, then the shared tiny run's real card."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pipeline_helpers import REPO, STAGES, cli_env, gristmill
+
+from core.stage import Manifest
+from flows import report_card
+
+
+def _manifest(tmp_path: Path, stage: str, stats: dict, metrics: list[dict] | None = None,
+              upstream: dict | None = None) -> Manifest:
+    path = tmp_path / stage
+    path.mkdir()
+    if metrics:
+        (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return Manifest(stage=stage, key=f"{stage[:3]}000000001", path=path, config={},
+                    upstream=upstream or {}, files={}, stats=stats, meta={"seconds": 1.5})
+
+
+def test_scores_table_puts_each_models_value_under_its_column(tmp_path):
+    evaluate = _manifest(tmp_path, "evaluate", {
+        "base_val_ppl": 300.0, "sft_val_ppl": 350.0, "aligned_val_ppl": 360.0,
+        "base_arith_acc": 0.0, "sft_arith_acc": 0.2, "aligned_arith_acc": 0.5,
+        "aligned_hellaswag_acc": 0.25, "device": "cpu"}, upstream={"align": "ali000000001"})
+    align = _manifest(tmp_path, "align", {"method": "grpo", "heldout_acc_before": 0.2,
+                                          "heldout_acc_after": 0.5},
+                      [{"step": 1, "reward": 0.1, "kl": 0.0, "lr": 1e-4},
+                       {"step": 2, "reward": 0.3, "kl": 0.01, "lr": 1e-4}])
+    sections = report_card.build({"align": align, "evaluate": evaluate},
+                                 {"align": "computed", "evaluate": "reused"}, "t", tmp_path)
+    md = report_card.to_markdown("t", sections)
+    assert "| arith_acc | 0.0000 | 0.2000 | 0.5000 | +0.5 |" in md
+    assert "| val_ppl ↓ | 300.00 | 350.00 | 360.00 | +60 |" in md
+    assert "| hellaswag_acc | — | — | 0.2500 |  |" in md  # only measured where measured
+    assert "| acc | 0.2000 | 0.5000 | +0.3000 |" in md  # the align stage's own before/after
+    assert "| align | computed | 1.5 |" in md and "| evaluate | reused | 1.5 |" in md
+    assert "evaluate-eva000000001 | align-ali000000001" in md
+    html = report_card.to_html("t", sections)
+    assert html.count("data:image/png;base64,") == 1  # the curves; no funnel without collect
+    assert "<td>arith_acc</td><td>0.0000</td><td>0.2000</td><td>0.5000</td>" in html
+
+
+@pytest.mark.slow
+def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    home = tiny_run.home
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    experiment = client.get_experiment_by_name("gristmill")
+    parents = sorted(client.search_runs([experiment.experiment_id],
+                                        "tags.`gristmill.kind` = 'pipeline'"),
+                     key=lambda r: r.info.start_time)
+    first, last = parents[0].info.run_id, parents[-1].info.run_id
+    logged = Path(client.download_artifacts(first, "report_card.md", str(tmp_path)))
+    card = logged.read_text()
+    evaluate = json.loads(next((home / "artifacts" / "evaluate").glob("*/manifest.json")).read_text())
+    stats = evaluate["stats"]
+    row = re.search(r"^\| val_ppl ↓ \| (.+?) \| (.+?) \| (.+?) \|", card, re.M)
+    assert [float(v.replace(",", "")) for v in row.groups()] == pytest.approx(
+        [stats["base_val_ppl"], stats["sft_val_ppl"], stats["aligned_val_ppl"]], rel=1e-3)
+    for section in ("Training curves", "Data funnel", "Tokenizer", "Time per stage", "Lineage"):
+        assert f"## {section}" in card
+    assert all(f"| {stage} | computed |" in card for stage in STAGES)
+    html = (home / "reports" / first / "report_card.html").read_text()
+    assert html.count("data:image/png;base64,") == 2 and "http" not in html.replace("http-equiv", "")
+
+    # `report RUN` rebuilds the same card from MLflow and the artifact store
+    regenerated = gristmill(home, "report", first).stdout
+    assert regenerated.startswith(card)
+    # the default is the latest run: the re-run, which reused every stage
+    assert all(f"| {stage} | reused |" in gristmill(home, "report").stdout for stage in STAGES)
+    compared = gristmill(home, "compare", first, last).stdout
+    assert "Same configuration." in compared
+    for stage in STAGES:
+        assert re.search(rf"^\| {stage} \| \w+ computed \| \w+ reused \| yes \|", compared, re.M), compared
+    missing = subprocess.run([sys.executable, "-m", "flows.cli", "report", "no-such-run"], cwd=REPO,
+                             env=cli_env(home), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip() == \
+        f"gristmill: no pipeline run 'no-such-run' in sqlite:///{home.resolve()}/mlflow.db"

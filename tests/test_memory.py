@@ -1,0 +1,33 @@
+"""Peak RSS of a stage counts this process and the processes it starts (Ray workers)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from infra.memory import PeakRSS, tree_rss_bytes
+
+MB = 1024 * 1024
+
+
+def test_peak_sees_memory_allocated_and_freed_inside():
+    with PeakRSS(interval_s=0.05) as before:
+        time.sleep(0.2)
+    with PeakRSS(interval_s=0.05) as peak:
+        block = bytearray(300 * MB)  # zero-filled: the pages are touched
+        time.sleep(0.3)
+        del block
+    assert peak.mb - before.mb > 250
+
+
+def test_peak_counts_child_processes():
+    import psutil
+
+    code = "import time; b = bytearray(300 * 1024 * 1024); time.sleep(3)"
+    with PeakRSS(interval_s=0.05) as peak:
+        child = subprocess.Popen([sys.executable, "-c", code])
+        time.sleep(2)
+        assert tree_rss_bytes(psutil.Process()) > 300 * MB
+        child.wait()
+    alone = tree_rss_bytes(psutil.Process())
+    assert peak.peak_bytes - alone > 250 * MB

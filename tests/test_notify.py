@@ -1,0 +1,77 @@
+"""Notifications: a failed run POSTs a JSON message to the configured webhook (a local HTTP
+server here) and emits a Prefect event; the webhook URL, a secret, is never logged or tracked;
+loss-spike rollbacks are read from a training stage's metrics."""
+from __future__ import annotations
+
+import http.server
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+from pipeline_helpers import REPO, cli_env
+
+from core.stage import Manifest
+from flows.notify import NotifyConfig, rollbacks
+
+
+def test_the_webhook_is_named_by_reference_never_given_as_url():
+    assert NotifyConfig(webhook="env:TEAM_HOOK").webhook == "env:TEAM_HOOK"
+    with pytest.raises(ValueError, match="not the URL"):
+        NotifyConfig(webhook="https://hooks.example/T000/B000/secret")
+
+
+def test_rollbacks_are_read_from_the_stage_metrics(tmp_path):
+    rows = [{"step": 10, "loss": 3.0}, {"step": 8, "rollback": 1, "rollback_from_step": 11,
+                                        "rollback_reason": "spike", "rollback_loss": 40.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    manifest = Manifest(stage="pretrain", key="k", path=tmp_path, config={}, upstream={}, files={},
+                        stats={"rollbacks": 1})
+    assert rollbacks(manifest) == [{"step": 8, "rollback": 1, "rollback_from_step": 11,
+                                    "rollback_reason": "spike", "rollback_loss": 40.0}]
+
+
+@pytest.fixture
+def webhook():
+    """A local HTTP server on 127.0.0.1 that keeps the JSON bodies POSTed to it."""
+    received: list[dict] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/hook-secret-7f3a", received
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_a_failed_run_posts_to_the_webhook_and_emits_a_prefect_event(tmp_path, webhook):
+    url, received = webhook
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('not json\n{"no_text": 1}\n')  # every record quarantined: collect fails
+    home = tmp_path / "home"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"collect.sources=[{bad}]",
+         "notify.webhook=env:GRISTMILL_TEST_HOOK", "--until", "collect"], cwd=REPO,
+        env={**cli_env(home), "GRISTMILL_TEST_HOOK": url}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1
+    [message] = received
+    assert message["event"] == "gristmill.run.failed" and message["stage"] == "collect"
+    assert "no source yielded a document" in message["error"]
+    run_id = message["run"]["mlflow_run_id"]
+    with sqlite3.connect(home / "prefect" / "prefect.db") as db:
+        events = db.execute("select resource_id from events where event = 'gristmill.run.failed'")
+        assert [r[0] for r in events] == [f"gristmill.pipeline-run.{run_id}"]
+    with sqlite3.connect(home / "mlflow.db") as db:
+        params = dict(db.execute("select key, value from params where run_uuid = ?", (run_id,)))
+    assert "collect.sources" in params and not any(k.startswith("notify") for k in params)
+    assert "hook-secret-7f3a" not in proc.stdout + proc.stderr + json.dumps(params)

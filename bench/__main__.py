@@ -10,7 +10,8 @@ import sys
 
 BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretrain": "bench.pretrain",
               "dedup": "bench.dedup", "langid": "bench.langid", "clean": "bench.clean",
-              "claims": "bench.claims", "chaos": "bench.chaos"}
+              "claims": "bench.claims", "chaos": "bench.chaos",
+              "evaluate": "bench.evaluate"}
 
 
 def main() -> int:

@@ -4,8 +4,14 @@
     gristmill run configs/tiny.yaml sft.lr=3e-4          # dotted overrides; downstream stages re-run
     gristmill run configs/tiny.yaml --until pretrain     # stop after a stage
     gristmill run configs/tiny.yaml --dry-run            # resolved config + reuse/run per stage
+    gristmill report [RUN]                               # report card of a past run (default: latest)
+    gristmill compare RUN_A RUN_B                        # config, reuse and metric differences
     gristmill plan 125m                                  # Chinchilla tokens, FLOPs, GPU-hours, cost
     gristmill plan 1b --gpu-hours 500 --mfu 0.45 --price-per-gpu-hour 3
+    gristmill evaluate MODEL_DIR --task hellaswag.jsonl --task arc_easy.jsonl --limit 500
+    gristmill up [--print-env]                           # Prefect, MLflow and Ray servers on 127.0.0.1
+    gristmill status | gristmill down                    # what `up` started: health; stop it
+    gristmill serve configs/tiny.yaml                    # the `pipeline` deployment, for the Prefect UI
 """
 from __future__ import annotations
 
@@ -42,7 +48,102 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-peak-tflops", type=float,
                       help="peak dense bf16 TFLOP/s of one GPU (default 989: H100/H200 SXM)")
     plan.add_argument("--vocab-size", type=int, help="vocabulary size (default 32000)")
+    report = commands.add_parser("report", help="(re)write the report card of a past pipeline run")
+    report.add_argument("run", nargs="?", help="MLflow run id or name of the pipeline run "
+                                               "(default: the latest)")
+    compare = commands.add_parser("compare", help="what changed between two pipeline runs: "
+                                                  "config keys, stages reused vs computed, metrics")
+    compare.add_argument("run_a", help="MLflow run id or name")
+    compare.add_argument("run_b", help="MLflow run id or name")
+    evaluate = commands.add_parser("evaluate", help="score a Hugging Face causal-LM directory on benchmark "
+                                                    "files (README: Evaluation)")
+    evaluate.add_argument("model_dir", type=Path, help="HF model directory (config, weights, tokenizer)")
+    evaluate.add_argument("--task", action="append", required=True, metavar="FILE",
+                          help="benchmark JSONL file; repeat for several")
+    evaluate.add_argument("--format", help="force a format instead of recognising it from the fields: "
+                                           "mc, hellaswag, mmlu, piqa, winogrande, lambada, gsm8k")
+    evaluate.add_argument("--limit", type=int, help="score the first N items of each file (lm-eval's --limit)")
+    evaluate.add_argument("--out", type=Path, default=Path("results.json"),
+                          help="results JSON (default results.json); per-item rows go beside it "
+                               "in NAME.items.jsonl")
+    evaluate.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    evaluate.add_argument("--batch-size", type=int, default=16, help="requests per forward pass")
+    evaluate.add_argument("--shots", type=int, default=5, help="GSM8K worked examples per prompt")
+    evaluate.add_argument("--max-new-tokens", type=int, default=256, help="GSM8K generation budget")
+    evaluate.add_argument("--samples", type=int, default=0,
+                          help="GSM8K sampled answers per problem for pass@k (0: greedy only)")
+    evaluate.add_argument("--include-flagged", action="store_true",
+                          help="score MMLU-Redux items whose error_type is not 'ok' too")
+    serve = commands.add_parser("serve", help="serve the `pipeline` deployment on the Prefect server "
+                                              "(PREFECT_API_URL) to start runs from its UI")
+    serve.add_argument("config", type=Path, help="YAML preset: the deployment's default parameters")
+    serve.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    _add_stack_commands(commands)
     return parser
+
+
+def _add_stack_commands(commands) -> None:
+    up = commands.add_parser("up", help="start a Prefect server, an MLflow server and a Ray head "
+                                        "(README: Servers)")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="interface to bind (default 127.0.0.1; 0.0.0.0 exposes them to the network)")
+    from infra.stack import Ports
+
+    for name, default in vars(Ports()).items():
+        up.add_argument(f"--{name.replace('_', '-')}-port", dest=f"{name}_port", type=int, default=default,
+                        metavar="PORT", help=f"default {default}")
+    up.add_argument("--print-env", action="store_true",
+                    help="print only the export line on stdout: eval \"$(gristmill up --print-env)\"")
+    up.add_argument("--timeout", type=float, default=180, help="seconds to wait for health (default 180)")
+    commands.add_parser("status", help="what `gristmill up` started: running or not, pid, URL, health")
+    commands.add_parser("down", help="stop everything `gristmill up` started")
+
+
+def _stack(args: argparse.Namespace) -> int:
+    home = env.configure()
+    from infra import stack
+
+    if args.command == "down":
+        print(stack.format_states(stack.down(home)))
+        return 0
+    if args.command == "status":
+        states = stack.status(home)
+        print(stack.format_states(states))
+        return 0 if all(s.state == "running" for s in states) else 3
+    ports = stack.Ports(**{name: getattr(args, f"{name}_port") for name in vars(stack.Ports())})
+    try:
+        states = stack.up(home, args.host, ports, args.timeout)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 2
+    table = stack.format_states(states) + f"\nlogs: {stack.services_dir(home)}/<name>.log"
+    if args.print_env:
+        print(table, file=sys.stderr)
+        print(stack.exports(states))
+    else:
+        print(f"{table}\n\nto use them from a shell (or: eval \"$(gristmill up --print-env)\"):\n"
+              f"{stack.exports(states)}")
+    return 0 if all(s.state == "running" for s in states) else 1
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from tasks.evaluate.engine import EvalOptions, evaluate_files, format_table
+
+    if (args.limit is not None and args.limit < 1) or args.batch_size < 1 or args.samples < 0:
+        print("gristmill: --limit and --batch-size must be >= 1, --samples >= 0", file=sys.stderr)
+        return 2
+    options = EvalOptions(batch_size=args.batch_size, shots=args.shots, max_new_tokens=args.max_new_tokens,
+                          samples=args.samples, include_flagged=args.include_flagged)
+    warn = lambda message: print(f"gristmill: {message}", file=sys.stderr)  # noqa: E731
+    try:
+        summary = evaluate_files(args.model_dir, args.task, args.out, fmt=args.format, limit=args.limit,
+                                 device=args.device, options=options, warn=warn)
+    except (ValueError, OSError) as error:  # EvalDataError is a ValueError naming the file
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 2
+    print(format_table(summary))
+    print(f"results: {args.out} (per item: {args.out.with_name(args.out.stem + '.items.jsonl')})")
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -60,6 +161,39 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, extras: list[str]) -> int:
+    env.configure()
+    from flows.config import ConfigError, load_config
+    from flows.serve import serve
+
+    try:
+        config = load_config(args.config, [*args.overrides, *extras])
+        serve(config)
+    except (ConfigError, ValueError) as error:
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _history(args: argparse.Namespace) -> int:
+    home = env.configure()
+    from flows import history
+
+    try:
+        if args.command == "compare":
+            print(history.compare(home, args.run_a, args.run_b), end="")
+            return 0
+        md, html, missing = history.report(home, args.run)
+    except LookupError as error:
+        print(f"gristmill: {error.args[0]}", file=sys.stderr)
+        return 2
+    print(md.read_text(), end="")
+    print(f"\nreport card: {md}\n             {html}")
+    return 0
+
+
 def _dry_run(config, planned: list, home: Path) -> None:
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     print(f"\n# plan (artifacts under {env.artifacts_root(home)})")
@@ -74,10 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     # those as extras, which are taken as overrides when they look like key=value.
     args, extras = parser.parse_known_args(argv)
     unknown = [item for item in extras if "=" not in item or item.startswith("-")]
-    if unknown or (extras and args.command != "run"):
+    if unknown or (extras and args.command not in ("run", "serve")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extras)}")
     if args.command == "plan":
         return _plan(args)
+    if args.command == "evaluate":
+        return _evaluate(args)
+    if args.command == "serve":
+        return _serve(args, extras)
+    if args.command in ("report", "compare"):
+        return _history(args)
+    if args.command in ("up", "status", "down"):
+        return _stack(args)
     args.overrides = [*args.overrides, *extras]
     home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
     from flows.config import ConfigError, load_config
@@ -118,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for stage, path in outputs.items():
         print(f"{stage:<9} {path}")
-    print(f"MLflow: mlflow ui --backend-store-uri {tracking_uri(home)}")
+    uri = tracking_uri(home)
+    print(f"MLflow: {uri}" if uri.startswith("http") else f"MLflow: mlflow ui --backend-store-uri {uri}")
     return 0
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from flows.notify import NotifyConfig
 from tasks.align import Config as AlignConfig
 from tasks.collect import Config as CollectConfig
 from tasks.evaluate import Config as EvaluateConfig
@@ -22,6 +23,32 @@ from tasks.tokenize import Config as TokenizeConfig
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the offending key."""
+
+
+class RegistryConfig(BaseModel):
+    """Where the aligned model of each run goes in MLflow's model registry, and when it becomes the
+    champion (flows/registry.py). Not part of any artifact key: it changes no stage output."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Register the aligned model of every run that reaches evaluate "
+                                            "(alias 'candidate'); false: leave the registry alone.")
+    model_name: str | None = Field(None, description="Registered model name; None: 'gristmill-<name>', one "
+                                                     "model per pipeline configuration.")
+    promote_on: list[str] = Field(
+        ["aligned.arith_acc"], min_length=1,
+        description="Metrics '<model>.<metric>' of the evaluate stage's results.json (models: base, sft, "
+                    "aligned) on which a candidate must beat the champion to take the alias 'champion': no "
+                    "worse on every one and better on at least one. Lower is better for names containing "
+                    "'loss', 'ppl' or 'bpb', higher for the rest.")
+
+    @field_validator("promote_on")
+    @classmethod
+    def _dotted(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if len(name.split(".")) != 2 or not all(name.split(".")):
+                raise ValueError(f"{name!r} is not '<model>.<metric>', e.g. 'aligned.arith_acc'")
+        return value
 
 
 class PipelineConfig(BaseModel):
@@ -36,6 +63,14 @@ class PipelineConfig(BaseModel):
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning on conversations.")
     align: AlignConfig = Field(default_factory=AlignConfig, description="Preference alignment.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation and report.")
+    registry: RegistryConfig = Field(default_factory=RegistryConfig,
+                                     description="Model registry: candidate and champion aliases.")
+    notify: NotifyConfig = Field(default_factory=NotifyConfig,
+                                 description="Failure and rollback notifications (webhook, Prefect events).")
+
+    @property
+    def registered_model_name(self) -> str:
+        return self.registry.model_name or f"gristmill-{self.name}"
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -95,6 +130,15 @@ def load_config(path: Path | str | None = None, overrides: Sequence[str] = ()) -
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of stage sections at the top level")
         data = loaded or {}
+    return _validated(data, overrides, str(path or "config"))
+
+
+def with_overrides(config: PipelineConfig, overrides: Sequence[str]) -> PipelineConfig:
+    """`config` with `key=value` overrides applied (the Prefect form's free-form overrides)."""
+    return _validated(config.model_dump(mode="json"), overrides, "config") if overrides else config
+
+
+def _validated(data: dict[str, Any], overrides: Sequence[str], where: str) -> PipelineConfig:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -103,4 +147,4 @@ def load_config(path: Path | str | None = None, overrides: Sequence[str] = ()) -
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"{path or 'config'}: {_describe(error)}") from None
+        raise ConfigError(f"{where}: {_describe(error)}") from None

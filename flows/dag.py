@@ -26,9 +26,10 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("collect", collect, (), uses_ray=True),
     StageSpec("tokenize", tokenize, ("collect",), uses_ray=True),
     StageSpec("pretrain", pretrain, ("tokenize",)),
-    StageSpec("sft", sft, ("pretrain",)),
+    StageSpec("sft", sft, ("tokenize", "pretrain")),  # tokenize: the text mixed in (sft.pretrain_mix)
     StageSpec("align", align, ("sft",)),
-    StageSpec("evaluate", evaluate, ("tokenize", "pretrain", "sft", "align")),
+    # collect: the training text benchmark items are checked against (contamination)
+    StageSpec("evaluate", evaluate, ("collect", "tokenize", "pretrain", "sft", "align")),
 )
 STAGE_NAMES = tuple(spec.name for spec in STAGES)
 

@@ -13,6 +13,7 @@ from typing import Mapping
 
 from core.stage import Manifest
 from flows import report_card
+from flows.registry import Decision
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.tracking import RunRecord, Tracker, pipeline_run, stage_runs_of
@@ -54,6 +55,8 @@ def report(home: Path, run: str | None = None) -> tuple[Path, Path, list[str]]:
                           f"{env.artifacts_root(home)} any more")
     notes = [report_card.Section("Missing artifacts", notes=[
         "Deleted from the artifact store since the run: " + ", ".join(missing)])] if missing else []
+    if decision := Decision.from_tags(parent["tags"]):
+        notes.append(report_card.registry_section(decision.markdown()))
     md, html = publish_report_card(tracker, home, parent["run_id"], parent["name"],
                                    manifests, statuses, notes)
     return md, html, missing

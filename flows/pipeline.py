@@ -16,12 +16,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from core.stage import Engine, Manifest, SerialEngine
-from flows.config import PipelineConfig
+from flows.config import PipelineConfig, with_overrides
 from flows.dag import PlannedStage, plan
 from flows.history import publish_report_card
+from flows.notify import notify, rollbacks
+from flows.registry import Decision, register_and_promote
+from flows.report_card import registry_section
 from flows.reports import PUBLISHERS
 from infra import env
 from infra.artifacts import ArtifactStore
+from infra.memory import PeakRSS
 from infra.tracking import Tracker
 
 
@@ -49,16 +53,17 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
     """The store's compute callback: run the stage into its partial dir, return manifest fields."""
 
     def compute(partial_dir) -> dict[str, Any]:
-        engine = _engine(stage)
-        try:
-            result = stage.spec.module.run(stage.config, upstream, partial_dir, engine=engine)
-        finally:
-            getattr(engine, "shutdown", lambda: None)()
+        with PeakRSS() as peak:  # the stage's memory, its Ray workers' included
+            engine = _engine(stage)
+            try:
+                result = stage.spec.module.run(stage.config, upstream, partial_dir, engine=engine)
+            finally:
+                getattr(engine, "shutdown", lambda: None)()
         artifacts.extend(result.artifacts)
         return {
             "config": stage.config.model_dump(mode="json"),
             "upstream": {name: m.key for name, m in upstream.items()},
-            "stats": result.stats,
+            "stats": {**result.stats, "peak_rss_mb": peak.mb},
             "meta": {"stage_version": stage.spec.module.VERSION, "code_version": env.code_version(),
                      "mlflow_run_id": run_id, "prefect_flow_run_id": str(flow_run.id),
                      "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
@@ -118,9 +123,12 @@ def _summary(planned: list[PlannedStage], manifests: Mapping[str, Manifest]) -> 
 
 
 @flow(name="pipeline")
-def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None) -> dict[str, str]:
-    """Run the DAG (up to and including `until`); returns stage -> artifact directory."""
+def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None,
+             overrides: list[str] | None = None) -> dict[str, str]:
+    """Run the DAG (up to and including `until`); returns stage -> artifact directory.
+    `overrides` are `key=value` settings applied to `config` (free-form, as on the command line)."""
     logger = get_run_logger()
+    config = with_overrides(config, overrides or [])
     home = env.configure()
     store = ArtifactStore(env.artifacts_root(home))
     planned = plan(config, store, until)
@@ -129,26 +137,42 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
                     "reuse" if stage.complete else "run")
     tracker = Tracker(home)
     run_name = f"{config.name} {flow_run.name}"
-    parent = tracker.start_pipeline(run_name, config.model_dump(mode="json"),
+    # `notify` names where a secret is kept: not a parameter of the run
+    parent = tracker.start_pipeline(run_name, config.model_dump(mode="json", exclude={"notify"}),
                                     {"prefect.flow_run_id": str(flow_run.id),
                                      "gristmill.code_version": env.code_version()})
     runtime = Runtime(store, tracker, parent)
     manifests: dict[str, Manifest] = {}
+    decision: Decision | None = None
+    run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}
     try:
         for stage in planned:
             status = "reuse" if stage.complete else "run"
             upstream = {dep: manifests[dep] for dep in stage.spec.deps}
             manifests[stage.spec.name] = run_stage.with_options(
                 task_run_name=f"{stage.spec.name} [{status}]")(stage, upstream, runtime)
-    except BaseException:
+            if not stage.complete and (rows := rollbacks(manifests[stage.spec.name])):
+                notify(config.notify, "training.rollback", run, {"stage": stage.spec.name,
+                                                                 "rollbacks": rows})
+        if config.registry.enabled and "evaluate" in manifests:
+            decision = register_and_promote(config, tracker, parent, manifests)
+            logger.info("registry: %s", decision.markdown())
+    except Exception as error:
+        tracker.end(parent, ok=False)
+        failed = next((s.spec.name for s in planned if s.spec.name not in manifests), None)
+        notify(config.notify, "run.failed", run, {"stage": failed,
+                                                  "error": f"{type(error).__name__}: {error}"[:2000]})
+        raise
+    except BaseException:  # Ctrl-C, SIGTERM: the user stopped it, nothing to report
         tracker.end(parent, ok=False)
         raise
-    summary = _summary(planned, manifests)
+    summary = _summary(planned, manifests) + (f"\n\n{decision.markdown()}" if decision else "")
     logging.getLogger("gristmill").info("pipeline summary\n%s", summary)
     create_markdown_artifact(summary, key="pipeline-summary", description="Stages reused or computed")
     tracker.log_text(parent, summary, "summary.md")
     statuses = {s.spec.name: "reused" if s.complete else "computed" for s in planned}
-    card, _ = publish_report_card(tracker, home, parent, run_name, manifests, statuses)
+    card, _ = publish_report_card(tracker, home, parent, run_name, manifests, statuses,
+                                  [registry_section(decision.markdown())] if decision else [])
     create_markdown_artifact(card.read_text(), key="report-card",
                              description="base → SFT → aligned, curves, funnel, time, lineage")
     tracker.end(parent, ok=True)

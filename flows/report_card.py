@@ -13,22 +13,20 @@ from __future__ import annotations
 import base64
 import html
 import json
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from core.stage import Manifest, read_metrics
+from flows.registry import lower_is_better
 from flows.reports import FUNNEL, funnel_markdown
 from infra.charts import curves_chart, funnel_chart
 
 MODEL_LABELS = ("base", "sft", "aligned")  # evaluate stats are named "<label>_<metric>"
-LOWER_IS_BETTER = re.compile(r"(loss|ppl|perplexity|bpb)")
 # Per training stage, the step-metric columns worth a curve (the rest: lr, grad_norm, tokens/s).
 CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss"),
           "align": ("reward", "kl", "margin", "loss")}
-_BEFORE_AFTER = re.compile(r"heldout_(?P<metric>.+)_(?P<when>before|after)")
 
 
 @dataclass
@@ -63,30 +61,31 @@ def _scores_section(evaluate: Manifest) -> Section:
     labels = [label for label in MODEL_LABELS if any(label in v for v in table.values())]
     rows = [["metric", *labels, f"{labels[0]} → {labels[-1]}" if labels else "change"]]
     for metric, values in table.items():
-        arrow = " ↓" if LOWER_IS_BETTER.search(metric) else ""
+        arrow = " ↓" if lower_is_better(metric) else ""
         first, last = values.get(labels[0]), values.get(labels[-1])
         change = f"{last - first:+.4g}" if first is not None and last is not None else ""
         rows.append([metric + arrow, *[_fmt(values[label]) if label in values else "—"
                                         for label in labels], change])
     return Section("Scores: base → SFT → aligned", rows,
-                   ["↓: lower is better. Every number comes from the evaluate stage "
+                   ["↓: lower is better. `<task>_contaminated`: items found in the model's "
+                    "training data; `<task>_acc_clean`: accuracy on the others. Every number comes "
+                    "from the evaluate stage "
                     f"(`evaluate-{evaluate.key}`), measured on the same items for each model."])
 
 
-def _alignment_section(align: Manifest) -> Section | None:
-    heldout: dict[str, dict[str, float]] = {}
-    for key, value in align.stats.items():
-        match = _BEFORE_AFTER.fullmatch(key)
-        if match and isinstance(value, (int, float)):
-            heldout.setdefault(match["metric"], {})[match["when"]] = float(value)
-    pairs = {m: v for m, v in sorted(heldout.items()) if v.keys() == {"before", "after"}}
-    if not pairs:
+def _alignment_section(evaluate: Manifest) -> Section | None:
+    """The align stage's own held-out before/after, as the evaluate stage summarised it."""
+    results = evaluate.path / "results.json"
+    summary = json.loads(results.read_text()).get("alignment") if results.is_file() else None
+    if not summary:
         return None
     rows = [["metric", "before (SFT)", "after (aligned)", "change"]]
     rows += [[m.replace("_", " "), _fmt(v["before"]), _fmt(v["after"]),
-              f"{v['after'] - v['before']:+.4f}"] for m, v in pairs.items()]
-    method = align.stats.get("method") or align.config.get("method", "?")
-    return Section(f"Alignment ({method}), measured by the align stage on held-out data", rows)
+              f"{v['after'] - v['before']:+.4f}"] for m, v in summary["heldout"].items()]
+    counts = ", ".join(f"{summary[k]} {k.replace('_', ' ')}" for k in
+                       ("pairs_heldout", "prompts_heldout", "steps") if k in summary)
+    return Section(f"Alignment ({summary['method']}), measured by the align stage on held-out data",
+                   rows, [f"Measured on {counts}."] if counts else [])
 
 
 def _curves(manifests: Mapping[str, Manifest]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -144,7 +143,7 @@ def build(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title:
     sections: list[Section] = []
     if "evaluate" in manifests:
         sections.append(_scores_section(manifests["evaluate"]))
-    if "align" in manifests and (aligned := _alignment_section(manifests["align"])):
+    if "evaluate" in manifests and (aligned := _alignment_section(manifests["evaluate"])):
         sections.append(aligned)
     sections += extra or []
     if series := _curves(manifests):
@@ -215,6 +214,11 @@ def to_html(title: str, sections: list[Section]) -> str:
             body.append(f'<img alt="{html.escape(s.chart.stem)}" src="data:image/png;base64,{data}">')
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def registry_section(note: str) -> Section:
+    """The model registry's decision for this run (flows/registry.py)."""
+    return Section("Model registry", notes=[note])
 
 
 def write(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title: str,

@@ -31,6 +31,16 @@ OFFLINE_AND_QUIET = {
 }
 
 
+# Ray rewrites a loopback address (RAY_ADDRESS=127.0.0.1:6379, `--node-ip-address 127.0.0.1`) into
+# this machine's network IP, so a head bound to 127.0.0.1 only would be unreachable. With its
+# single-machine switch off ("0"), 127.0.0.1 stays 127.0.0.1 on both sides.
+RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
 def gristmill_home() -> Path:
     return Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
 
@@ -43,6 +53,8 @@ def configure(home: Path | None = None) -> Path:
     for name, value in OFFLINE_AND_QUIET.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    if is_loopback(os.environ.get("RAY_ADDRESS", "").rpartition(":")[0]):
+        os.environ.setdefault(RAY_SINGLE_MACHINE, "0")  # a `gristmill up` head: see above
     # Prefect attaches its handlers to the extra loggers but leaves their level at WARNING.
     logging.getLogger("gristmill").setLevel(logging.INFO)
     return home
@@ -50,6 +62,17 @@ def configure(home: Path | None = None) -> Path:
 
 def artifacts_root(home: Path) -> Path:
     return Path(home) / "artifacts"
+
+
+def mlflow_store_uri(home: Path) -> str:
+    """MLflow's SQLite store under GRISTMILL_HOME: the embedded default and the backend of the
+    MLflow server `gristmill up` starts, so runs logged either way are one history."""
+    return f"sqlite:///{Path(home).resolve()}/mlflow.db"
+
+
+def mlflow_artifacts_root(home: Path) -> Path:
+    """Where MLflow artifacts live under GRISTMILL_HOME (never ./mlruns of the cwd)."""
+    return Path(home).resolve() / "mlruns"
 
 
 def reports_root(home: Path) -> Path:

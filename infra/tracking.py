@@ -29,6 +29,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from core.stage import METRICS_FILE, Manifest, read_metrics
+from infra import env
 from infra.artifacts import CONFIG, MANIFEST
 
 EXPERIMENT = "gristmill"
@@ -37,7 +38,7 @@ BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch
 
 
 def tracking_uri(home: Path) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(home).resolve()}/mlflow.db"
+    return os.environ.get("MLFLOW_TRACKING_URI") or env.mlflow_store_uri(home)
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -119,7 +120,7 @@ class Tracker:
         if experiment is None:
             # With the default SQLite store, keep artifacts under GRISTMILL_HOME, not the cwd.
             location = None if os.environ.get("MLFLOW_TRACKING_URI") else \
-                (Path(home).resolve() / "mlruns").as_uri()
+                env.mlflow_artifacts_root(home).as_uri()
             self.experiment_id = self.client.create_experiment(EXPERIMENT, artifact_location=location)
         else:
             self.experiment_id = experiment.experiment_id
@@ -205,13 +206,22 @@ class Tracker:
                                                          tags=dict(tags)))
 
     def model_versions(self, name: str) -> list[ModelVersion]:
-        """Every version of registered model `name`, oldest first (none when it does not exist)."""
+        """Every version of registered model `name`, oldest first (none when it does not exist);
+        their `aliases` are empty: a search does not return them (use version_by_alias)."""
         escaped = name.replace("'", "\\'")
         found = self.client.search_model_versions(f"name = '{escaped}'")
         return sorted((_version(mv) for mv in found), key=lambda v: int(v.version))
 
     def version_by_alias(self, name: str, alias: str) -> ModelVersion | None:
-        return next((v for v in self.model_versions(name) if alias in v.aliases), None)
+        """The version `alias` points at; None when the model or the alias does not exist."""
+        try:
+            return _version(self.client.get_model_version_by_alias(name, alias))
+        except TrackingUnavailable:
+            raise
+        except MlflowException as error:
+            if error.error_code not in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
+                raise
+            return None
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(name, alias, version)

@@ -6,6 +6,9 @@ Consecutive windows share one token, so every token but the first is a next-toke
 once per epoch. Windows run across document boundaries (packing, no padding); the separators stay
 in, so the model learns where a document ends.
 
+`load_tokens`, `train_starts`, `windows_batch` and `spaced_batches` turn a split into training and
+validation batches; pretraining reads them, and SFT mixes the same windows into its batches.
+
 Order: epoch `e` visits the windows in a permutation drawn from `(seed, e)`. A reader's position
 `p` is a count of windows it has consumed: epoch `p // per_rank`, permutation slot
 `rank + world_size * (p % per_rank)`. Ranks therefore read disjoint windows, and the position is
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 
 def count_windows(n_tokens: int, seq_len: int) -> int:
@@ -113,3 +117,31 @@ class PackedTokenLoader:
             if state[key] != getattr(self, key):
                 raise ValueError(f"saved position has {key}={state[key]}, this loader {getattr(self, key)}")
         self.position = state["epoch"] * len(self) + state["index"]
+
+
+def load_tokens(tokens_dir: Path, split: str, seq_len: int) -> np.ndarray:
+    """Memory-mapped token ids of `split` ("train" or "val"), checked to hold at least one window."""
+    data = read_tokens(tokens_dir, split)
+    path = Path(tokens_dir) / f"{split}.bin"
+    if len(data) < seq_len + 2:
+        raise ValueError(f"{path} holds {len(data)} tokens, fewer than seq_len + 2 = {seq_len + 2}; "
+                         "lower seq_len or tokenize more text")
+    return data
+
+
+def windows_batch(data: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, torch.Tensor]:
+    """Inputs and next-token labels from windows of seq_len + 1 tokens starting at `starts`."""
+    windows = torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+    return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
+
+
+def train_starts(n_tokens: int, seq_len: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+    """Window starts of training step `step`: a pure function of (seed, step). The whole global
+    batch is read as rank 0 of 1; the training loop splits it across data-parallel processes."""
+    return window_starts(n_tokens, seq_len, seed, position=step * batch_size, count=batch_size)
+
+
+def spaced_batches(data: np.ndarray, seq_len: int, windows: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """A fixed evaluation set: `windows` evenly spaced windows of `data`, in batches of batch_size."""
+    starts = np.linspace(0, len(data) - seq_len - 1, num=windows).astype(np.int64)
+    return [windows_batch(data, starts[i : i + batch_size], seq_len) for i in range(0, len(starts), batch_size)]

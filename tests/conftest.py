@@ -97,7 +97,11 @@ def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
     a local Ray) in a fresh GRISTMILL_HOME, shared by every end-to-end test."""
     # Compression is reported next to GPT-2's vocabulary when its rank file is at hand.
     reference_vocab = f"tokenize.reference_vocab={shared_data / 'tokenizer' / 'gpt2.tiktoken'}"
-    overrides = [*FAST, reference_vocab]
+    # two real benchmarks, 20 items each: scores, contamination and the report card end to end
+    eval_dir = shared_data / "eval"
+    benchmarks = (f"evaluate.tasks=[{eval_dir / 'hellaswag' / 'hellaswag_val_part1.jsonl'},"
+                  f"{eval_dir / 'arc_easy' / 'arc_easy_part1.jsonl'}]")
+    overrides = [*FAST, reference_vocab, benchmarks, "evaluate.limit=20"]
     home = tmp_path_factory.mktemp("e2e") / "home"
     assert plan_of(home, overrides) == {s: "run" for s in STAGES}
     proc = gristmill(home, "run", "configs/tiny.yaml", *overrides)

@@ -73,7 +73,7 @@ def sft_dir(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
     shutil.copytree(tiny_model_dir, root / "pretrain" / "model")
     config = sft.Config(data=[str(shared_data / OASST), str(shared_data / SELF_INSTRUCT), "demo:arithmetic"],
                         max_examples=200, max_steps=120, batch_size=16, lr=3e-3, checkpoint_every=1000,
-                        **COMMON)
+                        pretrain_mix=0, **COMMON)  # conversations only: no tokenize artifact here
     stats = sft.run(config, {"pretrain": _manifest("pretrain", root / "pretrain")}, root / "out",
                     engine=SerialEngine()).stats
     assert stats["steps"] == 120 and stats["truncated_over_max_seq_len"] > 0  # long threads are cut

@@ -7,7 +7,11 @@ import json
 from pathlib import Path
 
 from core.stage import Manifest
-from tasks.evaluate.contamination import contaminated_items, training_sources, training_texts
+from tasks.evaluate.contamination import (
+    contaminated_items,
+    training_sources,
+    training_texts,
+)
 
 
 def _items(path: Path, n: int) -> list[tuple[str, dict]]:

@@ -1,4 +1,5 @@
-"""The evaluate stage on a random tiny model, plus its arithmetic (bits per byte, MC scoring)."""
+"""The evaluate stage on a random tiny model, plus its arithmetic (bits per byte, windows); the
+benchmark engine it runs has its own tests (test_evaluate_engine.py, test_evaluate_crosscheck.py)."""
 from __future__ import annotations
 
 import json
@@ -36,34 +37,18 @@ def test_eval_windows():
         evaluate.eval_windows(1, seq_len=100, max_eval_tokens=10)
 
 
-def test_mc_scorer_picks_highest_loglik():
-    items = [{"query": "Q1", "choices": ["a", "bb", "c"], "gold": 1},
-             {"query": "Q2", "choices": ["x", "y"], "gold": 0},
-             {"query": "Q3", "choices": ["p", "q", "r", "s"], "gold": 3}]
-    table = {"a": -5.0, "bb": -1.0, "c": -3.0, "x": -2.0, "y": -0.5, "p": -9.0, "q": -8.0, "r": -7.0, "s": -1.0}
-    seen_contexts = []
-
-    def stub(context, choices):
-        seen_contexts.append(context)
-        return [table[c] for c in choices]
-
-    scores = evaluate.score_mc(items, stub, delimiter="\nAnswer: ")
-    assert scores["acc"] == pytest.approx(2 / 3)  # Q2's gold "x" loses to "y"
-    assert scores["n"] == 3
-    assert scores["chance"] == pytest.approx((1 / 3 + 1 / 2 + 1 / 4) / 3)
-    assert seen_contexts == ["Q1\nAnswer: ", "Q2\nAnswer: ", "Q3\nAnswer: "]
-
-
-def test_split_context_moves_trailing_space():
-    assert evaluate.split_context("Q?\nAnswer: ", "Paris") == ("Q?\nAnswer:", " Paris")
-    assert evaluate.split_context("Q?", " Paris") == ("Q?", " Paris")
-
-
 def test_config_validation_names_the_field(tmp_path):
     with pytest.raises(ValidationError, match="seq_len"):
         evaluate.Config(seq_len=0)
-    with pytest.raises(ValidationError, match="mc_tasks"):
-        evaluate.Config(mc_tasks=[str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValidationError, match="tasks"):
+        evaluate.Config(tasks=[str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValidationError, match="limit"):
+        evaluate.Config(limit=0)
+    (tmp_path / "a").mkdir()
+    for folder in (tmp_path, tmp_path / "a"):
+        (folder / "arc.jsonl").write_text('{"query": "q", "choices": ["a", "b"], "gold": 0}\n')
+    with pytest.raises(ValidationError, match="share a task name"):
+        evaluate.Config(tasks=[str(tmp_path / "arc.jsonl"), str(tmp_path / "a" / "arc.jsonl")])
     with pytest.raises(ValidationError):
         evaluate.Config(device="tpu")
 
@@ -71,9 +56,15 @@ def test_config_validation_names_the_field(tmp_path):
 def test_fingerprint_follows_file_contents(tmp_path):
     path = tmp_path / "mc.jsonl"
     path.write_text('{"query": "q", "choices": ["a", "b"], "gold": 0}\n')
-    before = evaluate.fingerprint(evaluate.Config(mc_tasks=[str(path)]))
+    before = evaluate.fingerprint(evaluate.Config(tasks=[str(path)]))
     path.write_text('{"query": "q", "choices": ["a", "b"], "gold": 1}\n')
-    assert evaluate.fingerprint(evaluate.Config(mc_tasks=[str(path)])) != before
+    assert evaluate.fingerprint(evaluate.Config(tasks=[str(path)])) != before
+    piqa, labels = tmp_path / "valid.jsonl", tmp_path / "valid-labels.lst"  # PIQA's labels count too
+    piqa.write_text('{"goal": "g", "sol1": "a", "sol2": "b"}\n')
+    labels.write_text("0\n")
+    before = evaluate.fingerprint(evaluate.Config(tasks=[str(piqa)]))
+    labels.write_text("1\n")
+    assert evaluate.fingerprint(evaluate.Config(tasks=[str(piqa)])) != before
 
 
 # --- the stage on a random tiny model -----------------------------------------------------------
@@ -102,18 +93,41 @@ def _model_manifest(stage: str, model_dir: Path, root: Path) -> Manifest:
                     files={}, stats={})
 
 
+LEAKED_ITEM = 3  # the ARC-Easy item the fake crawl quotes
+
+
+def _crawl_quoting_arc_easy_item(path: Path, shared_data: Path, index: int) -> Manifest:
+    """A collect artifact whose one document copies an ARC-Easy question with its choices."""
+    import gzip
+
+    line = (shared_data / "eval" / "arc_easy" / "arc_easy_part1.jsonl").read_text().splitlines()[index]
+    item = json.loads(line)
+    (path / "docs").mkdir(parents=True)
+    with gzip.open(path / "docs" / "part-00000.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"id": "leak", "text": "Quiz of the week! " + item["query"] + " "
+                            + " / ".join(item["choices"])}) + "\n")
+    return Manifest(stage="collect", key="collect-test", path=path, config={}, upstream={},
+                    files={}, stats={})
+
+
 @pytest.fixture(scope="module")
 def stage_run(tmp_path_factory, tiny_model_dir, shared_data):
     root = tmp_path_factory.mktemp("evaluate")
     inputs = {"tokenize": _fake_tokenize(root / "tokenize", tiny_model_dir, shared_data)}
     for stage in ("pretrain", "sft", "align"):
         inputs[stage] = _model_manifest(stage, tiny_model_dir, root)
-    mc_path = shared_data / "eval" / "arc_easy" / "arc_easy_part1.jsonl"
-    config = evaluate.Config(seq_len=64, max_eval_tokens=640, arith_problems=12, max_new_tokens=6,
-                             batch_size=8, mc_tasks=[str(mc_path)], mc_max_items=20, device="cpu")
+    inputs["collect"] = _crawl_quoting_arc_easy_item(root / "collect", shared_data, LEAKED_ITEM)
+    config = _config(shared_data)
     out = root / "out"
     result = evaluate.run(config, inputs, out, engine=SerialEngine())
     return result, out, inputs
+
+
+def _config(shared_data: Path) -> evaluate.Config:
+    tasks = [str(shared_data / "eval" / "arc_easy" / "arc_easy_part1.jsonl"),
+             str(shared_data / "eval" / "lambada_openai" / "lambada_openai_part1.jsonl")]
+    return evaluate.Config(seq_len=64, max_eval_tokens=640, arith_problems=12, max_new_tokens=6,
+                           batch_size=8, tasks=tasks, limit=20, device="cpu")
 
 
 def test_random_model_perplexity_near_vocab(stage_run, tiny_model_dir):
@@ -145,26 +159,34 @@ def test_task_scores_are_fractions_with_item_counts(stage_run):
         assert result.stats[f"{label}_arith_n"] == 12
         acc = result.stats[f"{label}_arith_acc"]
         assert 0.0 <= acc <= 1.0 and (acc * 12) == pytest.approx(round(acc * 12))
-        assert result.stats[f"{label}_mc_arc_easy_part1_n"] == 20
-        assert 0.0 <= result.stats[f"{label}_mc_arc_easy_part1_acc"] <= 1.0
-        assert result.stats[f"{label}_mc_arc_easy_part1_chance"] == pytest.approx(0.25, abs=0.02)
+        assert result.stats[f"{label}_arc_easy_part1_n"] == 20
+        acc = result.stats[f"{label}_arc_easy_part1_acc"]
+        assert 0.0 <= acc <= 1.0 and acc * 20 == pytest.approx(round(acc * 20))
+        assert result.stats[f"{label}_arc_easy_part1_chance"] == pytest.approx(0.25, abs=0.02)
+        assert result.stats[f"{label}_arc_easy_part1_centered_acc"] == pytest.approx((acc - 0.25) / 0.75)
+        assert result.stats[f"{label}_core"] == result.stats[f"{label}_arc_easy_part1_centered_acc"]
+        assert result.stats[f"{label}_lambada_openai_part1_perplexity"] > 1
+        assert result.stats[f"{label}_lambada_openai_part1_n"] == 20
     examples = json.loads((out / "results.json").read_text())["models"]["base"]["arith_examples"]
     assert examples and all("<|im_end|>" not in e["completion"] for e in examples)
 
 
-def test_report_has_a_row_per_metric_and_three_model_columns(stage_run):
+def test_stage_writes_results_and_the_contamination_marks(stage_run):
     result, out, inputs = stage_run
-    report = (out / "report.md").read_text()
-    header = next(line for line in report.splitlines() if line.startswith("| metric"))
-    assert [c.strip() for c in header.strip("|").split("|")] == ["metric", "base", "sft", "aligned", "items"]
-    for metric in ("val perplexity", "val bits per byte", "arithmetic accuracy", "arc_easy_part1 accuracy"):
-        rows = [line for line in report.splitlines() if line.startswith(f"| {metric}")]
-        assert len(rows) == 1, metric
-        assert len(rows[0].strip("|").split("|")) == 5
-    assert f"{result.stats['base_val_ppl']:.2f}" in report
-    for manifest in inputs.values():
-        assert manifest.key in report
-    assert result.artifacts == ["report.md", "results.json"]
+    assert result.artifacts == ["results.json", "contamination.json"]
+    marks = json.loads((out / "contamination.json").read_text())
+    # every model read the crawl; its one leaked item is marked for each, and nothing else
+    assert marks == {label: {"arc_easy_part1": [LEAKED_ITEM], "lambada_openai_part1": []}
+                     for label in ("base", "sft", "aligned")}
+    for label in ("base", "sft", "aligned"):
+        rows = [json.loads(line) for line in
+                (out / "per_model" / label / "tasks" / "arc_easy_part1.items.jsonl").open()]
+        clean = [r["correct"] for r in rows if r["id"] != LEAKED_ITEM]
+        assert result.stats[f"{label}_arc_easy_part1_contaminated"] == 1
+        assert result.stats[f"{label}_arc_easy_part1_n_clean"] == len(rows) - 1 == 19
+        assert result.stats[f"{label}_arc_easy_part1_acc_clean"] == pytest.approx(sum(clean) / 19)
+        assert result.stats[f"{label}_lambada_openai_part1_contaminated"] == 0
+    assert not (out / "report.md").exists()  # the report card is the flow's (flows/report_card.py)
 
 
 def test_batched_generation_matches_one_at_a_time(tiny_model_dir):
@@ -202,3 +224,20 @@ def test_arithmetic_accuracy_counts_correct_answers(monkeypatch, tiny_model_dir)
     expected = sum(p.answer % 2 == 0 for p in probs) / 10
     assert scores["arith_n"] == 10 and scores["arith_acc"] == pytest.approx(expected)
     assert 0 < expected < 1
+
+
+def test_a_killed_run_resumes_per_model_and_per_task(stage_run, shared_data, monkeypatch):
+    """With the SFT model's LAMBADA result gone (killed mid-task), a re-run scores that one task
+    of that one model again and reuses everything else; the stats come out the same."""
+    result, out, inputs = stage_run
+    before = dict(result.stats)
+    (out / "per_model" / "sft" / "tasks" / "lambada_openai_part1.json").unlink()
+    (out / "per_model" / "sft.json").unlink()
+    calls = []
+    real = evaluate.evaluate_task
+    monkeypatch.setattr(evaluate, "evaluate_task", lambda *a, **k: calls.append(a[2].name) or real(*a, **k))
+    again = evaluate.run(_config(shared_data), inputs, out, engine=SerialEngine())
+    assert calls == ["lambada_openai_part1"]
+    assert again.stats == pytest.approx(before)
+    rows = (out / "per_model" / "sft" / "tasks" / "lambada_openai_part1.items.jsonl").read_text().splitlines()
+    assert len(rows) == 20 and json.loads(rows[0])["task"] == "lambada_openai_part1"

@@ -30,8 +30,9 @@ def test_scores_table_puts_each_models_value_under_its_column(tmp_path):
         "base_val_ppl": 300.0, "sft_val_ppl": 350.0, "aligned_val_ppl": 360.0,
         "base_arith_acc": 0.0, "sft_arith_acc": 0.2, "aligned_arith_acc": 0.5,
         "aligned_hellaswag_acc": 0.25, "device": "cpu"}, upstream={"align": "ali000000001"})
-    align = _manifest(tmp_path, "align", {"method": "grpo", "heldout_acc_before": 0.2,
-                                          "heldout_acc_after": 0.5},
+    (evaluate.path / "results.json").write_text(json.dumps({"alignment": {
+        "method": "grpo", "prompts_heldout": 186, "heldout": {"acc": {"before": 0.2, "after": 0.5}}}}))
+    align = _manifest(tmp_path, "align", {"method": "grpo"},
                       [{"step": 1, "reward": 0.1, "kl": 0.0, "lr": 1e-4},
                        {"step": 2, "reward": 0.3, "kl": 0.01, "lr": 1e-4}])
     sections = report_card.build({"align": align, "evaluate": evaluate},
@@ -41,6 +42,7 @@ def test_scores_table_puts_each_models_value_under_its_column(tmp_path):
     assert "| val_ppl ↓ | 300.00 | 350.00 | 360.00 | +60 |" in md
     assert "| hellaswag_acc | — | — | 0.2500 |  |" in md  # only measured where measured
     assert "| acc | 0.2000 | 0.5000 | +0.3000 |" in md  # the align stage's own before/after
+    assert "## Alignment (grpo)" in md and "Measured on 186 prompts heldout." in md
     assert "| align | computed | 1.5 |" in md and "| evaluate | reused | 1.5 |" in md
     assert "evaluate-eva000000001 | align-ali000000001" in md
     html = report_card.to_html("t", sections)
@@ -66,6 +68,9 @@ def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
     row = re.search(r"^\| val_ppl ↓ \| (.+?) \| (.+?) \| (.+?) \|", card, re.M)
     assert [float(v.replace(",", "")) for v in row.groups()] == pytest.approx(
         [stats["base_val_ppl"], stats["sft_val_ppl"], stats["aligned_val_ppl"]], rel=1e-3)
+    for task in ("hellaswag_val_part1", "arc_easy_part1"):  # each score with its contamination
+        for metric in ("acc", "acc_clean", "contaminated", "centered_acc"):
+            assert re.search(rf"^\| {task}_{metric} \| ", card, re.M), (task, metric)
     for section in ("Training curves", "Data funnel", "Tokenizer", "Time per stage", "Lineage"):
         assert f"## {section}" in card
     assert all(f"| {stage} | computed |" in card for stage in STAGES)

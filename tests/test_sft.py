@@ -1,6 +1,7 @@
 """SFT: conversation loading (formats, OpenAssistant trees), the exact assistant-only label mask,
 packing (positions, per-example attention, loss), LoRA (only adapters train, merged export), the
-held-out split, exact resume, and short stage runs that lower held-out assistant-token loss."""
+held-out split, exact resume, pretraining text mixed into the batches, and short stage runs that
+lower held-out assistant-token loss."""
 from __future__ import annotations
 
 import gzip
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import tasks.sft.stage as sft
 from core.chat import render_with_mask
 from core.stage import Manifest, SerialEngine, read_metrics
-from model.loop import IGNORE_INDEX, token_loss_sum
+from model.loop import IGNORE_INDEX, causal_lm_loss, token_loss_sum
 from model.lora import LoraSettings, apply_lora
 from model.packing import collate_packed, pack_examples, packed_logits
 from tasks.sft.conversations import drop_reason, load_conversations, oasst_threads
@@ -267,12 +268,32 @@ def pretrain_manifest(tmp_path, tiny_model_dir) -> Manifest:
                     files={}, stats={})
 
 
-def test_sft_lowers_heldout_assistant_loss(pretrain_manifest, tmp_path):
+@pytest.fixture(scope="module")
+def tokenize_manifest(tmp_path_factory, tiny_tokenizer_dir, shared_data) -> Manifest:
+    """A tokenize artifact's token streams (tokens/{train,val}.bin + meta.json): real text encoded
+    with the tiny tokenizer, documents separated by <|endoftext|>."""
+    import numpy as np
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = (shared_data / "corpus" / "tinyshakespeare.txt").read_text()[:120_000]
+    sep = tok.convert_tokens_to_ids("<|endoftext|>")
+    ids = [t for i in range(0, len(text), 4000) for t in [*tok.encode(text[i : i + 4000]), sep]]
+    root = tmp_path_factory.mktemp("tokenize")
+    (root / "tokens").mkdir()
+    cut = int(0.9 * len(ids))
+    for split, part in (("train", ids[:cut]), ("val", ids[cut:])):
+        np.asarray(part, dtype=np.uint16).tofile(root / "tokens" / f"{split}.bin")
+    (root / "tokens" / "meta.json").write_text(json.dumps({"dtype": "uint16"}))
+    return Manifest(stage="tokenize", key="test", path=root, config={}, upstream={}, files={}, stats={})
+
+
+def test_sft_lowers_heldout_assistant_loss(pretrain_manifest, tokenize_manifest, tmp_path):
     config = sft.Config(data=["demo:arithmetic"], max_examples=200, max_steps=30, batch_size=8,
                         lr=3e-3, warmup_frac=0.1, heldout_fraction=0.1, eval_every=15,
                         checkpoint_every=15, device="cpu")
     out = tmp_path / "sft"
-    result = sft.run(config, {"pretrain": pretrain_manifest}, out, engine=SerialEngine())
+    inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
+    result = sft.run(config, inputs, out, engine=SerialEngine())
     stats = result.stats
     assert stats["examples_heldout"] == 20 and stats["examples_train"] == 180
     assert stats["heldout_loss_after"] < 0.5 * stats["heldout_loss_before"]
@@ -280,11 +301,63 @@ def test_sft_lowers_heldout_assistant_loss(pretrain_manifest, tmp_path):
     assert len(heldout_curve) == 2 and heldout_curve[-1] == stats["heldout_loss_after"]
     assert stats["steps"] == 30 and stats["resumed_from_step"] == 0
     assert stats["params_trainable"] == stats["params_total"] and not (out / "adapter").exists()
+    assert stats["text_tokens_seen"] == 30 * config.pretrain_windows * config.max_seq_len
 
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     base = AutoModelForCausalLM.from_pretrained(pretrain_manifest.path / "model")
     assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
     assert AutoTokenizer.from_pretrained(out / "model").chat_template
+
+
+def test_mixed_batches_carry_pretraining_windows_and_weight_the_loss(tiny_model_dir, tokenize_manifest):
+    """Each step's batch adds pretrain_windows windows of max_seq_len tokens (a pure function of
+    the step), and the loss is (1 - mix) * assistant loss + mix * next-token loss on them."""
+    import numpy as np
+
+    config = sft.Config(pretrain_mix=0.3, pretrain_windows=2, max_seq_len=32, batch_size=2, device="cpu")
+    text = np.fromfile(tokenize_manifest.path / "tokens" / "train.bin", dtype=np.uint16)
+    examples = [([1, 2, 3], [IGNORE_INDEX, 3, 4]), ([5, 6], [6, 7]), ([8, 9], [9, 10])]
+    get_batch, loss_fn, _, _ = sft.batch_source(config, examples, pad_id=0, text=text)
+    batch = get_batch(4)
+    assert batch["text_input_ids"].shape == batch["text_labels"].shape == (2, 32)
+    assert torch.equal(batch["text_input_ids"][:, 1:], batch["text_labels"][:, :-1])
+    assert all(torch.equal(batch[k], get_batch(4)[k]) for k in batch)
+    assert not torch.equal(batch["text_input_ids"], get_batch(5)["text_input_ids"])
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    convs = {k: v for k, v in batch.items() if not k.startswith("text_")}
+    text_part = {"input_ids": batch["text_input_ids"], "labels": batch["text_labels"]}
+    with torch.no_grad():
+        expected = 0.7 * causal_lm_loss(model, convs) + 0.3 * causal_lm_loss(model, text_part)
+        assert torch.allclose(loss_fn(model, batch), expected)
+    only_convs, plain_loss, _, _ = sft.batch_source(config.model_copy(update={"pretrain_mix": 0.0}),
+                                                    examples, pad_id=0, text=text)
+    assert "text_input_ids" not in only_convs(4) and plain_loss is causal_lm_loss
+
+
+def test_pretraining_text_keeps_the_models_language(pretrain_manifest, tokenize_manifest, tmp_path):
+    """Same SFT run with and without text mixed in: the text keeps next-token loss on held-out text
+    below where conversations alone leave it, while the assistant loss still falls."""
+    inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
+    stats = {}
+    for mix in (0.0, 0.5):
+        config = sft.Config(data=["demo:arithmetic"], max_examples=200, max_steps=30, batch_size=8, lr=3e-3,
+                            max_seq_len=64, pretrain_mix=mix, eval_every=0, checkpoint_every=100, device="cpu")
+        stats[mix] = sft.run(config, inputs, tmp_path / str(mix), engine=SerialEngine()).stats
+    assert stats[0.0]["val_text_loss_before"] == stats[0.5]["val_text_loss_before"]
+    assert stats[0.5]["val_text_loss_after"] < stats[0.5]["val_text_loss_before"]
+    assert stats[0.5]["val_text_loss_after"] < stats[0.0]["val_text_loss_after"] - 0.5  # nats
+    assert stats[0.5]["heldout_loss_after"] < 0.7 * stats[0.5]["heldout_loss_before"]
+    assert stats[0.0]["text_tokens_seen"] == 0 and stats[0.5]["text_tokens_seen"] == 30 * 2 * 64
+
+
+def test_mixing_text_needs_the_tokenize_artifact(pretrain_manifest, tmp_path):
+    with pytest.raises(ValueError, match="pretrain_mix=0.25 .* 'tokenize'"):
+        sft.run(sft.Config(max_examples=20, max_steps=1, device="cpu"), {"pretrain": pretrain_manifest},
+                tmp_path / "out", engine=SerialEngine())
+    with pytest.raises(ValueError, match="pretrain_windows \\(3\\) must be a multiple"):
+        sft.Config(pretrain_windows=3, batch_size=4, grad_accum_steps=2)
+    sft.Config(pretrain_windows=3, batch_size=4, grad_accum_steps=2, pretrain_mix=0)  # nothing mixed in
 
 
 def _lora_config(**overrides) -> sft.Config:
@@ -298,7 +371,8 @@ def test_lora_with_packing_exports_merged_model_and_adapter(pretrain_manifest, t
     from peft import PeftModel
 
     out = tmp_path / "sft"
-    stats = sft.run(_lora_config(), {"pretrain": pretrain_manifest}, out, engine=SerialEngine()).stats
+    stats = sft.run(_lora_config(pretrain_mix=0), {"pretrain": pretrain_manifest}, out,
+                    engine=SerialEngine()).stats
     assert stats["heldout_loss_after"] < stats["heldout_loss_before"] - 0.5  # nats; base embeddings stay frozen
     assert stats["packed_rows"] < stats["examples_train"] and 0.8 < stats["packed_fill"] <= 1
     assert stats["params_trainable"] < 0.2 * stats["params_total"]
@@ -318,9 +392,11 @@ def test_lora_with_packing_exports_merged_model_and_adapter(pretrain_manifest, t
     assert torch.allclose(got, expected, atol=1e-5)
 
 
-def test_lora_resume_after_crash_is_exact(pretrain_manifest, tmp_path, monkeypatch, caplog):
+def test_lora_resume_after_crash_is_exact(pretrain_manifest, tokenize_manifest, tmp_path, monkeypatch,
+                                          caplog):
+    """With pretraining text mixed in (the default), so its windows resume exactly too."""
     config = _lora_config(max_steps=6, checkpoint_every=2, eval_every=3, max_examples=60)
-    inputs = {"pretrain": pretrain_manifest}
+    inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
     sft.run(config, inputs, tmp_path / "straight", engine=SerialEngine())
 
     real_indices = sft.epoch_indices
@@ -341,14 +417,15 @@ def test_lora_resume_after_crash_is_exact(pretrain_manifest, tmp_path, monkeypat
     untimed = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
     straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert untimed(read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == untimed(straight)
-    assert len(straight) == 6 and sum("heldout_loss" in r for r in straight) == 2
+    assert len(straight) == 6 and sum("heldout_loss" in r and "val_text_loss" in r for r in straight) == 2
     for name in ("model/model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(tmp_path / "straight" / name), load_file(tmp_path / "resumed" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_tokens_per_step_needs_packing(pretrain_manifest, tmp_path):
-    config = sft.Config(max_examples=20, max_steps=1, tokens_per_step=1024, batch_size=2, device="cpu")
+    config = sft.Config(max_examples=20, max_steps=1, tokens_per_step=1024, batch_size=2, device="cpu",
+                        pretrain_mix=0)
     with pytest.raises(ValueError, match="tokens_per_step needs packing"):
         sft.run(config, {"pretrain": pretrain_manifest}, tmp_path / "out", engine=SerialEngine())
 

@@ -5,14 +5,16 @@ so this module imports no torch or transformers; `run` is in stage.py.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from core.sources import JSONL_SUFFIXES, fingerprint_sources, source_files
 from core.stage import StageConfig
+from tasks.evaluate.formats import piqa_labels_path, task_name
 
-VERSION = 1
+VERSION = 2  # 2: the benchmark engine (tasks, limit) replaced mc_tasks
 
 
 class Config(StageConfig):
@@ -25,11 +27,11 @@ class Config(StageConfig):
     arith_seed: int = Field(0, description="Seed choosing which arithmetic test problems are asked.")
     max_new_tokens: int = Field(16, description="Greedy generation budget per arithmetic answer (tokens).")
     batch_size: int = Field(16, description="Sequences per forward pass / generation batch.")
-    mc_tasks: tuple[str, ...] = Field((), description="Paths of multiple-choice JSONL files "
-                                                      "({query, choices, gold} per line).")
-    mc_max_items: int = Field(500, description="Items scored per multiple-choice file (the first N).")
-    mc_delimiter: str = Field("\nAnswer: ", description="Text between a multiple-choice query and "
-                                                        "each choice (llm-foundry's continuation_delimiter).")
+    tasks: tuple[str, ...] = Field((), description="Benchmark JSONL files scored by the benchmark engine "
+                                                   "(formats recognised from their fields: README, Evaluation).")
+    limit: int | None = Field(500, description="Items scored per benchmark file (the first N; None: all).")
+    gsm8k_max_new_tokens: int = Field(256, description="Generation budget per GSM8K answer (tokens).")
+    gsm8k_samples: int = Field(0, description="Sampled GSM8K answers per problem for pass@k (0: greedy only).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to run the models; "
                                                                        "auto picks cuda when available.")
 
@@ -38,21 +40,41 @@ class Config(StageConfig):
     unhashed_fields: ClassVar[frozenset[str]] = frozenset({"device"})
 
     @field_validator("seq_len", "max_eval_tokens", "arith_problems", "max_new_tokens",
-                     "batch_size", "mc_max_items")
+                     "batch_size", "gsm8k_max_new_tokens")
     @classmethod
     def _positive(cls, v: int, info: Any) -> int:
         if v < 1:
             raise ValueError(f"{info.field_name} must be >= 1, got {v}")
         return v
 
-    @field_validator("mc_tasks")
+    @field_validator("limit")
     @classmethod
-    def _mc_files(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+    def _limit(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {v}")
+        return v
+
+    @field_validator("gsm8k_samples")
+    @classmethod
+    def _samples(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"gsm8k_samples must be >= 0, got {v}")
+        return v
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_files(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for path in v:
-            source_files(path, JSONL_SUFFIXES)  # ValueError naming a missing or unsupported file
+            if len(source_files(path, JSONL_SUFFIXES)) != 1:  # ValueError naming a missing file
+                raise ValueError(f"tasks: {path} is not one benchmark file")
+        names = [task_name(Path(path)) for path in v]  # results are kept per task name
+        if len(set(names)) != len(names):
+            raise ValueError(f"tasks: two files share a task name: {sorted({n for n in names if names.count(n) > 1})}")
         return v
 
 
 def fingerprint(config: Config) -> str:
-    """Digest of the multiple-choice files' contents, so editing one triggers a re-run."""
-    return fingerprint_sources(config.mc_tasks, JSONL_SUFFIXES)
+    """Digest of the benchmark files' contents (PIQA's labels file beside it included), so
+    editing one triggers a re-run."""
+    labels = [str(piqa_labels_path(Path(p))) for p in config.tasks if piqa_labels_path(Path(p)).is_file()]
+    return fingerprint_sources([*config.tasks, *labels])

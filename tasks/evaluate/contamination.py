@@ -6,8 +6,10 @@ the SFT and alignment data sources named in those stages' configs (all string fi
 record: prompts, replies, rejected replies alike). `demo:arithmetic` stands for every problem the
 generator can make, with its answer: a superset of what training saw, so never an undercount.
 
-A contaminated item is still scored; the report shows, per task, how many items were seen and
-the score on the clean rest next to the full score.
+Each model is checked against what it was trained on: base against the collect documents, SFT
+against those and the SFT data, aligned against all three. A contaminated item is still scored;
+next to each task's full score stand the number of contaminated items and the accuracy on the
+clean rest (`contaminated`, `n_clean`, `acc_clean`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from core.decontam import DecontamConfig, all_strings, index_items
 from core.files import iter_jsonl
 from core.sources import JSONL_SUFFIXES, parse_source, source_files
 from core.stage import Manifest
+from tasks.evaluate.formats import read_records, task_name
 
 # Config fields of the training stages that name their data sources (sft.data, align.<method>.data,
 # align.grpo.prompts).
@@ -71,3 +74,29 @@ def contaminated_items(tasks: Mapping[str, list[tuple[str, dict]]], texts: Itera
     for task, item in index.found:
         found[task].add(item)
     return found
+
+
+# model label -> the training data in its lineage
+SEEN_BY = {"base": ("collect",), "sft": ("collect", "sft"), "aligned": ("collect", "sft", "align")}
+
+
+def mark_items(task_paths: list[str], limit: int | None,
+               inputs: Mapping[str, Manifest]) -> dict[str, dict[str, list[int]]]:
+    """{model label: {task: indices of its items found in that model's training data}}; item
+    indices are positions among the first `limit` records, as the engine numbers them."""
+    items = {task_name(Path(p)): [(str(i), r) for i, r in enumerate(read_records(Path(p), limit))]
+             for p in task_paths}
+    found = {part: contaminated_items(items, training_texts({part: inputs[part]}))
+             for part in ("collect", "sft", "align") if part in inputs}
+    return {label: {task: sorted({int(i) for part in parts if part in found for i in found[part][task]})
+                    for task in items}
+            for label, parts in SEEN_BY.items()}
+
+
+def clean_scores(rows: list[dict[str, Any]], marked: list[int]) -> dict[str, Any]:
+    """How many scored items are contaminated, and the accuracy on the others (None when none is
+    clean)."""
+    seen = set(marked)
+    clean = [float(r["correct"]) for r in rows if r["id"] not in seen]
+    return {"contaminated": len(rows) - len(clean), "n_clean": len(clean),
+            "acc_clean": sum(clean) / len(clean) if clean else None}

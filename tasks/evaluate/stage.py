@@ -4,14 +4,17 @@ For each model (inputs "pretrain", "sft", "align", labelled base / sft / aligned
 
 1. held-out perplexity and bits per byte on the tokenize stage's `tokens/val.bin`;
 2. accuracy on generated arithmetic test problems (greedy chat generation, `core.arithmetic`);
-3. optionally, multiple-choice tasks in the llm-foundry JSONL format `{"query", "choices", "gold"}`,
-   scored by the summed log-likelihood of each choice given the query.
+3. optionally, benchmark files (`tasks`: HellaSwag, ARC, MMLU-Redux, WinoGrande, LAMBADA, GSM8K...),
+   scored by the benchmark engine (engine.py), the one behind `gristmill evaluate`.
 
-Writes `results.json` (nested by model) and `report.md` (a Markdown table base → SFT → aligned),
-plus the align stage's own held-out measurements before and after alignment (its manifest stats:
-preference accuracy and margin for DPO, greedy accuracy on held-out problems for GRPO).
-Each model's results are also kept in `per_model/<label>.json` as it finishes, so a killed run
-resumes with the next model.
+Writes `results.json` (nested by model, with the align stage's own held-out measurements before
+and after alignment: preference accuracy and margin for DPO, greedy accuracy on held-out
+problems for GRPO) and `contamination.json` (per model and task, the items found in that model's
+training data: contamination.py). The report card that compares the models is rendered from
+these by the flow (flows/report_card.py), not here.
+Each model's results are also kept in `per_model/<label>.json` as it finishes, and its parts
+(perplexity + arithmetic, each benchmark file with its per-item JSONL) in `per_model/<label>/`,
+so a killed run resumes with the next model or the next task.
 """
 from __future__ import annotations
 
@@ -20,17 +23,25 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
 import core.arithmetic as arithmetic
 from core.chat import prompt_ids
-from core.files import iter_jsonl
 from core.stage import Engine, Manifest, StageResult
 from core.units import bits_per_byte
 from model.generate import generate_greedy
 from tasks.evaluate.config import VERSION, Config, fingerprint  # noqa: F401 (the contract, re-exported)
+from tasks.evaluate.contamination import clean_scores, mark_items
+from tasks.evaluate.engine import (
+    EvalOptions,
+    evaluate_task,
+    load_model,
+    summarize,
+    write_results,
+)
+from tasks.evaluate.formats import load_task
 
 log = logging.getLogger("gristmill.evaluate")
 
@@ -97,88 +108,10 @@ def arithmetic_accuracy(model: Any, tokenizer: Any, config: Config, device: str)
     return {"arith_acc": sum(correct) / len(correct), "arith_n": len(correct), "arith_examples": examples}
 
 
-# --- multiple choice ----------------------------------------------------------------------------
-
-LoglikFn = Callable[[str, Sequence[str]], list[float]]
-
-
-def load_mc_items(path: Path | str, max_items: int) -> list[dict[str, Any]]:
-    items = []
-    for item in iter_jsonl([path]):
-        if len(items) >= max_items:
-            break
-        if not 0 <= item["gold"] < len(item["choices"]):
-            raise ValueError(f"{path}: gold {item['gold']} out of range in {item['query']!r}")
-        items.append(item)
-    return items
-
-
-def score_mc(items: Sequence[dict[str, Any]], loglik: LoglikFn, delimiter: str) -> dict[str, float]:
-    """Accuracy of picking the choice with the highest log-likelihood, and the chance level."""
-    correct = 0
-    for item in items:
-        scores = loglik(item["query"] + delimiter, item["choices"])
-        correct += int(np.argmax(scores)) == item["gold"]
-    chance = float(np.mean([1 / len(item["choices"]) for item in items]))
-    return {"acc": correct / len(items), "n": len(items), "chance": chance}
-
-
-def split_context(context: str, continuation: str) -> tuple[str, str]:
-    """Move the context's trailing spaces onto the continuation, so a byte-level BPE sees
-    " Paris" as it would in running text rather than a lone space token."""
-    stripped = context.rstrip(" ")
-    return stripped, context[len(stripped):] + continuation
-
-
-def model_loglik(model: Any, tokenizer: Any, device: str) -> LoglikFn:
-    """A `LoglikFn` summing the model's log-probabilities of each continuation's tokens."""
-    import torch
-
-    max_len = model.config.max_position_embeddings
-
-    def loglik(context: str, continuations: Sequence[str]) -> list[float]:
-        seqs, n_conts = [], []
-        for cont in continuations:
-            ctx_text, cont_text = split_context(context, cont)
-            ctx = tokenizer.encode(ctx_text, add_special_tokens=False)
-            cont_ids = tokenizer.encode(cont_text, add_special_tokens=False)
-            seqs.append((ctx + cont_ids)[-(max_len + 1):])  # keep the continuation, trim the context
-            n_conts.append(len(cont_ids))
-        width = max(len(s) for s in seqs) - 1
-        ids = torch.tensor([s[:-1] + [tokenizer.pad_token_id] * (width + 1 - len(s)) for s in seqs],
-                           device=device)
-        mask = (torch.arange(width, device=device)[None, :] <
-                torch.tensor([len(s) - 1 for s in seqs], device=device)[:, None]).long()
-        with torch.no_grad():
-            logprobs = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-        out = []
-        for row, (seq, n) in enumerate(zip(seqs, n_conts)):
-            positions = torch.arange(len(seq) - 1 - n, len(seq) - 1, device=device)
-            targets = torch.tensor(seq[-n:], device=device)
-            out.append(logprobs[row, positions, targets].sum().item())
-        return out
-
-    return loglik
-
-
-def task_name(path: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", Path(path).name.removesuffix(".jsonl").lower()).strip("_")
-
-
 # --- per model ----------------------------------------------------------------------------------
 
-def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # float32 everywhere so CPU and GPU results agree up to kernel rounding.
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    return model, tokenizer
-
-
-def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: str) -> dict[str, Any]:
-    model, tokenizer = load_model(model_dir, device)
+def _perplexity_and_arithmetic(model: Any, tokenizer: Any, model_dir: Path, tokenize_dir: Path,
+                                config: Config, device: str) -> dict[str, Any]:
     meta = json.loads((tokenize_dir / "tokens" / "meta.json").read_text())
     if len(tokenizer) != meta["vocab_size"]:
         raise ValueError(f"{model_dir}: tokenizer has {len(tokenizer)} tokens but the val split "
@@ -188,24 +121,64 @@ def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: 
                          f"({model.config.max_position_embeddings}) in {model_dir}")
     results: dict[str, Any] = perplexity(model, tokenize_dir, config, device)
     results.update(arithmetic_accuracy(model, tokenizer, config, device))
-    loglik = model_loglik(model, tokenizer, device)
-    results["mc"] = {task_name(path): score_mc(load_mc_items(path, config.mc_max_items),
-                                               loglik, config.mc_delimiter)
-                     for path in config.mc_tasks}
     return results
 
 
+def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: str, work: Path,
+                   marked: Mapping[str, list[int]]) -> dict[str, Any]:
+    """Perplexity, arithmetic and every benchmark file for one model, each task's score with its
+    contaminated items (`marked`: task -> item indices) counted and the clean rest's accuracy.
+    Each part is kept in `work` as it finishes (core.json, tasks/<task>.json + its per-item
+    JSONL, each written atomically), so a killed run resumes with the next part; the model is
+    loaded only if a part is missing."""
+    loaded: list[tuple[Any, Any]] = []
+
+    def model_and_tokenizer() -> tuple[Any, Any]:
+        if not loaded:
+            loaded.append(load_model(model_dir, device))
+        return loaded[0]
+
+    core_file = work / "core.json"
+    if core_file.exists():
+        results: dict[str, Any] = json.loads(core_file.read_text())
+    else:
+        results = _perplexity_and_arithmetic(*model_and_tokenizer(), model_dir, tokenize_dir, config, device)
+        write_results(core_file, results, [])
+    options = EvalOptions(batch_size=config.batch_size, max_new_tokens=config.gsm8k_max_new_tokens,
+                          samples=config.gsm8k_samples)
+    tasks = {}
+    for path in config.tasks:
+        data = load_task(path, limit=config.limit)
+        done = work / "tasks" / f"{data.name}.json"
+        if not done.exists():
+            summary, rows = evaluate_task(*model_and_tokenizer(), data, options, device)
+            write_results(done, summary, rows)
+            log.info("%s: %s acc %.4f on %d items", model_dir, data.name, summary["acc"], summary["n"])
+        rows = [json.loads(line) for line in done.with_name(f"{data.name}.items.jsonl").open()]
+        tasks[data.name] = {**json.loads(done.read_text()),
+                            **clean_scores(rows, marked.get(data.name, []))}
+    return {**results, **summarize(tasks)}
+
+
 def flat_stats(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """`{label}_{metric}` for every numeric result, e.g. base_val_bpb, aligned_mc_arc_easy_acc."""
+    """`{label}_{metric}` for every numeric result: base_val_bpb, aligned_core,
+    sft_arc_easy_part1_acc, base_mmlu_redux_part1_subject_anatomy_acc... (MLflow metric names)."""
     stats: dict[str, float] = {}
     for label, res in results.items():
         for key, value in res.items():
-            if isinstance(value, (int, float)):
+            if _is_number(value):
                 stats[f"{label}_{key}"] = value
-        for task, scores in res.get("mc", {}).items():
+        for task, scores in res.get("tasks", {}).items():
             for key, value in scores.items():
-                stats[f"{label}_mc_{task}_{key}"] = value
+                if _is_number(value):
+                    stats[f"{label}_{task}_{key}"] = value
+            for subject, sub in scores.get("subjects", {}).items():
+                stats[f"{label}_{task}_subject_{subject}_acc"] = sub["acc"]
     return stats
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # --- alignment ----------------------------------------------------------------------------------
@@ -229,50 +202,6 @@ def alignment_summary(align_stats: Mapping[str, Any]) -> dict[str, Any]:
     return {"method": align_stats.get("method", "?"), **counts, "heldout": heldout}
 
 
-def alignment_lines(summary: Mapping[str, Any]) -> list[str]:
-    if not summary:
-        return []
-    items = [f"{summary[k]} held-out {k.split('_')[0]}" for k in ALIGN_COUNTS[:2] if k in summary]
-    items += [f"{summary['steps']} alignment steps"] if "steps" in summary else []
-    lines = ["", f"## Alignment ({summary['method']}, measured by the align stage on held-out data)", "",
-             "| metric | before (SFT) | after (aligned) | change |", "|---|---:|---:|---:|"]
-    for metric, v in summary["heldout"].items():
-        lines.append(f"| {metric.replace('_', ' ')} | {v['before']:.4f} | {v['after']:.4f} | "
-                     f"{v['after'] - v['before']:+.4f} |")
-    return lines + (["", "Measured on " + ", ".join(items) + "."] if items else [])
-
-
-# --- report -------------------------------------------------------------------------------------
-
-def _row(name: str, values: list[float], items: Any, fmt: str = "{:.4f}") -> str:
-    return "| " + " | ".join([name, *[fmt.format(v) for v in values], str(items)]) + " |"
-
-
-def render_report(results: Mapping[str, Mapping[str, Any]], upstream: Mapping[str, str],
-                  device: str, alignment: Mapping[str, Any] | None = None) -> str:
-    labels = list(results)
-    first = results[labels[0]]
-    col = lambda key: [results[label][key] for label in labels]  # noqa: E731
-    lines = ["# Evaluation report", "",
-             "| metric | " + " | ".join(labels) + " | items |",
-             "|---|" + "---:|" * len(labels) + "---:|",
-             _row("val perplexity ↓", col("val_ppl"), f"{first['val_tokens_evaluated']} tokens", "{:.2f}"),
-             _row("val bits per byte ↓", col("val_bpb"), f"{first['val_bytes_covered']:.0f} bytes"),
-             _row("val loss (nats/token) ↓", col("val_loss"), f"{first['val_tokens_evaluated']} tokens"),
-             _row("arithmetic accuracy ↑", col("arith_acc"), f"{first['arith_n']} problems", "{:.3f}")]
-    for task, scores in first["mc"].items():
-        accs = [results[label]["mc"][task]["acc"] for label in labels]
-        lines.append(_row(f"{task} accuracy ↑ (chance {scores['chance']:.3f})", accs,
-                          f"{scores['n']} items", "{:.3f}"))
-    lines += ["", "Bits per byte: total NLL (nats) / (ln 2 × bytes), where bytes = the val split's "
-              "UTF-8 bytes × (tokens evaluated / val tokens); document separators count as tokens "
-              "but add no bytes."]
-    lines += alignment_lines(alignment or {})
-    lines += ["", f"Device: {device}.", "", "## Upstream artifacts", ""]
-    lines += [f"- {name}: `{key}`" for name, key in upstream.items()]
-    return "\n".join(lines) + "\n"
-
-
 # --- stage --------------------------------------------------------------------------------------
 
 def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
@@ -283,6 +212,11 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine
     tokenize_dir = Path(inputs["tokenize"].path)
     per_model = out_dir / "per_model"
     per_model.mkdir(parents=True, exist_ok=True)
+    contamination = out_dir / "contamination.json"
+    if not contamination.exists():  # the benchmark items each model's training data holds
+        marks = mark_items(list(config.tasks), config.limit, inputs) if config.tasks else {}
+        contamination.write_text(json.dumps(marks, indent=2, sort_keys=True) + "\n")
+    marks = json.loads(contamination.read_text())
     results: dict[str, dict[str, Any]] = {}
     for label, stage in MODELS.items():
         done = per_model / f"{label}.json"
@@ -290,7 +224,8 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine
             results[label] = json.loads(done.read_text())
             continue
         log.info("evaluating %s (%s) on %s", label, inputs[stage].key, device)
-        results[label] = evaluate_model(Path(inputs[stage].path) / "model", tokenize_dir, config, device)
+        results[label] = evaluate_model(Path(inputs[stage].path) / "model", tokenize_dir, config, device,
+                                        per_model / label, marks.get(label, {}))
         done.write_text(json.dumps(results[label], indent=2, sort_keys=True))
         log.info("%s: ppl %.2f bpb %.4f arith %.3f", label, results[label]["val_ppl"],
                  results[label]["val_bpb"], results[label]["arith_acc"])
@@ -299,8 +234,7 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine
     alignment = alignment_summary(inputs["align"].stats)
     payload = {"models": results, "alignment": alignment, "upstream": upstream, "device": device}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    (out_dir / "report.md").write_text(render_report(results, upstream, device, alignment))
     stats = flat_stats(results)
     for metric, values in alignment.get("heldout", {}).items():
         stats.update({f"align_heldout_{metric}_{when}": v for when, v in values.items()})
-    return StageResult(stats=stats, artifacts=["report.md", "results.json"])
+    return StageResult(stats=stats, artifacts=["results.json", "contamination.json"])

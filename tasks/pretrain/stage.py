@@ -27,7 +27,13 @@ from transformers import AutoTokenizer
 from core.stage import Engine, Manifest, MetricsLog, SerialEngine, StageResult
 from core.units import bits_per_byte
 from model.checkpoint import remove_checkpoints
-from model.data import read_tokens, window_starts
+from model.data import (
+    load_tokens,
+    read_tokens,
+    spaced_batches,
+    train_starts,
+    windows_batch,
+)
 from model.export import export_model
 from model.loop import Batch, mean_token_loss, train
 from model.plan import flops_per_token
@@ -58,33 +64,9 @@ def bytes_per_token(tokens_dir: Path) -> float:
     return meta["val_bytes"] / meta["val_tokens"]
 
 
-def load_tokens(tokens_dir: Path, split: str, seq_len: int) -> np.ndarray:
-    """Memory-mapped token ids of `split` ("train" or "val"), checked to hold at least one window."""
-    data = read_tokens(tokens_dir, split)
-    path = tokens_dir / f"{split}.bin"
-    if len(data) < seq_len + 2:
-        raise ValueError(f"{path} holds {len(data)} tokens, fewer than seq_len + 2 = {seq_len + 2}; "
-                         "lower seq_len or tokenize more text")
-    return data
-
-
-def windows_batch(data: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
-    """Inputs and next-token labels from windows of seq_len + 1 tokens starting at `starts`."""
-    windows = torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64))
-    return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
-
-
-def train_starts(n_tokens: int, seq_len: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-    """Window starts of training step `step`: a pure function of (seed, step). The whole global
-    batch is read as rank 0 of 1; the training loop splits it across data-parallel processes."""
-    return window_starts(n_tokens, seq_len, seed, position=step * batch_size, count=batch_size)
-
-
 def val_batches(data: np.ndarray, config: Config) -> list[Batch]:
     """The fixed validation set: `val_windows` evenly spaced windows, in batches of batch_size."""
-    starts = np.linspace(0, len(data) - config.seq_len - 1, num=config.val_windows).astype(np.int64)
-    return [windows_batch(data, starts[i : i + config.batch_size], config.seq_len)
-            for i in range(0, len(starts), config.batch_size)]
+    return spaced_batches(data, config.seq_len, config.val_windows, config.batch_size)
 
 
 def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:

@@ -5,17 +5,17 @@ so this module imports no torch; `run` is in stage.py.
 """
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from core.sources import JSONL_SUFFIXES, fingerprint_sources
 from model.settings import LoopConfig, LoraSettings
 
-VERSION = 2
+VERSION = 3  # 3: pretraining text mixed into the batches (pretrain_mix)
 
 
 class Config(LoopConfig):
-    """Supervised fine-tuning: data sources, sequence limits, held-out share, packing, LoRA, and the
-    loop knobs."""
+    """Supervised fine-tuning: data sources, sequence limits, held-out share, packing, LoRA, the
+    share of pretraining text mixed in, and the loop knobs."""
 
     data: list[str] = Field(["demo:arithmetic"], min_length=1,
                             description="Conversation sources: 'demo:arithmetic' or JSONL(.gz) paths "
@@ -30,8 +30,28 @@ class Config(LoopConfig):
     packing: bool = Field(False, description="Concatenate examples into rows of up to max_seq_len tokens "
                                              "(best fit decreasing); each keeps its own positions and "
                                              "attends only to itself. batch_size then counts rows.")
+    pretrain_mix: float = Field(
+        0.25, ge=0, lt=1,
+        description="Weight of plain next-token loss on pretraining text (windows of the tokenize stage's "
+                    "train tokens) in every step's loss: (1 - pretrain_mix) * assistant-token loss + "
+                    "pretrain_mix * text loss, so the model keeps its language while it learns the "
+                    "conversations (tiny preset: validation perplexity 282 -> 187 with 0.25, -> 1.3M with "
+                    "conversations alone; README). 0: conversations only, and no tokenize artifact needed.")
+    pretrain_windows: int = Field(
+        2, gt=0, description="Pretraining windows of max_seq_len tokens per step when pretrain_mix > 0 "
+                             "(a multiple of grad_accum_steps), in a seeded order over the train tokens.")
     lora: LoraSettings | None = Field(None, description="Train LoRA adapters on a frozen base model "
                                                         "(None: full fine-tuning). The export merges them.")
+
+    @model_validator(mode="after")
+    def _windows_split_evenly(self) -> "Config":
+        # The loop splits every tensor of a batch into grad_accum_steps micro-batches; fewer windows
+        # than micro-batches would leave some micro-batches without their share of text.
+        accum = (self.with_seq_len(self.max_seq_len) if self.packing else self).grad_accum_steps
+        if self.pretrain_mix > 0 and self.pretrain_windows % accum:
+            raise ValueError(f"pretrain_windows ({self.pretrain_windows}) must be a multiple of the "
+                             f"gradient accumulation steps ({accum})")
+        return self
 
 
 def fingerprint(config: Config) -> str:

@@ -1,0 +1,372 @@
+"""`gristmill up / status / down`: a standing Prefect server, MLflow tracking server and Ray head on
+this machine, bound to 127.0.0.1 unless `--host` says otherwise, all state under GRISTMILL_HOME.
+
+    gristmill up                          # start what is not running; print URLs and exports
+    eval "$(gristmill up --print-env)"    # the same, and point this shell's runs at them
+    gristmill status                      # per service: running/stopped, pid, URL, health
+    gristmill down                        # stop exactly what `up` started
+
+Each service runs in a session of its own; `$GRISTMILL_HOME/services/` holds `<name>.pid`,
+`<name>.json` (what it serves, how to check it) and `<name>.log`. `down` stops every process of
+that session — the servers' workers, Ray's GCS, raylet and workers — and nothing else (`ray stop`
+would stop every Ray on the machine). A second `up` starts nothing that is already alive; a pid
+file whose process is gone (or whose pid was reused) is replaced. Prefect keeps its database in
+`$GRISTMILL_HOME/prefect` and MLflow uses the SQLite store and artifact folder under
+GRISTMILL_HOME, so runs made with the embedded services (infra/services.py) and runs made
+against these servers are one history.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import psutil
+
+from infra import env
+from infra.services import home_lock
+from infra.supervisor import alive, kill_all
+
+LOOPBACK = "127.0.0.1"
+WILDCARDS = ("0.0.0.0", "::", "")
+# What a shell may have exported from an earlier `up`: never passed to the servers themselves
+# (`ray start --head` with RAY_ADDRESS set would try to join it); Ray's switch is set per host.
+CLIENT_VARS = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", env.RAY_SINGLE_MACHINE)
+# Ray's session sockets live at <temp>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store,
+# ~66 characters below <temp>; a Unix socket path may not exceed 107.
+RAY_TEMP_MAX_CHARS = 40
+RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min/--max-worker-port
+STACK_LOCK = "stack.lock"  # in GRISTMILL_HOME: one `up`/`down` at a time
+STOP_GRACE_S = 10.0  # a service's time to exit on SIGTERM before it is killed
+NAMES = ("prefect", "mlflow", "ray")  # the order `up` starts and reports them in
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The ports `up` binds; defaults are each tool's own."""
+
+    prefect: int = 4200
+    mlflow: int = 5000
+    ray: int = 6379  # Ray's GCS: RAY_ADDRESS
+    ray_dashboard: int = 8265
+    ray_client: int = 10001  # Ray Client (ray://)
+    ray_agent: int = 52365  # the dashboard agent's HTTP port
+
+    def check(self) -> None:
+        """Fail before anything starts on ports that cannot work together."""
+        given = vars(self)
+        for name, port in given.items():
+            if not 0 < port < 65536:
+                raise ValueError(f"--{name.replace('_', '-')}-port {port}: not a port number")
+            if name.startswith("ray") and port in RAY_WORKER_PORTS:
+                raise ValueError(f"--{name.replace('_', '-')}-port {port}: inside the ports Ray gives its "
+                                 f"workers ({RAY_WORKER_PORTS.start}-{RAY_WORKER_PORTS.stop - 1})")
+        if len(set(given.values())) < len(given):
+            raise ValueError(f"two services on one port: {given}")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How to start one service and how to tell that it serves."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    host: str  # where to connect for the health check (127.0.0.1 for a wildcard bind)
+    ports: tuple[int, ...]  # every fixed port it binds; the first is the service's own
+    health_url: str  # answers 200 once the service is ready
+    url: str  # what a person opens
+    export: Mapping[str, str] = field(default_factory=dict)  # what clients set to use it
+
+
+@dataclass
+class State:
+    """One service as `up` or `status` found (or left) it."""
+
+    name: str
+    state: str  # running | starting | stopped | failed
+    pid: int | None = None
+    url: str | None = None
+    healthy: bool = False
+    note: str = ""  # started, already running, why it failed
+    export: dict[str, str] = field(default_factory=dict)
+
+
+def services_dir(home: Path) -> Path:
+    return Path(home) / "services"
+
+
+def _tool(name: str) -> str:
+    """The console script `name` of this environment (prefect, mlflow, ray)."""
+    beside = Path(sys.executable).with_name(name)
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"`{name}` not found next to {sys.executable} or on PATH; "
+                                "install gristmill's dependencies (pip install -e .)")
+    return found
+
+
+def ray_temp_dir(home: Path) -> Path:
+    """Ray's temp root: under GRISTMILL_HOME when the path is short enough for Ray's sockets,
+    else a short folder in /tmp named by a hash of the home (so one home, one folder)."""
+    inside = Path(home).resolve() / "ray"
+    if len(str(inside)) <= RAY_TEMP_MAX_CHARS:
+        return inside
+    return Path("/tmp") / f"gristmill-ray-{hashlib.sha256(str(inside).encode()).hexdigest()[:8]}"
+
+
+def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec]:
+    """The three services for `home`, bound to `host`."""
+    home = Path(home).resolve()
+    reach = LOOPBACK if host in WILDCARDS else host  # where clients on this machine connect
+    base = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
+    base.update(env.OFFLINE_AND_QUIET, GRISTMILL_HOME=str(home))
+    prefect = Spec(
+        "prefect",
+        (_tool("prefect"), "server", "start", "--host", host, "--port", str(ports.prefect),
+         "--analytics-off", "--no-prompt"),
+        {**base, "PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+         "DO_NOT_TRACK": "1"},
+        reach, (ports.prefect,), f"http://{reach}:{ports.prefect}/api/health",
+        f"http://{reach}:{ports.prefect}", {"PREFECT_API_URL": f"http://{reach}:{ports.prefect}/api"})
+    # Served artifacts: clients upload through the server, which stores them under the home (for
+    # experiments it creates; the pipeline's experiment may already name a file: location there).
+    mlflow = Spec(
+        "mlflow",
+        (_tool("mlflow"), "server", "--host", host, "--port", str(ports.mlflow),
+         "--backend-store-uri", env.mlflow_store_uri(home),
+         "--artifacts-destination", env.mlflow_artifacts_root(home).as_uri(), "--workers", "2"),
+        base, reach, (ports.mlflow,), f"http://{reach}:{ports.mlflow}/health",
+        f"http://{reach}:{ports.mlflow}", {"MLFLOW_TRACKING_URI": f"http://{reach}:{ports.mlflow}"})
+    ray_env = dict(base)
+    node_ip: tuple[str, ...] = ()
+    if env.is_loopback(host):  # see env.RAY_SINGLE_MACHINE: otherwise Ray binds the network IP
+        ray_env[env.RAY_SINGLE_MACHINE] = "0"
+        node_ip = ("--node-ip-address", LOOPBACK)
+    elif host not in WILDCARDS:
+        node_ip = ("--node-ip-address", host)
+    ray = Spec(
+        "ray",
+        (_tool("ray"), "start", "--head", "--block", "--disable-usage-stats", *node_ip,
+         "--port", str(ports.ray), "--dashboard-host", host, "--dashboard-port", str(ports.ray_dashboard),
+         "--ray-client-server-port", str(ports.ray_client),
+         "--dashboard-agent-listen-port", str(ports.ray_agent), "--temp-dir", str(ray_temp_dir(home))),
+        ray_env, reach, (ports.ray, ports.ray_dashboard, ports.ray_client, ports.ray_agent),
+        f"http://{reach}:{ports.ray_dashboard}/api/version", f"http://{reach}:{ports.ray_dashboard}",
+        {"RAY_ADDRESS": f"{reach}:{ports.ray}",
+         **({env.RAY_SINGLE_MACHINE: "0"} if env.is_loopback(host) else {})})
+    return [prefect, mlflow, ray]
+
+
+# --- probes ---------------------------------------------------------------------------------
+
+def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an http_proxy
+
+
+def http_ok(url: str, timeout_s: float = 3.0) -> bool:
+    try:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, ValueError):  # URLError, HTTPError, timeouts, a reset connection
+        return False
+
+
+def healthy(record: Mapping) -> bool:
+    """The service's own port accepts connections and its health URL answers 200."""
+    return port_open(record["host"], record["ports"][0]) and http_ok(record["health_url"])
+
+
+# --- records and processes ------------------------------------------------------------------
+
+def _read(home: Path, name: str) -> dict | None:
+    try:
+        return json.loads((services_dir(home) / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _forget(home: Path, name: str) -> None:
+    for suffix in (".pid", ".json"):
+        (services_dir(home) / f"{name}{suffix}").unlink(missing_ok=True)
+
+
+def _leader(record: Mapping | None) -> psutil.Process | None:
+    """The recorded process if it still runs; a reused pid (other start time) is not it."""
+    if not record:
+        return None
+    try:
+        proc = psutil.Process(record["pid"])
+        if abs(proc.create_time() - record["create_time"]) < 0.01 and alive([proc]):
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def session_processes(record: Mapping) -> list[psutil.Process]:
+    """Every process of the service's session (it was started as a session leader), plus the
+    leader's descendants: what `down` stops. Created no earlier than the leader, so a process
+    in a reused session id is never taken for ours."""
+    sid, since = record["pid"], record["create_time"] - 0.01
+    leader = _leader(record)
+    if leader is None and psutil.pid_exists(sid):
+        # Linux frees a pid only once no process uses it as a session id: a live process with
+        # our leader's pid means the pid was reused and the session is someone else's.
+        return []
+    members: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.create_time() >= since:
+                members[proc.pid] = proc
+        except (OSError, psutil.Error):  # gone meanwhile, or not ours to look at
+            continue
+    if leader is not None:
+        for child in leader.children(recursive=True):
+            members.setdefault(child.pid, child)
+    return list(members.values())
+
+
+def _stop(records: list[Mapping], grace_s: float) -> None:
+    """SIGTERM the services' whole sessions at once, SIGKILL what is left after `grace_s`."""
+    members = alive([p for record in records for p in session_processes(record)])
+    for proc in members:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, left = psutil.wait_procs(members, timeout=grace_s)
+    born = [p for record in records for p in session_processes(record)]  # children started meanwhile
+    kill_all(left + alive(born))
+
+
+def _state(home: Path, name: str) -> State:
+    record = _read(home, name)
+    leader = _leader(record)
+    if leader is None:
+        return State(name, "stopped", url=record and record["url"])
+    ok = healthy(record)
+    return State(name, "running" if ok else "starting", leader.pid, record["url"], ok,
+                 export=dict(record["export"]))
+
+
+# --- commands -------------------------------------------------------------------------------
+
+def status(home: Path) -> list[State]:
+    return [_state(home, name) for name in NAMES]
+
+
+def _start(home: Path, spec: Spec) -> dict:
+    folder = services_dir(home)
+    log = (folder / f"{spec.name}.log").open("ab")
+    # cwd=home: whatever a tool writes relative to its cwd stays under GRISTMILL_HOME.
+    with log:
+        proc = subprocess.Popen(list(spec.argv), env=dict(spec.env), cwd=home, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    record = {"name": spec.name, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
+              "argv": list(spec.argv), "host": spec.host, "ports": list(spec.ports),
+              "health_url": spec.health_url, "url": spec.url, "export": dict(spec.export),
+              "log": str(folder / f"{spec.name}.log")}
+    (folder / f"{spec.name}.json").write_text(json.dumps(record, indent=1))
+    (folder / f"{spec.name}.pid").write_text(f"{proc.pid}\n")
+    return record
+
+
+def up(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), timeout_s: float = 180.0) -> list[State]:
+    """Start each service that is not already alive, then wait until all answer their health
+    check. A service that exits or stays unhealthy past `timeout_s` is stopped and reported as
+    failed (its log says why); the others keep running."""
+    ports.check()
+    home = Path(home).resolve()
+    services_dir(home).mkdir(parents=True, exist_ok=True)
+    states: dict[str, State] = {}
+    waiting: dict[str, dict] = {}
+    with home_lock(home, STACK_LOCK):  # two `up`s at once would both start everything
+        for spec in specs(home, host, ports):
+            record = _read(home, spec.name)
+            if _leader(record) is not None:
+                states[spec.name] = State(spec.name, "starting", record["pid"], record["url"],
+                                          note="already running", export=dict(record["export"]))
+                waiting[spec.name] = record
+                continue
+            _forget(home, spec.name)  # stale: its process is gone
+            busy = [p for p in spec.ports if port_open(spec.host, p)]
+            if busy:
+                states[spec.name] = State(spec.name, "failed", url=spec.url, note=(
+                    f"port {', '.join(map(str, busy))} on {spec.host} is taken by a process gristmill "
+                    f"did not start; choose others (gristmill up --help)"))
+                continue
+            record = _start(home, spec)
+            states[spec.name] = State(spec.name, "starting", record["pid"], record["url"],
+                                      note="started", export=dict(spec.export))
+            waiting[spec.name] = record
+        _wait_healthy(home, states, waiting, timeout_s)
+    return list(states.values())
+
+
+def _wait_healthy(home: Path, states: dict[str, State], waiting: dict[str, dict], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        for name, record in list(waiting.items()):
+            state = states[name]
+            ours = state.note == "started"  # a failed service is stopped only if this call started it
+            if healthy(record):
+                state.state, state.healthy = "running", True
+            elif _leader(record) is None:
+                state.state, state.note = "failed", f"exited; see {record['log']}"
+            elif time.monotonic() > deadline:
+                state.state, state.note = "failed", f"not healthy after {timeout_s:.0f} s; see {record['log']}"
+            else:
+                continue
+            del waiting[name]
+            if state.state == "failed" and ours:
+                _stop([record], grace_s=2)
+                _forget(home, name)
+                state.pid = None
+        time.sleep(0.5 if waiting else 0)
+
+
+def down(home: Path, grace_s: float = STOP_GRACE_S) -> list[State]:
+    """Stop every service `up` recorded in `home` (with all its processes) and forget it."""
+    home = Path(home).resolve()
+    with home_lock(home, STACK_LOCK) if home.is_dir() else contextlib.nullcontext():
+        records = {name: _read(home, name) for name in NAMES}
+        running = {name for name, record in records.items() if _leader(record) is not None}
+        _stop([r for r in records.values() if r], grace_s)  # a dead leader may have left children
+        for name in NAMES:
+            _forget(home, name)
+    return [State(name, "stopped", url=record and record["url"],
+                  note=("not running" if record is None else f"stopped pid {record['pid']}" if name in running
+                        else "stale pid file removed"))
+            for name, record in records.items()]
+
+
+def exports(states: list[State]) -> str:
+    """`export A=1 B=2` for the running services: what a shell sets to use them."""
+    names = {k: v for s in states if s.state == "running" for k, v in s.export.items()}
+    return "export " + " ".join(f"{k}={v}" for k, v in names.items()) if names else ""
+
+
+def format_states(states: list[State]) -> str:
+    rows = [f"{s.name:<8} {s.state:<8} {('pid ' + str(s.pid)) if s.pid else '-':<11} "
+            f"{s.url or '-':<24} {'healthy' if s.healthy else 'not healthy' if s.pid else '-'}"
+            f"{'  (' + s.note + ')' if s.note else ''}" for s in states]
+    return "\n".join(rows)

@@ -1,0 +1,125 @@
+"""The model registry step (flows/registry.py) against a real MLflow SQLite store: candidate and
+champion aliases, promotion only on better metrics, the reason recorded, lineage as tags."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from core.stage import Manifest
+from flows.config import PipelineConfig, load_config
+from flows.registry import (
+    CANDIDATE,
+    CHAMPION,
+    compare,
+    evaluation_metrics,
+    lower_is_better,
+    register_and_promote,
+)
+
+STAGES = ("collect", "tokenize", "pretrain", "sft", "align", "evaluate")
+
+
+def _manifests(root: Path, run: int, arith_acc: float, val_ppl: float) -> dict[str, Manifest]:
+    """One pipeline run's manifests: an align artifact with a model dir, an evaluate artifact with
+    results.json; keys differ per run."""
+    manifests = {}
+    for stage in STAGES:
+        path = root / f"{stage}-{run}"
+        path.mkdir(parents=True)
+        manifests[stage] = Manifest(stage=stage, key=f"{stage[:3]}{run:09d}", path=path, config={},
+                                    upstream={}, files={}, stats={})
+    (manifests["align"].path / "model").mkdir()
+    (manifests["align"].path / "model" / "config.json").write_text(json.dumps({"run": run}))
+    models = {"base": {"arith_acc": 0.0, "val_ppl": 300.0}, "aligned": {"arith_acc": arith_acc, "val_ppl": val_ppl}}
+    (manifests["evaluate"].path / "results.json").write_text(json.dumps({"models": models}))
+    return manifests
+
+
+@pytest.fixture
+def tracker(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from infra.tracking import Tracker
+
+    return Tracker(tmp_path)
+
+
+def _run(tracker, name: str) -> str:
+    return tracker.start_pipeline(name, {}, {})
+
+
+def test_candidate_becomes_champion_only_when_it_beats_it(tracker, tmp_path, monkeypatch):
+    from mlflow.artifacts import download_artifacts
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracker.uri)
+    config = load_config(None, ['registry.promote_on=["aligned.arith_acc", "aligned.val_ppl"]'])
+    name = "gristmill-tiny"
+
+    def aliases() -> dict[str, str]:
+        return {alias: str(v) for alias, v in client.get_registered_model(name).aliases.items()}
+
+    first_run = _run(tracker, "first")
+    first = register_and_promote(config, tracker, first_run, _manifests(tmp_path, 1, 0.10, 400.0))
+    assert (first.version, first.promoted, first.reason) == ("1", True, "no champion yet")
+    assert aliases() == {CANDIDATE: "1", CHAMPION: "1"}
+    version = client.get_model_version(name, "1")
+    assert version.tags["gristmill.key.align"] == "ali000000001"
+    assert {f"gristmill.key.{s}" for s in STAGES} <= set(version.tags)
+    assert float(version.tags["gristmill.metric.aligned.arith_acc"]) == 0.10
+    assert version.source == f"runs:/{first_run}/model" and version.run_id == first_run
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)  # models:/ URIs resolve through the environment
+    model_dir = Path(download_artifacts(f"models:/{name}@{CHAMPION}", dst_path=str(tmp_path / "dl")))
+    assert json.loads((model_dir / "config.json").read_text()) == {"run": 1}
+
+    # More accurate but a worse perplexity: not better on every metric, so the champion stays.
+    worse_run = _run(tracker, "worse")
+    worse = register_and_promote(config, tracker, worse_run, _manifests(tmp_path, 2, 0.20, 450.0))
+    assert (worse.version, worse.promoted, worse.champion) == ("2", False, "1")
+    assert aliases() == {CANDIDATE: "2", CHAMPION: "1"}
+    assert worse.reason == ("worse: aligned.arith_acc 0.2 > 0.1, aligned.val_ppl 450 > 400 "
+                            "(champion version 1)")
+    tags = client.get_run(worse_run).data.tags
+    assert tags["gristmill.registry.decision"] == "candidate" and tags["gristmill.registry.reason"] == worse.reason
+    assert client.get_model_version(name, "2").tags["gristmill.promotion"] == worse.reason
+    assert "`champion` stays version 1" in worse.markdown()
+
+    better_run = _run(tracker, "better")
+    better = register_and_promote(config, tracker, better_run, _manifests(tmp_path, 3, 0.20, 380.0))
+    assert (better.version, better.promoted) == ("3", True)
+    assert better.reason.startswith("better: aligned.arith_acc 0.2 > 0.1, aligned.val_ppl 380 < 400")
+    assert aliases() == {CANDIDATE: "3", CHAMPION: "3"}
+    assert client.get_run(better_run).data.tags["gristmill.registry.decision"] == "promoted"
+
+    # A re-run that reused align and evaluate registers nothing new.
+    again = register_and_promote(config, tracker, _run(tracker, "again"), _manifests(tmp_path / "again", 3, 0.2, 380.0))
+    assert (again.version, again.promoted) == ("3", False) and "already the champion" in again.reason
+    assert len(client.search_model_versions(f"name = '{name}'")) == 3
+
+
+def test_comparison_direction_ties_and_nan():
+    assert lower_is_better("aligned.val_ppl") and lower_is_better("sft.val_loss") and lower_is_better("base.val_bpb")
+    assert not lower_is_better("aligned.arith_acc")
+    on = ["aligned.arith_acc"]
+    assert compare({"aligned.arith_acc": 0.3}, {"aligned.arith_acc": 0.2}, on)[0]
+    assert compare({"aligned.arith_acc": 0.2}, {"aligned.arith_acc": 0.2}, on) == (
+        False, "not better: aligned.arith_acc 0.2 = 0.2")
+    assert not compare({"aligned.arith_acc": math.nan}, {"aligned.arith_acc": 0.2}, on)[0]
+    assert compare({"aligned.val_ppl": 10.0}, {"aligned.val_ppl": 12.0}, ["aligned.val_ppl"])[0]
+    promoted, why = compare({"aligned.arith_acc": 0.1}, {}, on)
+    assert promoted and "champion not measured on it" in why
+
+
+def test_missing_metric_is_an_error_listing_the_metrics(tmp_path):
+    manifests = _manifests(tmp_path, 1, 0.1, 400.0)
+    with pytest.raises(ValueError, match=r"'aligned.nope' is not a metric .*'aligned.arith_acc'"):
+        evaluation_metrics(manifests["evaluate"].path, ["aligned.nope"])
+
+
+def test_registry_config_defaults_and_name():
+    config = PipelineConfig()
+    assert config.registry.enabled and config.registry.promote_on == ["aligned.arith_acc"]
+    assert config.registered_model_name == "gristmill-tiny"
+    assert load_config(None, ["registry.model_name=lm"]).registered_model_name == "lm"

@@ -1,0 +1,203 @@
+"""`gristmill up / status / down` (infra/stack.py) against real servers: a Prefect server, an MLflow
+server and a Ray head on free ports (never 4200/5000: a user's stack may run beside the tests),
+bound to 127.0.0.1 only, started once, stopped completely.
+
+The slow test starts the three servers once (about a minute on a busy 2-core machine, most of
+it Prefect's and MLflow's start-up); the fast ones need no server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows import cli
+from infra import stack
+from infra.supervisor import alive
+
+LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports nothing listens on now, outside the range Ray keeps for its workers."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in stack.RAY_WORKER_PORTS and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _port_flags(ports: stack.Ports) -> list[str]:
+    return [arg for name, port in vars(ports).items() for arg in (f"--{name.replace('_', '-')}-port", str(port))]
+
+
+def _dead_record(home: Path, name: str) -> None:
+    """A pid file of a process that has exited, as a crash or a reboot leaves one."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    folder = stack.services_dir(home)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.pid").write_text(f"{gone.pid}\n")
+    (folder / f"{name}.json").write_text(json.dumps({
+        "name": name, "pid": gone.pid, "create_time": 1.0, "host": "127.0.0.1", "ports": [1],
+        "health_url": "http://127.0.0.1:1/", "url": "http://127.0.0.1:1", "export": {}, "log": ""}))
+
+
+def _listening(record: dict) -> set[tuple[str, int]]:
+    addresses = set()
+    for proc in stack.session_processes(record):
+        try:
+            addresses |= {(c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                          if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:  # a worker that exited meanwhile
+            continue
+    return addresses
+
+
+def test_ports_that_cannot_work_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="--ray-port 16379: inside the ports Ray gives its workers"):
+        stack.Ports(ray=16379).check()
+    with pytest.raises(ValueError, match="two services on one port"):
+        stack.Ports(mlflow=4200).check()
+
+
+def test_a_taken_port_fails_that_service_without_starting_it(tmp_path):
+    ports = stack.Ports(*_free_ports(6))
+    taken = [socket.create_server(("127.0.0.1", port)) for port in (ports.prefect, ports.mlflow, ports.ray)]
+    try:
+        states = stack.up(tmp_path, ports=ports, timeout_s=5)
+    finally:
+        for sock in taken:
+            sock.close()
+    assert [(s.name, s.state) for s in states] == [("prefect", "failed"), ("mlflow", "failed"), ("ray", "failed")]
+    assert all("taken by a process gristmill did not start" in s.note for s in states)
+    assert not list(stack.services_dir(tmp_path).glob("*.pid"))
+
+
+def test_stale_pid_files_read_as_stopped_and_down_removes_them(tmp_path):
+    for name in ("prefect", "mlflow", "ray"):
+        _dead_record(tmp_path, name)
+    assert [s.state for s in stack.status(tmp_path)] == ["stopped"] * 3
+    assert [s.note for s in stack.down(tmp_path)] == ["stale pid file removed"] * 3
+    assert not list(stack.services_dir(tmp_path).iterdir())
+
+
+def test_a_reused_pid_is_never_stopped(tmp_path):
+    """A pid file whose pid now belongs to another process (here: this test's own) is stale."""
+    _dead_record(tmp_path, "ray")
+    record_file = stack.services_dir(tmp_path) / "ray.json"
+    record = json.loads(record_file.read_text())
+    record_file.write_text(json.dumps({**record, "pid": os.getpid()}))
+    assert stack.session_processes({**record, "pid": os.getpid()}) == []
+    assert [s.note for s in stack.down(tmp_path)][2] == "stale pid file removed"  # and we still run
+
+
+def test_a_service_that_exits_is_reported_with_its_log_and_forgotten(tmp_path, monkeypatch):
+    crash = stack.Spec("prefect", (sys.executable, "-c", "print('no database'); raise SystemExit(3)"),
+                       dict(os.environ), "127.0.0.1", (_free_ports(1)[0],), "http://127.0.0.1:1/", "http://127.0.0.1:1")
+    monkeypatch.setattr(stack, "specs", lambda *args: [crash])
+    [state] = stack.up(tmp_path, timeout_s=30)
+    assert state.state == "failed" and state.note.startswith("exited; see ") and state.pid is None
+    assert "no database" in (stack.services_dir(tmp_path) / "prefect.log").read_text()
+    assert not (stack.services_dir(tmp_path) / "prefect.pid").exists()
+
+
+def test_services_keep_their_state_in_the_home_and_bind_where_told(tmp_path):
+    local = {s.name: s for s in stack.specs(tmp_path)}
+    assert local["mlflow"].argv[local["mlflow"].argv.index("--backend-store-uri") + 1] == \
+        f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert local["mlflow"].argv[local["mlflow"].argv.index("--artifacts-destination") + 1] == \
+        (tmp_path.resolve() / "mlruns").as_uri()
+    assert local["prefect"].env["PREFECT_HOME"] == str(tmp_path.resolve() / "prefect")
+    assert "--node-ip-address" in local["ray"].argv and local["ray"].env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    exposed = {s.name: s for s in stack.specs(tmp_path, host="0.0.0.0")}
+    assert "--node-ip-address" not in exposed["ray"].argv  # Ray picks the node's network address
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in exposed["ray"].export
+    assert exposed["prefect"].argv[exposed["prefect"].argv.index("--host") + 1] == "0.0.0.0"
+    assert exposed["mlflow"].export == {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}  # reached locally
+
+
+def test_ray_temp_dir_stays_short_enough_for_its_sockets(tmp_path):
+    assert stack.ray_temp_dir(Path("/tmp/h")) == Path("/tmp/h/ray")
+    deep = stack.ray_temp_dir(tmp_path / ("x" * 80))
+    assert len(str(deep)) <= stack.RAY_TEMP_MAX_CHARS and deep == stack.ray_temp_dir(tmp_path / ("x" * 80))
+
+
+@pytest.fixture
+def restored_environ():
+    """The CLI points os.environ at its home (env.configure); later tests must not inherit it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_run_pointed_at_a_loopback_ray_keeps_it_loopback(tmp_path, monkeypatch, restored_environ):
+    from infra import env
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    monkeypatch.delenv(env.RAY_SINGLE_MACHINE, raising=False)
+    env.configure(tmp_path)
+    assert os.environ[env.RAY_SINGLE_MACHINE] == "0"
+
+
+@pytest.mark.slow
+def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ):
+    home = tmp_path_factory.mktemp("stack")
+    monkeypatch.setenv("GRISTMILL_HOME", str(home))
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # where a careless ./mlruns would land
+    ports = stack.Ports(*_free_ports(6))
+    _dead_record(home, "ray")  # a stale pid file: replaced, not trusted
+    try:
+        assert cli.main(["up", *_port_flags(ports)]) == 0
+        first = {s.name: s for s in stack.status(home)}
+        assert {n: (s.state, s.healthy) for n, s in first.items()} == {
+            n: ("running", True) for n in ("prefect", "mlflow", "ray")}
+        records = {n: json.loads((home / "services" / f"{n}.json").read_text()) for n in first}
+        assert int((home / "services" / "ray.pid").read_text()) == first["ray"].pid
+
+        # Loopback only: every listening socket of every process of the three sessions.
+        for name, record in records.items():
+            listening = _listening(record)
+            assert {ip for ip, _ in listening} <= LOOPBACK_IPS, (name, listening)
+            assert record["ports"][0] in {port for _, port in listening}, (name, listening)
+        processes = [p for r in records.values() for p in stack.session_processes(r)]
+        assert len(processes) > 3  # the servers' workers, Ray's GCS and raylet: all tracked
+
+        # A second `up` starts nothing and prints what to export.
+        capsys.readouterr()
+        assert cli.main(["up", "--print-env", *_port_flags(ports)]) == 0
+        out, err = capsys.readouterr()
+        assert out.strip() == (f"export PREFECT_API_URL=http://127.0.0.1:{ports.prefect}/api "
+                               f"MLFLOW_TRACKING_URI=http://127.0.0.1:{ports.mlflow} "
+                               f"RAY_ADDRESS=127.0.0.1:{ports.ray} RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
+        assert err.count("already running") == 3
+        assert {s.name: s.pid for s in stack.status(home)} == {n: s.pid for n, s in first.items()}
+
+        # MLflow: the SQLite store and the served artifacts are under GRISTMILL_HOME.
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"http://127.0.0.1:{ports.mlflow}")
+        run = client.create_run(client.create_experiment("stack-test"))
+        client.log_text(run.info.run_id, "hello", "hello.txt")
+        stored = list((home / "mlruns").rglob("hello.txt"))
+        assert [p.read_text() for p in stored] == ["hello"]
+        assert not Path("mlruns").exists() and not Path("mlartifacts").exists()
+        assert (home / "mlflow.db").is_file() and (home / "prefect" / "prefect.db").is_file()
+    finally:
+        capsys.readouterr()
+        assert cli.main(["down"]) == 0
+    assert "stopped pid" in capsys.readouterr().out
+    assert alive(processes) == []
+    assert not list((home / "services").glob("*.pid"))
+    assert cli.main(["status"]) == 3
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["stopped"] * 3

@@ -55,6 +55,9 @@ def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
     home = tiny_run.home
+    # the shared run once more, now the latest run of this home, every stage reused (other tests
+    # may have run other configurations here since)
+    gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides)
     client = MlflowClient(f"sqlite:///{home}/mlflow.db")
     experiment = client.get_experiment_by_name("gristmill")
     parents = sorted(client.search_runs([experiment.experiment_id],
@@ -71,6 +74,8 @@ def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
     for task in ("hellaswag_val_part1", "arc_easy_part1"):  # each score with its contamination
         for metric in ("acc", "acc_clean", "contaminated", "centered_acc"):
             assert re.search(rf"^\| {task}_{metric} \| ", card, re.M), (task, metric)
+    assert "**Model registry:** `gristmill-tiny` version 1: `candidate`, promoted to `champion` " \
+           "(no champion yet)." in card  # the registry's decision, with its reason
     for section in ("Training curves", "Data funnel", "Tokenizer", "Time per stage", "Lineage"):
         assert f"## {section}" in card
     assert all(f"| {stage} | computed |" in card for stage in STAGES)

@@ -20,16 +20,18 @@ class StageSpec:
     module: ModuleType  # a tasks/ package exposing the contract of core/stage.py
     deps: tuple[str, ...]
     uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
+    uses_gpu: bool = False  # computed under the `gpu` concurrency limit (flows/pipeline.py)
 
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("collect", collect, (), uses_ray=True),
     StageSpec("tokenize", tokenize, ("collect",), uses_ray=True),
-    StageSpec("pretrain", pretrain, ("tokenize",)),
-    StageSpec("sft", sft, ("tokenize", "pretrain")),  # tokenize: the text mixed in (sft.pretrain_mix)
-    StageSpec("align", align, ("sft",)),
+    StageSpec("pretrain", pretrain, ("tokenize",), uses_gpu=True),
+    # tokenize: the pretraining text SFT mixes in (sft.pretrain_mix)
+    StageSpec("sft", sft, ("tokenize", "pretrain"), uses_gpu=True),
+    StageSpec("align", align, ("sft",), uses_gpu=True),
     # collect: the training text benchmark items are checked against (contamination)
-    StageSpec("evaluate", evaluate, ("collect", "tokenize", "pretrain", "sft", "align")),
+    StageSpec("evaluate", evaluate, ("collect", "tokenize", "pretrain", "sft", "align"), uses_gpu=True),
 )
 STAGE_NAMES = tuple(spec.name for spec in STAGES)
 

@@ -14,6 +14,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)  # pyplot keeps every open figure alive otherwise
+    return path
+
+
 def funnel_chart(steps: Sequence[Mapping[str, float]], path: Path, title: str) -> Path:
     """Horizontal bars, first step on top: documents (left panel) and MB (right) after each step."""
     plt = _pyplot()
@@ -28,10 +35,7 @@ def funnel_chart(steps: Sequence[Mapping[str, float]], path: Path, title: str) -
         ax.set_xlabel(label)
         ax.margins(x=0.25)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def histogram_chart(counts: Mapping[str, int], path: Path, title: str, top: int = 20) -> Path:
@@ -44,10 +48,7 @@ def histogram_chart(counts: Mapping[str, int], path: Path, title: str, top: int 
     ax.bar_label(bars, fontsize=8)
     ax.set_ylabel("documents")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def curves_chart(series: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: Path,
@@ -63,7 +64,4 @@ def curves_chart(series: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]]
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -41,6 +41,15 @@ def is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
+def keep_ray_on_loopback() -> None:
+    """A Ray this machine starts (no RAY_ADDRESS) or a `gristmill up` head (a loopback
+    RAY_ADDRESS) stays on 127.0.0.1: without the switch (see above) a local Ray's GCS, raylet and
+    agents listen on every interface. Ray reads it when imported, so call this before."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    if not address or is_loopback(address.rpartition(":")[0]):
+        os.environ.setdefault(RAY_SINGLE_MACHINE, "0")
+
+
 def gristmill_home() -> Path:
     return Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
 
@@ -53,8 +62,7 @@ def configure(home: Path | None = None) -> Path:
     for name, value in OFFLINE_AND_QUIET.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
-    if is_loopback(os.environ.get("RAY_ADDRESS", "").rpartition(":")[0]):
-        os.environ.setdefault(RAY_SINGLE_MACHINE, "0")  # a `gristmill up` head: see above
+    keep_ray_on_loopback()
     # Prefect attaches its handlers to the extra loggers but leaves their level at WARNING.
     logging.getLogger("gristmill").setLevel(logging.INFO)
     return home

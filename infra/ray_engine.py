@@ -6,7 +6,9 @@ by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use. 
 from the first map to `shutdown()`, so a stage that maps several times (collect: units, then
 MinHash signatures and buckets) pays their start-up and warm caches (spaCy, fastText) once.
 A worker that dies (OOM, a kill) is restarted and its call retried: the mapped functions are
-pure, so a retry gives the same result. A local Ray's session directory
+pure, so a retry gives the same result. A local Ray listens on 127.0.0.1 only (its head also
+runs Ray's API server, `dashboard.py`, even without the dashboard: it serves Ray's state API,
+not the web UI, and it too binds 127.0.0.1). A local Ray's session directory
 (logs, sockets) is removed at shutdown, so runs do not pile them up in the system temp folder.
 """
 from __future__ import annotations
@@ -16,8 +18,11 @@ import os
 import shutil
 from typing import Callable, Sequence, TypeVar
 
-import ray
-from ray.util import ActorPool
+from infra import env
+
+env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
+import ray  # noqa: E402
+from ray.util import ActorPool  # noqa: E402
 
 T = TypeVar("T")
 R = TypeVar("R")

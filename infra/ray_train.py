@@ -19,10 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from infra import env
+from infra.ray_engine import RayEngine  # first: keeps a local Ray on loopback
+
+# isort: split
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-
-from infra import env
 
 
 def train_worker(args: dict[str, Any]) -> None:
@@ -42,8 +44,6 @@ def train_worker(args: dict[str, Any]) -> None:
 def train_on_ray(tokenize_dir: Path, out_dir: Path, config: dict[str, Any], *, num_workers: int,
                  use_gpu: bool = False) -> list[dict[str, Any]]:
     """Pretrain with `num_workers` Ray Train workers; returns each worker's stats, by rank."""
-    from infra.ray_engine import RayEngine
-
     engine = RayEngine(num_workers)
     engine.start()  # Ray is started or joined in one place: infra/ray_engine.py
     out_dir = Path(out_dir).resolve()

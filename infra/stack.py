@@ -1,5 +1,7 @@
 """`gristmill up / status / down`: a standing Prefect server, MLflow tracking server and Ray head on
 this machine, bound to 127.0.0.1 unless `--host` says otherwise, all state under GRISTMILL_HOME.
+Exposed to the network, Prefect and MLflow must ask for credentials (basic auth, see
+`check_exposure`); on loopback they do when the same variables are set.
 
     gristmill up                          # start what is not running; print URLs and exports
     eval "$(gristmill up --print-env)"    # the same, and point this shell's runs at them
@@ -21,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -50,6 +53,13 @@ RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min/--max-work
 STACK_LOCK = "stack.lock"  # in GRISTMILL_HOME: one `up`/`down` at a time
 STOP_GRACE_S = 10.0  # a service's time to exit on SIGTERM before it is killed
 NAMES = ("prefect", "mlflow", "ray")  # the order `up` starts and reports them in
+# Basic auth, on when these are set in `up`'s environment and required to expose a server:
+# Prefect checks every API call against "user:password" (clients send PREFECT_API_AUTH_STRING);
+# MLflow runs its basic-auth app, whose admin is created on first start with this password
+# (clients send MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD). Health URLs stay open.
+PREFECT_AUTH = "PREFECT_SERVER_API_AUTH_STRING"
+MLFLOW_AUTH = "MLFLOW_AUTH_ADMIN_PASSWORD"
+MLFLOW_SECRET = "MLFLOW_FLASK_SERVER_SECRET_KEY"  # signs the auth app's CSRF tokens
 
 
 @dataclass(frozen=True)
@@ -126,8 +136,42 @@ def ray_temp_dir(home: Path) -> Path:
     return Path("/tmp") / f"gristmill-ray-{hashlib.sha256(str(inside).encode()).hexdigest()[:8]}"
 
 
+def check_exposure(host: str) -> None:
+    """A server reachable from the network must ask for credentials: refuse before anything starts."""
+    if env.is_loopback(host):
+        return
+    missing = [name for name in (PREFECT_AUTH, MLFLOW_AUTH) if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"--host {host} exposes Prefect and MLflow to the network: set "
+                         f"{' and '.join(missing)} first (basic auth; see README, Servers)")
+
+
+def _mlflow_auth(home: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    """MLflow's basic-auth app, when its admin password is set: its users in a SQLite file under
+    the home, its settings file and CSRF key (made once, kept private) beside the service records."""
+    if not os.environ.get(MLFLOW_AUTH):
+        return (), {}
+    folder = services_dir(home)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "mlflow-auth.ini"
+    config.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{home / 'mlflow-auth.db'}\n"
+        f"admin_username = {os.environ.get('MLFLOW_TRACKING_USERNAME', 'admin')}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    secret = os.environ.get(MLFLOW_SECRET)
+    if not secret:
+        key_file = folder / "mlflow-secret-key"
+        if not key_file.exists():
+            key_file.touch(mode=0o600)
+            key_file.write_text(secrets.token_hex(32))
+        secret = key_file.read_text()
+    return ("--app-name", "basic-auth"), {"MLFLOW_AUTH_CONFIG_PATH": str(config), MLFLOW_SECRET: secret}
+
+
 def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec]:
     """The three services for `home`, bound to `host`."""
+    check_exposure(host)
     home = Path(home).resolve()
     reach = LOOPBACK if host in WILDCARDS else host  # where clients on this machine connect
     base = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
@@ -136,18 +180,22 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
         "prefect",
         (_tool("prefect"), "server", "start", "--host", host, "--port", str(ports.prefect),
          "--analytics-off", "--no-prompt"),
+        # The UI calls the API at PREFECT_UI_API_URL, which Prefect otherwise builds from the port
+        # setting (4200), not from --port: on any other port the UI could not reach its server.
         {**base, "PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-         "DO_NOT_TRACK": "1"},
+         "DO_NOT_TRACK": "1", "PREFECT_UI_API_URL": f"http://{reach}:{ports.prefect}/api"},
         reach, (ports.prefect,), f"http://{reach}:{ports.prefect}/api/health",
         f"http://{reach}:{ports.prefect}", {"PREFECT_API_URL": f"http://{reach}:{ports.prefect}/api"})
     # Served artifacts: clients upload through the server, which stores them under the home (for
     # experiments it creates; the pipeline's experiment may already name a file: location there).
+    auth_args, auth_env = _mlflow_auth(home)
     mlflow = Spec(
         "mlflow",
         (_tool("mlflow"), "server", "--host", host, "--port", str(ports.mlflow),
          "--backend-store-uri", env.mlflow_store_uri(home),
-         "--artifacts-destination", env.mlflow_artifacts_root(home).as_uri(), "--workers", "2"),
-        base, reach, (ports.mlflow,), f"http://{reach}:{ports.mlflow}/health",
+         "--artifacts-destination", env.mlflow_artifacts_root(home).as_uri(), "--workers", "2",
+         *auth_args),
+        {**base, **auth_env}, reach, (ports.mlflow,), f"http://{reach}:{ports.mlflow}/health",
         f"http://{reach}:{ports.mlflow}", {"MLFLOW_TRACKING_URI": f"http://{reach}:{ports.mlflow}"})
     ray_env = dict(base)
     node_ip: tuple[str, ...] = ()
@@ -170,6 +218,19 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
 
 
 # --- probes ---------------------------------------------------------------------------------
+
+def free_ports(count: int) -> list[int]:
+    """Ports nothing listens on now, outside the range Ray keeps for its workers (for a stack
+    beside a user's own, in tests and benchmarks)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind((LOOPBACK, 0))
+            port = probe.getsockname()[1]
+        if port not in RAY_WORKER_PORTS and port not in ports:
+            ports.append(port)
+    return ports
+
 
 def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
     try:
@@ -357,6 +418,13 @@ def down(home: Path, grace_s: float = STOP_GRACE_S) -> list[State]:
                   note=("not running" if record is None else f"stopped pid {record['pid']}" if name in running
                         else "stale pid file removed"))
             for name, record in records.items()]
+
+
+def auth_note() -> str:
+    """What clients need when `up` turned basic auth on (the secrets themselves are never printed)."""
+    needs = ([f"PREFECT_API_AUTH_STRING (the value of {PREFECT_AUTH})"] if os.environ.get(PREFECT_AUTH) else []) + \
+        (["MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"] if os.environ.get(MLFLOW_AUTH) else [])
+    return f"\nbasic auth is on: clients also set {' and '.join(needs)}" if needs else ""
 
 
 def exports(states: list[State]) -> str:

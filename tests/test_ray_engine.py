@@ -27,3 +27,26 @@ def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_remov
     finally:
         engine.shutdown()
     assert not Path(session).exists()
+
+
+def test_a_local_ray_listens_on_loopback_only():
+    """Every socket Ray's processes listen on (GCS, raylet, agents, workers, its API server) is
+    on 127.0.0.1: without the single-machine switch they listen on every interface."""
+    import psutil
+
+    from infra.supervisor import process_tree
+
+    engine = RayEngine(num_workers=2)
+    try:
+        assert engine.map(abs, [-1, -2]) == [1, 2]
+        listening = set()
+        for proc in process_tree(os.getpid()):
+            try:
+                listening |= {(c.laddr.ip, c.laddr.port, proc.name()) for c in proc.net_connections("inet")
+                              if c.status == psutil.CONN_LISTEN}
+            except psutil.Error:  # exited meanwhile
+                continue
+    finally:
+        engine.shutdown()
+    assert len({name for *_, name in listening}) >= 3, listening  # gcs_server, raylet, workers...
+    assert {ip for ip, *_ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening

@@ -24,16 +24,7 @@ from infra.supervisor import alive
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
-def _free_ports(count: int) -> list[int]:
-    """Ports nothing listens on now, outside the range Ray keeps for its workers."""
-    ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port not in stack.RAY_WORKER_PORTS and port not in ports:
-            ports.append(port)
-    return ports
+_free_ports = stack.free_ports
 
 
 def _port_flags(ports: stack.Ports) -> list[str]:
@@ -61,6 +52,31 @@ def _listening(record: dict) -> set[tuple[str, int]]:
         except psutil.Error:  # a worker that exited meanwhile
             continue
     return addresses
+
+
+def _status(url: str, body: bytes | None = None, credentials: str | None = None) -> int:
+    """HTTP status of one GET (or POST of `body`), with basic-auth `credentials` if given."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    if credentials:
+        request.add_header("Authorization", "Basic " + base64.b64encode(credentials.encode()).decode())
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_exposing_the_servers_needs_credentials_first(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
+    for name in (stack.PREFECT_AUTH, stack.MLFLOW_AUTH):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["up", "--host", "0.0.0.0"]) == 2
+    assert f"set {stack.PREFECT_AUTH} and {stack.MLFLOW_AUTH} first" in capsys.readouterr().err
+    assert not list(stack.services_dir(tmp_path).glob("*.pid"))  # nothing started
 
 
 def test_ports_that_cannot_work_are_refused_before_anything_starts():
@@ -111,15 +127,26 @@ def test_a_service_that_exits_is_reported_with_its_log_and_forgotten(tmp_path, m
     assert not (stack.services_dir(tmp_path) / "prefect.pid").exists()
 
 
-def test_services_keep_their_state_in_the_home_and_bind_where_told(tmp_path):
+def test_services_keep_their_state_in_the_home_and_bind_where_told(tmp_path, monkeypatch):
+    for name in (stack.PREFECT_AUTH, stack.MLFLOW_AUTH, stack.MLFLOW_SECRET):
+        monkeypatch.delenv(name, raising=False)
     local = {s.name: s for s in stack.specs(tmp_path)}
+    assert "--app-name" not in local["mlflow"].argv  # no credentials set: no auth on loopback
     assert local["mlflow"].argv[local["mlflow"].argv.index("--backend-store-uri") + 1] == \
         f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     assert local["mlflow"].argv[local["mlflow"].argv.index("--artifacts-destination") + 1] == \
         (tmp_path.resolve() / "mlruns").as_uri()
     assert local["prefect"].env["PREFECT_HOME"] == str(tmp_path.resolve() / "prefect")
     assert "--node-ip-address" in local["ray"].argv and local["ray"].env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    monkeypatch.setenv(stack.PREFECT_AUTH, "team:secret")
+    monkeypatch.setenv(stack.MLFLOW_AUTH, "another-Secret-123")
     exposed = {s.name: s for s in stack.specs(tmp_path, host="0.0.0.0")}
+    assert exposed["prefect"].env[stack.PREFECT_AUTH] == "team:secret"
+    mlflow_argv, mlflow_env = exposed["mlflow"].argv, exposed["mlflow"].env
+    assert mlflow_argv[mlflow_argv.index("--app-name") + 1] == "basic-auth"
+    assert f"sqlite:///{tmp_path.resolve()}/mlflow-auth.db" in Path(mlflow_env["MLFLOW_AUTH_CONFIG_PATH"]).read_text()
+    assert len(mlflow_env[stack.MLFLOW_SECRET]) == 64  # made once, kept beside the records
+    assert (stack.services_dir(tmp_path) / "mlflow-secret-key").stat().st_mode & 0o777 == 0o600
     assert "--node-ip-address" not in exposed["ray"].argv  # Ray picks the node's network address
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in exposed["ray"].export
     assert exposed["prefect"].argv[exposed["prefect"].argv.index("--host") + 1] == "0.0.0.0"
@@ -157,8 +184,13 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # where a careless ./mlruns would land
     ports = stack.Ports(*_free_ports(6))
     _dead_record(home, "ray")  # a stale pid file: replaced, not trusted
+    secrets = {stack.PREFECT_AUTH: "team:prefect-Secret-4411", stack.MLFLOW_AUTH: "mlflow-Secret-9923xy"}
+    for name, value in {**secrets, "MLFLOW_TRACKING_USERNAME": "admin",
+                        "MLFLOW_TRACKING_PASSWORD": secrets[stack.MLFLOW_AUTH]}.items():
+        monkeypatch.setenv(name, value)  # basic auth on, as an exposed stack must have it
     try:
         assert cli.main(["up", *_port_flags(ports)]) == 0
+        assert "basic auth is on" in capsys.readouterr().out
         first = {s.name: s for s in stack.status(home)}
         assert {n: (s.state, s.healthy) for n, s in first.items()} == {
             n: ("running", True) for n in ("prefect", "mlflow", "ray")}
@@ -172,6 +204,13 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
             assert record["ports"][0] in {port for _, port in listening}, (name, listening)
         processes = [p for r in records.values() for p in stack.session_processes(r)]
         assert len(processes) > 3  # the servers' workers, Ray's GCS and raylet: all tracked
+
+        # Basic auth: an API call without credentials is refused, with them it is served.
+        prefect_api = f"http://127.0.0.1:{ports.prefect}/api/flows/filter"
+        mlflow_api = f"http://127.0.0.1:{ports.mlflow}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _status(prefect_api, b"{}") == 401 and _status(mlflow_api) == 401
+        assert _status(prefect_api, b"{}", secrets[stack.PREFECT_AUTH]) == 200
+        assert _status(mlflow_api, None, f"admin:{secrets[stack.MLFLOW_AUTH]}") == 200
 
         # A second `up` starts nothing and prints what to export.
         capsys.readouterr()
@@ -193,6 +232,9 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
         assert [p.read_text() for p in stored] == ["hello"]
         assert not Path("mlruns").exists() and not Path("mlartifacts").exists()
         assert (home / "mlflow.db").is_file() and (home / "prefect" / "prefect.db").is_file()
+        # The secrets are in no record, log or command line `up` left behind.
+        for path in (home / "services").iterdir():
+            assert not any(v in path.read_text(errors="replace") for v in secrets.values()), path
     finally:
         capsys.readouterr()
         assert cli.main(["down"]) == 0

@@ -7,24 +7,33 @@ Documents: the text of every page in the shared WARC files and JSONL documents
 repeated in order up to `--docs`. One config for every method (the collect defaults plus a small
 block list), and the same chain:
 
-  ours        `clean_documents` over `--chunks` chunks on SerialEngine (one process)
+  ours        `clean_documents` over `--chunks` chunks on SerialEngine (one process), warm:
+              the word splitter has seen these documents (rules.py caches each distinct
+              whitespace-free chunk's spaCy tokens, as a worker does over a crawl)
+  ours-cold   `clean_documents` over the distinct documents once, after rules.clear_caches():
+              every word is new to the splitter, as in a fresh worker (its seconds are
+              scaled to `--docs` documents)
   datatrove   LocalPipelineExecutor(tasks=1, workers=1): the documents, LambdaFilter (the same
               URL rule: datatrove's URLFilter needs tldextract, whose first use fetches the public
               suffix list), LanguageFilter with the bundled lid.176.ftz, GopherQuality,
               GopherRepetition, FineWebQuality, C4Quality (the same constructor arguments as ours,
               the same order), PIIFormatter
   ray-N       `clean_documents` over the same chunks on RayEngine(num_workers=N), N = 1, 2;
-              only the map is timed, after a warm-up map that starts the engine's actors and
-              loads spaCy and fastText in them (actors live until shutdown, as in the stage);
+              only the map is timed, after a warm-up map of the same chunks that starts the
+              engine's actors, loads spaCy and fastText in them and warms their word splitters
+              as `ours` is warmed (actors live until shutdown, as in the stage);
               map_overhead_s is what a map costs beyond the work, a map of one document per
               worker
 
 Each repeat runs every method once, interleaved; figures are medians. docs/s counts input
-documents. Both chains keep the same documents unless a language score falls between the two
-readings of it: ours reads a 4000-character prefix and keeps score >= threshold, datatrove reads
-the whole text and keeps score > threshold; every distinct document judged differently is
-printed with both scores. PII scrubbing never changes a verdict (ours replaces more kinds). The last line is one JSON object with `ratio_vs_datatrove` (ours ÷ datatrove, one
-worker each) and `scaling_1_to_2_workers` (ray-2 ÷ ray-1 docs/s).
+documents. The run fails unless both chains keep the same documents, every one of them (the
+quality rules decide as datatrove's blocks; a language score between the two readings of it
+could still differ: ours reads a 4000-character prefix and keeps score >= threshold, datatrove
+reads the whole text and keeps score > threshold; each distinct document judged differently is
+printed with both scores first). PII scrubbing never changes a verdict (ours replaces more
+kinds). The last line is one JSON object with `ratio_vs_datatrove` (ours ÷ datatrove, one
+worker each), `ratio_cold_vs_datatrove` (ours-cold ÷ datatrove) and `scaling_1_to_2_workers`
+(ray-2 ÷ ray-1 docs/s).
 """
 from __future__ import annotations
 
@@ -52,17 +61,22 @@ BLOCKED_SUBSTRINGS = ("/robots.txt",)
 Doc = tuple[str, str]  # (text, url)
 
 
-def load_docs(n_docs: int) -> tuple[list[Doc], int]:
-    """Extracted (text, url) of every shared WARC page and JSONL document, repeated to n_docs;
-    also how many are distinct."""
+def shared_pages(root: Path = SHARED) -> list[Doc]:
+    """Extracted (text, url) of every WARC page and JSONL document under root/{warc,jsonl}."""
     from tasks.collect.readers import RawDoc, extract_text, read_file, resolve_source
 
-    unique: list[Doc] = []
-    for source in (SHARED / "warc", SHARED / "jsonl"):
+    pages: list[Doc] = []
+    for source in (root / "warc", root / "jsonl"):
         for path in resolve_source(str(source)):
             for record in read_file(path):
                 if isinstance(record, RawDoc) and (text := extract_text(record)):
-                    unique.append((text, record.url))
+                    pages.append((text, record.url))
+    return pages
+
+
+def load_docs(n_docs: int) -> tuple[list[Doc], int]:
+    """The shared pages repeated in order to n_docs; also how many are distinct."""
+    unique = shared_pages()
     return [unique[i % len(unique)] for i in range(n_docs)], len(unique)
 
 
@@ -184,7 +198,8 @@ def compare_verdicts(docs: list[Doc], ours: list[CleanOutcome], datatrove_kept: 
 @dataclass
 class Measurements:
     seconds: dict[str, list[float]] = field(
-        default_factory=lambda: {m: [] for m in ("ours", "datatrove", "ray-1", "ray-2")})
+        default_factory=lambda: {m: [] for m in ("ours", "ours-cold", "datatrove", "ray-1",
+                                                 "ray-2")})
     map_overhead_s: dict[int, float] = field(default_factory=dict)
     ours: list[CleanOutcome] = field(default_factory=list)  # the last repeat's outcomes
     datatrove_kept: list[str] = field(default_factory=list)  # ids of the last repeat
@@ -194,6 +209,7 @@ def measure(docs: list[Doc], n_unique: int, cfg: collect.Config, n_chunks: int, 
             scratch: Path) -> Measurements:
     """Warm every method up, then time each once per repeat, interleaved."""
     from infra.ray_engine import RayEngine
+    from tasks.collect.rules import clear_caches
 
     m = Measurements()
     chunks, warm = chunked(docs, n_chunks), chunked(docs[:n_unique], 2)
@@ -205,11 +221,15 @@ def measure(docs: list[Doc], n_unique: int, cfg: collect.Config, n_chunks: int, 
     engines = {n: RayEngine(num_workers=n) for n in (1, 2)}
     try:
         for n, engine in engines.items():
-            engine.map(fn, warm)
+            engine.map(fn, chunks)
             m.map_overhead_s[n] = timed(engine.map, fn, [probe] * n)[0]
         for r in range(repeats):
             seconds, m.ours = timed(run_ours, chunks, cfg)
             m.seconds["ours"].append(seconds)
+            clear_caches()
+            seconds, cold = timed(clean_documents, docs[:n_unique], cfg)
+            m.seconds["ours-cold"].append(seconds * len(docs) / n_unique)  # per len(docs)
+            assert [o.reason for o in cold] == [o.reason for o in m.ours[:n_unique]]
             m.datatrove_kept = []
             pipeline = datatrove_pipeline(docs, cfg, m.datatrove_kept)
             m.seconds["datatrove"].append(timed(run_datatrove, pipeline, scratch / f"r{r}")[0])
@@ -242,6 +262,9 @@ def main(argv: list[str]) -> int:
     print(f"{args.docs} docs ({n_unique} distinct, repeated), {args.chunks} chunks, "
           f"median of {args.repeats}; kept: ours {kept_ours}, datatrove {len(m.datatrove_kept)}")
     verdicts = compare_verdicts(docs, m.ours, set(m.datatrove_kept), n_unique)
+    kept_datatrove = set(m.datatrove_kept)
+    differ = [i for i, o in enumerate(m.ours) if o.kept != (str(i) in kept_datatrove)]
+    assert not differ, f"{len(differ)} of {args.docs} documents judged differently: {differ[:20]}"
     print(f"{'method':<12}{'seconds':>10}{'docs/s':>10}  every repeat (s)")
     for name, ts in m.seconds.items():
         print(f"{name:<12}{statistics.median(ts):>10.2f}{docs_s[name]:>10.1f}  "
@@ -252,6 +275,7 @@ def main(argv: list[str]) -> int:
         "bench": "clean", "docs": args.docs, "repeats": args.repeats, "chunks": args.chunks,
         **{f"{name.replace('-', '_')}_docs_s": round(v, 2) for name, v in docs_s.items()},
         "ratio_vs_datatrove": round(docs_s["ours"] / docs_s["datatrove"], 3),
+        "ratio_cold_vs_datatrove": round(docs_s["ours-cold"] / docs_s["datatrove"], 3),
         "scaling_1_to_2_workers": round(docs_s["ray-2"] / docs_s["ray-1"], 3),
         "map_overhead_s": {str(n): round(s, 2) for n, s in m.map_overhead_s.items()},
         "seconds": {name: [round(t, 2) for t in ts] for name, ts in m.seconds.items()},

@@ -3,7 +3,10 @@
     python -m bench pipeline [--repeats 2] [--noop-stages 6] [overrides ...]
 
 1. `cold_s`: `gristmill run configs/tiny.yaml` in a fresh GRISTMILL_HOME (new process each time);
-   `reused_s`: the same command again over the finished store (every stage reused).
+   `reused_s`: the same command again over the finished store (every stage reused), with the
+   embedded Prefect API and MLflow store; `reused_s_with_server`: the same against a standing
+   stack (`gristmill up`: Prefect server, MLflow server, Ray head; one warm-up run first, as a user
+   with the stack up has made runs before); `dry_run_s`: `--dry-run` over the finished store.
 2. Per-stage overhead of Prefect task + MLflow child run + artifact store, on a stage that does
    nothing: inside one flow, N no-op stages computed (fresh keys) and then reused, against calling
    the no-op stage function directly.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,22 +28,40 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _cli_seconds(home: Path, overrides: list[str]) -> float:
-    env = {**os.environ, "GRISTMILL_HOME": str(home)}
+def _cli_seconds(home: Path, args: list[str], exports: dict[str, str] | None = None) -> float:
+    env = {**os.environ, "GRISTMILL_HOME": str(home), **(exports or {})}
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides],
+    subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *args],
                    cwd=REPO, env=env, check=True, capture_output=True)
     return time.perf_counter() - started
 
 
+def _with_server(home: Path, args: list[str], repeats: int) -> list[float]:
+    """Fully reused runs against a standing stack in `home` (on free ports), after a warm-up."""
+    from infra import stack
+
+    states = stack.up(home, ports=stack.Ports(*stack.free_ports(6)))
+    try:
+        if any(s.state != "running" for s in states):
+            raise RuntimeError(f"the stack did not come up:\n{stack.format_states(states)}")
+        exports = {k: v for s in states for k, v in s.export.items()}
+        _cli_seconds(home, args, exports)
+        return [_cli_seconds(home, args, exports) for _ in range(repeats)]
+    finally:
+        stack.down(home)
+
+
 def pipeline_times(repeats: int, overrides: list[str]) -> dict[str, list[float]]:
-    cold, reused = [], []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            home = Path(tmp) / "home"
-            cold.append(_cli_seconds(home, overrides))
-            reused.append(_cli_seconds(home, overrides))
-    return {"cold": cold, "reused": reused}
+    times: dict[str, list[float]] = {"cold": [], "reused": [], "dry_run": [], "reused_with_server": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp) / "home"
+        for repeat in range(repeats):
+            shutil.rmtree(home, ignore_errors=True)
+            times["cold"].append(_cli_seconds(home, overrides))
+            times["reused"].append(_cli_seconds(home, overrides))
+            times["dry_run"].append(_cli_seconds(home, [*overrides, "--dry-run"]))
+        times["reused_with_server"] = _with_server(home, overrides, repeats)
+    return times
 
 
 def noop_overhead(n_stages: int) -> dict[str, float]:
@@ -65,16 +87,20 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     times = pipeline_times(args.repeats, args.overrides)
     overhead = noop_overhead(args.noop_stages)
-    cold, reused = statistics.median(times["cold"]), statistics.median(times["reused"])
+    median = {name: statistics.median(runs) for name, runs in times.items()}
+    cold, reused = median["cold"], median["reused"]
     print(f"{'measure':<44}{'median':>10}   runs")
-    print(f"{'tiny pipeline, cold (s)':<44}{cold:>10.1f}   {[round(t, 1) for t in times['cold']]}")
-    print(f"{'tiny pipeline, fully reused (s)':<44}{reused:>10.1f}   {[round(t, 1) for t in times['reused']]}")
+    for name, label in (("cold", "tiny pipeline, cold (s)"), ("reused", "tiny pipeline, fully reused (s)"),
+                        ("reused_with_server", "same, against `gristmill up` (s)"),
+                        ("dry_run", "--dry-run over the finished store (s)")):
+        print(f"{label:<44}{median[name]:>10.1f}   {[round(t, 1) for t in times[name]]}")
     print(f"{'no-op stage, direct call (ms)':<44}{overhead['direct_s'] * 1e3:>10.1f}")
     print(f"{'no-op stage via flow, computed (ms)':<44}{overhead['computed_s'] * 1e3:>10.1f}")
     print(f"{'no-op stage via flow, reused (ms)':<44}{overhead['reused_s'] * 1e3:>10.1f}")
     summary: dict[str, Any] = {
         "benchmark": "pipeline", "cold_s": round(cold, 2), "reused_s": round(reused, 2),
         "reuse_speedup": round(cold / reused, 2),
+        "reused_s_with_server": round(median["reused_with_server"], 2), "dry_run_s": round(median["dry_run"], 2),
         "stage_overhead_computed_ms": round((overhead["computed_s"] - overhead["direct_s"]) * 1e3, 1),
         "stage_overhead_reused_ms": round((overhead["reused_s"] - overhead["direct_s"]) * 1e3, 1),
         "repeats": args.repeats,

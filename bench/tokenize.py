@@ -7,14 +7,18 @@ into paragraphs-sized documents and repeated), trains the stage's tokenizer on i
 the documents as a collect output (`docs/part-*.jsonl.gz`), then times, on the same documents
 with the same tokenizer and the same number of tokenizer threads:
 
-  raw         `Tokenizer.encode_batch` on in-memory texts, ids extracted (the ceiling: nothing
-              but tokenization)
+  raw         `Tokenizer.encode_batch` on in-memory texts, ids extracted (nothing but
+              tokenization)
+  raw_fast    the same with `encode_batch_fast` (no character offsets, the same ids): the
+              ceiling of the stage, which encodes this way
   stage       the stage's path: read the shards, encode (`encode_shard` via SerialEngine), write
               uint16 parts, concatenate into train.bin / val.bin
   datatrove   JsonlReader -> DocumentTokenizer (no shuffling) on LocalPipelineExecutor(1 task)
 
-MB/s are UTF-8 MB of document text per second, medians over `--repeats`. The last line is one
-JSON object with the figures, `ratio_vs_raw` and `ratio_vs_datatrove`.
+Each repeat times every method once, in turn, so a change in the machine's load hits all of
+them alike. MB/s are UTF-8 MB of document text per second, medians over `--repeats`. The last
+line is one JSON object with the figures, `ratio_vs_raw`, `ratio_vs_raw_fast` and
+`ratio_vs_datatrove`.
 """
 from __future__ import annotations
 
@@ -76,12 +80,12 @@ def write_collect(docs: list[str], root: Path) -> list[Path]:
     return paths
 
 
-def time_raw(tokenizer_json: Path, docs: list[str]) -> None:
+def time_raw(tokenizer_json: Path, docs: list[str], method: str = "encode_batch") -> None:
     from tasks.tokenize.stage import open_encoder
 
-    tok = open_encoder(tokenizer_json)
+    encode = getattr(open_encoder(tokenizer_json), method)
     for i in range(0, len(docs), BATCH_DOCS):
-        [e.ids for e in tok.encode_batch(docs[i : i + BATCH_DOCS], add_special_tokens=False)]
+        [e.ids for e in encode(docs[i : i + BATCH_DOCS], add_special_tokens=False)]
 
 
 def time_stage(tokenizer_json: Path, collect_paths: list[Path], work: Path) -> None:
@@ -112,18 +116,21 @@ def time_datatrove(tokenizer_json: Path, collect_dir: Path, work: Path) -> None:
                           skip_completed=False).run()
 
 
-def median_seconds(fn: Callable[[Path], None], scratch: Path, repeats: int) -> float:
+def median_seconds(methods: dict[str, Callable[[Path], None]], scratch: Path,
+                   repeats: int) -> dict[str, float]:
+    """Median seconds of each method; every repeat runs all methods once, in turn."""
     from tasks.tokenize.stage import _cached_encoder
 
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in methods}
     for r in range(repeats):
-        work = scratch / f"run-{r}"
-        _cached_encoder.cache_clear()  # every method starts with a cold tokenizer, as datatrove does
-        start = time.perf_counter()
-        fn(work)
-        times.append(time.perf_counter() - start)
-        shutil.rmtree(work, ignore_errors=True)
-    return statistics.median(times)
+        for name, fn in methods.items():
+            work = scratch / f"run-{name}-{r}"
+            _cached_encoder.cache_clear()  # every method starts with a cold tokenizer, as datatrove does
+            start = time.perf_counter()
+            fn(work)
+            times[name].append(time.perf_counter() - start)
+            shutil.rmtree(work, ignore_errors=True)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str]) -> int:
@@ -145,12 +152,12 @@ def main(argv: list[str]) -> int:
         save_tokenizer(train_tokenizer(docs[: max(1, len(docs) // 4)], args.vocab_size), root / "tokenizer")
         tokenizer_json = root / "tokenizer" / "tokenizer.json"
         collect_paths = write_collect(docs, root / "collect")
-        seconds = {
-            "raw": median_seconds(lambda w: time_raw(tokenizer_json, docs), root, args.repeats),
-            "stage": median_seconds(lambda w: time_stage(tokenizer_json, collect_paths, w), root, args.repeats),
-            "datatrove": median_seconds(lambda w: time_datatrove(tokenizer_json, root / "collect", w),
-                                        root, args.repeats),
-        }
+        seconds = median_seconds({
+            "raw": lambda w: time_raw(tokenizer_json, docs),
+            "raw_fast": lambda w: time_raw(tokenizer_json, docs, "encode_batch_fast"),
+            "stage": lambda w: time_stage(tokenizer_json, collect_paths, w),
+            "datatrove": lambda w: time_datatrove(tokenizer_json, root / "collect", w),
+        }, root, args.repeats)
     mb_s = {name: text_mb / s for name, s in seconds.items()}
     print(f"{len(docs)} docs, {text_mb:.1f} MB, {args.threads} tokenizer threads, "
           f"vocab {args.vocab_size}, median of {args.repeats}")
@@ -160,6 +167,7 @@ def main(argv: list[str]) -> int:
     print(json.dumps({"bench": "tokenize", "text_mb": round(text_mb, 2), "threads": args.threads,
                       **{f"{k}_mb_s": round(v, 3) for k, v in mb_s.items()},
                       "ratio_vs_raw": round(mb_s["stage"] / mb_s["raw"], 3),
+                      "ratio_vs_raw_fast": round(mb_s["stage"] / mb_s["raw_fast"], 3),
                       "ratio_vs_datatrove": round(mb_s["stage"] / mb_s["datatrove"], 3)}))
     return 0
 

@@ -11,11 +11,13 @@
     gristmill evaluate MODEL_DIR --task hellaswag.jsonl --task arc_easy.jsonl --limit 500
     gristmill up [--print-env]                           # Prefect, MLflow and Ray servers on 127.0.0.1
     gristmill status | gristmill down                    # what `up` started: health; stop it
-    gristmill serve configs/tiny.yaml                    # the `pipeline` deployment, for the Prefect UI
+    gristmill serve configs/tiny.yaml                    # `pipeline` + `data-refresh` deployments, for the UI
+    gristmill refresh configs/tiny.yaml                  # new inputs -> next corpus version, once
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,8 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the pipeline, reusing every complete stage")
-    run.add_argument("config", type=Path, help="YAML preset, e.g. configs/tiny.yaml")
-    run.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    _config_arguments(run, "YAML preset, e.g. configs/tiny.yaml")
     run.add_argument("--until", metavar="STAGE", help="run the DAG up to and including STAGE")
     run.add_argument("--dry-run", action="store_true",
                      help="print the resolved config and which stages would be reused or run")
@@ -74,19 +75,29 @@ def _parser() -> argparse.ArgumentParser:
                           help="GSM8K sampled answers per problem for pass@k (0: greedy only)")
     evaluate.add_argument("--include-flagged", action="store_true",
                           help="score MMLU-Redux items whose error_type is not 'ok' too")
-    serve = commands.add_parser("serve", help="serve the `pipeline` deployment on the Prefect server "
-                                              "(PREFECT_API_URL) to start runs from its UI")
-    serve.add_argument("config", type=Path, help="YAML preset: the deployment's default parameters")
-    serve.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    serve = commands.add_parser("serve", help="serve the `pipeline` and `data-refresh` deployments on the "
+                                              "Prefect server (PREFECT_API_URL) to start runs from its UI")
+    _config_arguments(serve, "YAML preset: the deployment's default parameters")
+    serve.add_argument("--refresh-cron", metavar="CRON",
+                       help="schedule of `data-refresh`, e.g. \"0 3 * * 1\" (default: refresh.cron)")
+    refresh = commands.add_parser("refresh", help="collect what is new in collect.sources into the next "
+                                                  "corpus version, once (README: Data refresh)")
+    _config_arguments(refresh, "YAML preset")
     _add_stack_commands(commands)
     return parser
+
+
+def _config_arguments(command: argparse.ArgumentParser, config_help: str) -> None:
+    command.add_argument("config", type=Path, help=config_help)
+    command.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
 
 def _add_stack_commands(commands) -> None:
     up = commands.add_parser("up", help="start a Prefect server, an MLflow server and a Ray head "
                                         "(README: Servers)")
     up.add_argument("--host", default="127.0.0.1",
-                    help="interface to bind (default 127.0.0.1; 0.0.0.0 exposes them to the network)")
+                    help="interface to bind (default 127.0.0.1; another one exposes them to the network "
+                         "and needs PREFECT_SERVER_API_AUTH_STRING and MLFLOW_AUTH_ADMIN_PASSWORD)")
     from infra.stack import Ports
 
     for name, default in vars(Ports()).items():
@@ -116,7 +127,7 @@ def _stack(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"gristmill: {error}", file=sys.stderr)
         return 2
-    table = stack.format_states(states) + f"\nlogs: {stack.services_dir(home)}/<name>.log"
+    table = stack.format_states(states) + f"\nlogs: {stack.services_dir(home)}/<name>.log" + stack.auth_note()
     if args.print_env:
         print(table, file=sys.stderr)
         print(stack.exports(states))
@@ -166,14 +177,40 @@ def _serve(args: argparse.Namespace, extras: list[str]) -> int:
     from flows.config import ConfigError, load_config
     from flows.serve import serve
 
+    cron = [f"refresh.cron={json.dumps(args.refresh_cron)}"] if args.refresh_cron else []  # JSON: YAML-safe
     try:
-        config = load_config(args.config, [*args.overrides, *extras])
+        config = load_config(args.config, [*args.overrides, *extras, *cron])
         serve(config)
     except (ConfigError, ValueError) as error:
         print(f"gristmill: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    return 0
+
+
+def _refresh(args: argparse.Namespace, extras: list[str]) -> int:
+    home = env.configure()  # before prefect/mlflow are imported: they read it at import
+    from flows.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, [*args.overrides, *extras])
+    except ConfigError as error:
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 2
+    from flows.refresh import data_refresh
+    from infra.services import start_embedded_services
+
+    try:
+        start_embedded_services(home)
+        outcome = data_refresh(config=config)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as error:  # a missing or empty source, named
+        print(f"gristmill: {error}", file=sys.stderr)
+        return 2
+    print(outcome["reason"] if not outcome["published"] else
+          f"corpus v{outcome['version']}: {outcome['collect_dir']}\n{outcome['reason']}")
     return 0
 
 
@@ -208,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     # those as extras, which are taken as overrides when they look like key=value.
     args, extras = parser.parse_known_args(argv)
     unknown = [item for item in extras if "=" not in item or item.startswith("-")]
-    if unknown or (extras and args.command not in ("run", "serve")):
+    if unknown or (extras and args.command not in ("run", "serve", "refresh")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extras)}")
     if args.command == "plan":
         return _plan(args)
@@ -216,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         return _evaluate(args)
     if args.command == "serve":
         return _serve(args, extras)
+    if args.command == "refresh":
+        return _refresh(args, extras)
     if args.command in ("report", "compare"):
         return _history(args)
     if args.command in ("up", "status", "down"):

@@ -51,6 +51,27 @@ class RegistryConfig(BaseModel):
         return value
 
 
+class RefreshConfig(BaseModel):
+    """The `data-refresh` deployment (flows/refresh.py): when it runs, and when a new corpus
+    version is worth a pipeline run. Not part of any artifact key: it changes no stage output."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cron: str = Field("0 3 * * 1", description="When the served `data-refresh` deployment runs (cron, UTC; "
+                                                "default Mondays 03:00). `gristmill serve --refresh-cron` "
+                                                "overrides it.")
+    min_new_tokens: int = Field(
+        1_000_000, ge=0,
+        description="Start the `pipeline` deployment on the corpus when a refresh added at least this many "
+                    "clean tokens, estimated as the new version's clean UTF-8 bytes / bytes_per_token "
+                    "(no tokenizer exists before the pipeline trains one).")
+    bytes_per_token: float = Field(4.0, gt=0, description="Clean text bytes per token for the estimate "
+                                                          "(about 4 for English with a BPE vocabulary).")
+    trigger_pipeline: bool = Field(True, description="Start the `pipeline` deployment when the threshold "
+                                                     "is met; false: only publish the corpus version.")
+    deployment: str = Field("pipeline/pipeline", description="The deployment started ('flow/deployment').")
+
+
 class PipelineConfig(BaseModel):
     """Every stage's config. Field defaults are the `tiny` preset (2 CPU cores, minutes)."""
 
@@ -67,6 +88,8 @@ class PipelineConfig(BaseModel):
                                      description="Model registry: candidate and champion aliases.")
     notify: NotifyConfig = Field(default_factory=NotifyConfig,
                                  description="Failure and rollback notifications (webhook, Prefect events).")
+    refresh: RefreshConfig = Field(default_factory=RefreshConfig,
+                                   description="Scheduled data refresh: new inputs into corpus versions.")
 
     @property
     def registered_model_name(self) -> str:

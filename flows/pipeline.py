@@ -6,12 +6,13 @@ otherwise compute into the `.partial` dir and commit) inside an MLflow child run
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Mapping
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
@@ -27,6 +28,8 @@ from infra import env
 from infra.artifacts import ArtifactStore
 from infra.memory import PeakRSS
 from infra.tracking import Tracker
+
+GPU_LIMIT = "gpu"  # the Prefect global concurrency limit GPU stages take a slot of
 
 
 class Runtime:
@@ -49,7 +52,7 @@ def _engine(stage: PlannedStage) -> Engine:
 
 
 def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
-             artifacts: list[str]):
+             artifacts: list[str], meta: Mapping[str, Any]):
     """The store's compute callback: run the stage into its partial dir, return manifest fields."""
 
     def compute(partial_dir) -> dict[str, Any]:
@@ -66,10 +69,28 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
             "stats": {**result.stats, "peak_rss_mb": peak.mb},
             "meta": {"stage_version": stage.spec.module.VERSION, "code_version": env.code_version(),
                      "mlflow_run_id": run_id, "prefect_flow_run_id": str(flow_run.id),
-                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta},
         }
 
     return compute
+
+
+def _gpu_slot(stage: PlannedStage):
+    """A training or evaluation stage computes holding one slot of the Prefect global concurrency
+    limit `gpu` when the server has one (`prefect gcl create gpu --limit 1`: runs sharing the GPUs
+    take turns, the data stages still overlap); without that limit nothing waits."""
+    if not stage.spec.uses_gpu:
+        return contextlib.nullcontext()
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:  # asked first: Prefect would warn in every GPU stage's log that the limit is missing
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            return contextlib.nullcontext()
+    return concurrency(GPU_LIMIT, occupy=1, strict=True)
 
 
 def _publish(name: str, manifest: Manifest, runtime: Runtime, run_id: str) -> None:
@@ -78,8 +99,10 @@ def _publish(name: str, manifest: Manifest, runtime: Runtime, run_id: str) -> No
 
 
 @task(cache_policy=NO_CACHE)
-def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runtime) -> Manifest:
-    """Reuse or compute one stage; `upstream` carries the manifests this stage depends on."""
+def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runtime,
+              meta: dict[str, Any] | None = None) -> Manifest:
+    """Reuse or compute one stage; `upstream` carries the manifests this stage depends on, `meta`
+    extra fields for a computed manifest's meta (a data refresh's corpus version)."""
     logger = get_run_logger()
     name = stage.spec.name
     existing = runtime.store.load(name, stage.key)
@@ -98,8 +121,9 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
             return existing
         logger.info("%s: computing %s-%s", name, name, stage.key)
         artifacts: list[str] = []
-        manifest, reused = runtime.store.materialize(
-            name, stage.key, _compute(stage, upstream, run_id, artifacts))
+        with _gpu_slot(stage):
+            manifest, reused = runtime.store.materialize(
+                name, stage.key, _compute(stage, upstream, run_id, artifacts, meta or {}))
         _publish(name, manifest, runtime, run_id)
         runtime.tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
         if reused:
@@ -141,6 +165,10 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     parent = tracker.start_pipeline(run_name, config.model_dump(mode="json", exclude={"notify"}),
                                     {"prefect.flow_run_id": str(flow_run.id),
                                      "gristmill.code_version": env.code_version()})
+    if tracker.uri.startswith(("http://", "https://")):  # a tracking server: its UI can be linked
+        create_link_artifact(f"{tracker.uri.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/"
+                             f"{parent}", link_text=f"MLflow run {run_name}", key="mlflow-run",
+                             description="The MLflow parent run: params, stage runs, metrics, lineage")
     runtime = Runtime(store, tracker, parent)
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None

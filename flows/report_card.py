@@ -101,6 +101,11 @@ def _curves(manifests: Mapping[str, Manifest]) -> dict[str, dict[str, list[tuple
     return series
 
 
+def _curves_title(manifests: Mapping[str, Manifest], series: Mapping) -> str:
+    """Named by the stages' keys, not the run: the same stages give the same chart (cached)."""
+    return "training curves (" + ", ".join(f"{stage} {manifests[stage].key}" for stage in series) + ")"
+
+
 def _funnel_section(collect: Manifest, charts: Path) -> Section | None:
     path = collect.path / FUNNEL
     if not path.is_file():
@@ -148,7 +153,7 @@ def build(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title:
     sections += extra or []
     if series := _curves(manifests):
         sections.append(Section("Training curves",
-                                chart=curves_chart(series, charts / "curves.png", title)))
+                                chart=curves_chart(series, charts / "curves.png", _curves_title(manifests, series))))
     if "collect" in manifests and (funnel := _funnel_section(manifests["collect"], charts)):
         sections.append(funnel)
     if "tokenize" in manifests:

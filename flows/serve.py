@@ -1,5 +1,7 @@
-"""`gristmill serve CONFIG [key=value ...]`: the `pipeline` deployment, served against a Prefect
-server (`gristmill up`, or any PREFECT_API_URL), so a run can be started from the Prefect UI.
+"""`gristmill serve CONFIG [key=value ...] [--refresh-cron CRON]`: the `pipeline` and `data-refresh`
+deployments, served against a Prefect server (`gristmill up`, or any PREFECT_API_URL), so a run
+can be started from the Prefect UI and the data refresh runs on its schedule (`refresh.cron`;
+flows/refresh.py), starting `pipeline` when enough new data came in.
 
 The deployment's parameters are the flow's: `config`, the typed pipeline config (the UI draws a
 form from it: the preset name, each stage's section with every field and its description),
@@ -22,12 +24,21 @@ DEPLOYMENT = "pipeline"
 def deployments(config: PipelineConfig) -> list[Any]:
     """The deployments `serve` registers, with `config` as their default parameters."""
     from flows.pipeline import pipeline
+    from flows.refresh import DEPLOYMENT as REFRESH
+    from flows.refresh import data_refresh
 
+    parameters = {"config": config.model_dump(mode="json")}
     return [pipeline.to_deployment(
-        name=DEPLOYMENT, parameters={"config": config.model_dump(mode="json")},
+        name=DEPLOYMENT, parameters=parameters,
         description=f"The gristmill pipeline, preset {config.name!r}: collect → tokenize → "
                     "pretrain → SFT → align → evaluate, each stage reused when already computed.",
-        tags=["gristmill"])]
+        tags=["gristmill"]),
+        data_refresh.to_deployment(
+            name=REFRESH, parameters=parameters, cron=config.refresh.cron,
+            description="What is new in collect.sources since the last refresh, collected and "
+                        "deduplicated against every earlier corpus version into the next one; "
+                        f"starts {config.refresh.deployment!r} past refresh.min_new_tokens.",
+            tags=["gristmill"])]
 
 
 def serve(config: PipelineConfig) -> None:

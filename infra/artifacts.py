@@ -3,6 +3,7 @@
     <root>/<stage>/<stage>-<key>/            a committed output; manifest.json is written last
     <root>/<stage>/<stage>-<key>.partial/    work in progress, kept across crashes so a stage resumes
     <root>/<stage>/<stage>-<key>.lock        an flock, so two runs of one key never both compute
+    <root>/corpus/versions.jsonl             the corpus versions published by data refreshes
 
 A key is a hash of the stage name and version, its hashed config, the keys of its upstream
 artifacts and a fingerprint of any external inputs. An output counts as complete only when its
@@ -17,19 +18,19 @@ import json
 import logging
 import os
 import shutil
-import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from core.faults import fault_point
 from core.files import describe_files
 from core.stage import Manifest
 
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
-FAULT_ENV = "GRISTMILL_FAULT"
 KEY_LENGTH = 12  # hex chars of sha256: 48 bits, ample for one project's artifacts
+CORPUS = "corpus"  # not a stage: the chain of corpus versions over collect artifacts
 
 log = logging.getLogger("gristmill.store")
 
@@ -134,9 +135,26 @@ class ArtifactStore:
         os.replace(partial, final)
         return self.load(stage, key)
 
+    # --- corpus versions: collect artifacts chained by data refreshes (flows/refresh.py) ---
 
-def fault_point(where: str) -> None:
-    """Die as a crash would (SIGKILL) when $GRISTMILL_FAULT names this point: how `python -m bench
-    chaos` reaches windows too short to hit with a timed kill."""
-    if os.environ.get(FAULT_ENV) == where:
-        os.kill(os.getpid(), signal.SIGKILL)
+    def corpus_versions(self) -> list[dict[str, Any]]:
+        """Every published corpus version, oldest first: {version, parent_version, collect_key,
+        inputs (input -> its version stamp when collected), stats...}."""
+        path = self.root / CORPUS / "versions.jsonl"
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def collect_dir(self, version: dict[str, Any]) -> Path:
+        """The collect artifact holding one corpus version's documents and dedup index."""
+        return self.final_dir("collect", version["collect_key"])
+
+    def add_corpus_version(self, record: dict[str, Any]) -> None:
+        """Publish one version (call under `lock(CORPUS, ...)`, so numbers follow each other); the
+        file is replaced atomically, so a crash leaves the chain as it was before or after."""
+        path = self.root / CORPUS / "versions.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = "".join(canonical_json(r) + "\n" for r in [*self.corpus_versions(), record])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(lines)
+        os.replace(tmp, path)

@@ -1,8 +1,20 @@
-"""PNG charts (data funnel, training curves): the only matplotlib user. Rendered off-screen (Agg)."""
+"""PNG charts (data funnel, training curves): the only matplotlib user. Rendered off-screen (Agg).
+
+A chart is a pure function of its data, so each one is rendered once and kept under
+`$GRISTMILL_HOME/cache/charts/<digest>.png`: a fully reused run copies its charts from there and
+never imports matplotlib (about two seconds of a reused run). The cache is safe to delete.
+"""
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
+
+from infra import env
 
 
 def _pyplot():
@@ -14,6 +26,25 @@ def _pyplot():
     return plt
 
 
+def _cached(render: Callable[..., Path]) -> Callable[..., Path]:
+    """Serve `render(data, path, title, ...)` from the chart cache, keyed by all its arguments."""
+
+    @functools.wraps(render)
+    def chart(data, path: Path, title: str, **options) -> Path:
+        digest = hashlib.sha256(json.dumps([render.__name__, data, title, options], sort_keys=True,
+                                           default=str).encode()).hexdigest()[:24]
+        kept = env.gristmill_home() / "cache" / "charts" / f"{digest}.png"
+        if not kept.exists():
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            partial = kept.with_name(f"{digest}.{os.getpid()}.partial.png")
+            render(data, partial, title, **options)
+            partial.replace(kept)  # whole files only: another run may read it at once
+        shutil.copyfile(kept, path)
+        return Path(path)
+
+    return chart
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -21,6 +52,7 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+@_cached
 def funnel_chart(steps: Sequence[Mapping[str, float]], path: Path, title: str) -> Path:
     """Horizontal bars, first step on top: documents (left panel) and MB (right) after each step."""
     plt = _pyplot()
@@ -38,6 +70,7 @@ def funnel_chart(steps: Sequence[Mapping[str, float]], path: Path, title: str) -
     return _save(plt, fig, path)
 
 
+@_cached
 def histogram_chart(counts: Mapping[str, int], path: Path, title: str, top: int = 20) -> Path:
     """Bars of the `top` largest counts (the rest summed as 'other'), largest first."""
     plt = _pyplot()
@@ -51,6 +84,7 @@ def histogram_chart(counts: Mapping[str, int], path: Path, title: str, top: int 
     return _save(plt, fig, path)
 
 
+@_cached
 def curves_chart(series: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], path: Path,
                  title: str) -> Path:
     """One panel per training stage, one line per metric against the step."""

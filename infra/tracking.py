@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.entities import (
+    Dataset,
+    DatasetInput,
+    InputTag,
+    Metric,
+    Param,
+    RunStatus,
+    RunTag,
+)
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -157,9 +165,9 @@ class Tracker:
             for row in read_metrics(manifest.path / METRICS_FILE):
                 metrics += [Metric(k, v, stamp, int(row["step"]))
                             for k, v in _numeric(row).items() if k != "step"]
-        for start in range(0, len(metrics), BATCH):
-            self.client.log_batch(run_id, metrics=metrics[start:start + BATCH])
-        self.client.set_tag(run_id, "gristmill.artifact_dir", str(manifest.path))
+        tags = [RunTag("gristmill.artifact_dir", str(manifest.path))]
+        for start in range(0, max(len(metrics), 1), BATCH):  # the tag rides with the first batch
+            self.client.log_batch(run_id, metrics=metrics[start:start + BATCH], tags=tags if start == 0 else [])
         for rel in [MANIFEST, CONFIG, *artifacts]:
             if (manifest.path / rel).is_file():
                 self.client.log_artifact(run_id, str(manifest.path / rel))
@@ -233,6 +241,24 @@ class Tracker:
         params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
         for start in range(0, len(params), 100):  # MLflow caps params per batch at 100
             self.client.log_batch(run_id, params=params[start:start + 100])
+
+    def log_corpus_version(self, run_id: str, version: int, manifest: Manifest,
+                           parent: tuple[int, Manifest] | None) -> None:
+        """A data refresh's lineage: the corpus version it published (dataset `corpus-v<N>`,
+        context `corpus-version`) and the version it extends (context `parent-corpus-version`),
+        each with digest = its collect artifact key, plus tags naming both."""
+        versions = [(version, manifest, "corpus-version")]
+        if parent is not None:
+            versions.append((*parent, "parent-corpus-version"))
+        self.client.log_inputs(run_id, datasets=[
+            DatasetInput(Dataset(name=f"corpus-v{n}", digest=m.key, source_type="gristmill-corpus",
+                                 source=m.path.resolve().as_uri()),
+                         tags=[InputTag("mlflow.data.context", context)])
+            for n, m, context in versions])
+        tags = {"gristmill.corpus.version": str(version), "gristmill.corpus.key": manifest.key,
+                "gristmill.corpus.parent_version": str(parent[0]) if parent else "none"}
+        for key, value in tags.items():
+            self.client.set_tag(run_id, key, value)
 
     def _log_lineage(self, run_id: str, upstream: Mapping[str, Manifest]) -> None:
         inputs = [

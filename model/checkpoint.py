@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from core.faults import fault_point
 from core.files import DiskSpaceError, describe_files, ensure_free_space, file_digest
 
 MARKER = "checkpoint.json"  # written last inside a checkpoint: its completion marker
@@ -125,6 +126,7 @@ def save_checkpoint(work_dir: Path, state: dict[str, Any], keep: int, write: Cal
         tmp.rename(final)
         for _, old in complete_checkpoints(work_dir)[:-keep]:
             shutil.rmtree(old)
+        fault_point(f"checkpoint:{state['step']}")
     barrier()
 
 

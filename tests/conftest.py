@@ -1,5 +1,5 @@
 """Shared fixtures: the one way tests find ../shared/data, tiny throwaway models, and the one
-tiny-pipeline run the end-to-end tests share."""
+tiny-pipeline run the end-to-end tests share, and the one served deployment the UI tests share."""
 from __future__ import annotations
 
 import os
@@ -106,3 +106,13 @@ def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
     assert plan_of(home, overrides) == {s: "run" for s in STAGES}
     proc = gristmill(home, "run", "configs/tiny.yaml", *overrides)
     return TinyRun(home, proc, overrides, reference_vocab)
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """The stack and `gristmill serve` of the tiny preset (tests/serve_helpers.py), started once
+    for the tests that drive the `pipeline` deployment: starting them costs minutes on 2 cores."""
+    from serve_helpers import serving
+
+    with serving(tmp_path_factory.mktemp("served")) as served:
+        yield served

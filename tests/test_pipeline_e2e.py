@@ -60,10 +60,11 @@ def test_unknown_override_is_an_error_naming_the_key(tiny_run):
 
 
 # SFT mixes pretraining text into its batches (sft.pretrain_mix) so that the model keeps its
-# language. Measured on this shortened run (GRISTMILL_HOME=... gristmill run configs/tiny.yaml
-# <FAST overrides>, 2026-12-01, 2-core machine): validation perplexity base 1116 -> SFT 1335
-# (x1.20); the same run with sft.pretrain_mix=0: 1116 -> 1628 (x1.46).
-SFT_PPL_RATIO_FAST = 1.3
+# language. Measured on this shortened run (the tiny_run fixture's overrides, then the same with
+# sft.seed=S, 2026-12-01, 2-core machine, collect VERSION 4): validation perplexity of the SFT model
+# over the base model's (1114): x1.323, 1.319, 1.278, 1.301 for seeds 0-3; the same runs with
+# sft.pretrain_mix=0: x2.02, 2.02 (seeds 0, 1). The bound sits between the two, nearer the mix.
+SFT_PPL_RATIO_FAST = 1.45
 
 
 def test_sft_keeps_the_base_models_language(tiny_run):

@@ -95,3 +95,16 @@ def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
                              env=cli_env(home), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and missing.stderr.strip() == \
         f"gristmill: no pipeline run 'no-such-run' in sqlite:///{home.resolve()}/mlflow.db"
+
+
+def test_a_chart_is_rendered_once_and_then_copied_from_the_cache(tmp_path, monkeypatch):
+    from infra import charts
+
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path / "home"))
+    steps = [{"step": "read", "docs": 10, "bytes": 5e6}, {"step": "kept", "docs": 4, "bytes": 1e6}]
+    first = charts.funnel_chart(steps, tmp_path / "a.png", "funnel")
+    monkeypatch.setattr(charts, "_pyplot", lambda: (_ for _ in ()).throw(AssertionError("rendered again")))
+    second = charts.funnel_chart(steps, tmp_path / "b.png", "funnel")
+    assert first.read_bytes() == second.read_bytes() and first.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(AssertionError, match="rendered again"):  # other data: a new chart
+        charts.funnel_chart(steps[:1], tmp_path / "c.png", "funnel")

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pydantic import ValidationError
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 import tasks.tokenize.stage as tokenize
 from core.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, render_with_mask
+from core.files import iter_jsonl
 from core.stage import Manifest, SerialEngine
 
 
@@ -240,6 +242,22 @@ def test_stage_run_writes_consistent_bins(stage_run):
     assert result.stats["val_tokens"] == meta["val_tokens"]
     assert result.artifacts == ["tokens/meta.json", "tokens/index.json"]
     assert not (out / "parts").exists() and not (out / "tokenizer.tmp").exists()
+
+
+def test_shards_hold_the_tokenizers_own_ids(stage_run):
+    """The bins hold exactly what `encode_batch` (with offsets) gives each document, in input
+    order, each followed by the separator: the stage's offset-free encoding changes no id."""
+    collect, texts, config, result, out = stage_run
+    backend = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
+    backend.encode_special_tokens = True  # as the stage encodes: text never fakes a separator
+    sep_id = backend.token_to_id("<|endoftext|>")
+    docs = list(iter_jsonl(tokenize.doc_paths(collect.path)))
+    encodings = backend.encode_batch([d["text"] for d in docs], add_special_tokens=False)
+    for split in ("train", "val"):
+        expected = [i for d, e in zip(docs, encodings) if tokenize.is_val(d["id"], 0.2) == (split == "val")
+                    for i in (*e.ids, sep_id)]
+        meta = json.loads((out / "tokens" / "meta.json").read_text())
+        assert np.fromfile(out / "tokens" / f"{split}.bin", dtype=meta["dtype"]).tolist() == expected
 
 
 def test_index_locates_each_input_shard(stage_run, shared_data):

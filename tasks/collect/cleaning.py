@@ -6,15 +6,13 @@ Order (the first filter that rejects a document decides its reason, so each drop
 
 Cheapest and most selective first (costs per document measured on the shared WARC/JSONL pages
 plus the demo's package docs, 8 kB on average, one core). The URL check reads the URL only
-(~0.02 ms) and a blocked site goes whatever its text says. Language ID is one fastText call on a
-4000-character prefix (~1 ms) and on a multilingual crawl removes most documents before any
-tokenization. Gopher quality pays for the spaCy tokenization (~28 ms) and drops the most of the
-quality rules; Gopher repetition (~8 ms) and FineWeb (~0.2 ms) reuse that tokenization (datatrove
-caches its last 5 texts) and only scan lines and n-grams. C4 runs spaCy's sentence splitter once
-per line (~35 ms), which also evicts that cache, and drops the fewest documents once the others
-have run, so it comes last: the whole chain ran at 64-69 ms a document with FineWeb then C4,
-at 77-97 ms with C4 then FineWeb (the FineWeb recipe's order), keeping the same documents. PII
-is scrubbed only in kept documents (~2.5 ms): it changes text, never the verdict.
+(~0.02 ms) and a blocked site goes whatever its text says. Language ID is one fastText call on
+a 4000-character prefix (~1 ms) and on a multilingual crawl removes most documents before any
+tokenization. The four quality filters share one rules.Page: its spaCy
+words and its lines are computed once, by the first filter that needs them (Gopher quality,
+which drops the most), and reused by the others. C4 tokenizes lines to count sentences, only
+until it has enough, and drops the fewest documents once the others have run, so it comes last.
+PII is scrubbed only in kept documents (~2.5 ms): it changes text, never the verdict.
 
 `CleaningConfig` (config.py) holds every threshold of the chain; the collect stage's Config
 inherits it.
@@ -28,6 +26,7 @@ import tasks.collect.filters as text_filters
 from tasks.collect.config import CleaningConfig  # noqa: F401 (defined there, light, for planning)
 from tasks.collect.langid import detect_language
 from tasks.collect.pii import scrub_pii
+from tasks.collect.rules import Page
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class CleanOutcome:
 
 
 # (switch attribute on cfg or None for always on, filter); in the chain's order.
-QUALITY_FILTERS: tuple[tuple[str | None, Callable[[str, Any], str | None]], ...] = (
+QUALITY_FILTERS: tuple[tuple[str | None, Callable[[Page, Any], str | None]], ...] = (
     (None, text_filters.gopher_quality),
     (None, text_filters.gopher_repetition),
     ("fineweb_filter", text_filters.fineweb_quality),
@@ -62,11 +61,12 @@ def clean_document(text: str, url: str, cfg: Any) -> CleanOutcome:
         return CleanOutcome(reason, text)
     language, score = detect_language(text)
     reason = text_filters.language_drop_reason(language, score, cfg)
+    page = Page(text)
     for switch, quality_filter in QUALITY_FILTERS:
         if reason is not None:
             break
         if switch is None or getattr(cfg, switch):
-            reason = quality_filter(text, cfg)
+            reason = quality_filter(page, cfg)
     if reason is not None:
         return CleanOutcome(reason, text, language, score)
     text, pii_counts = scrub_pii(text, cfg.pii_kinds)

@@ -26,7 +26,8 @@ from tasks.collect.pii import PII_KINDS, PiiKind
 from tasks.collect.quality_model import QualityConfig
 from tasks.collect.readers import SUPPORTED_SUFFIXES
 
-VERSION = 3  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing
+VERSION = 4  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing;
+# 4: near dedup checks exact Jaccard, two band layouts (dedup index format 2)
 DEDUP_INDEX_DIR = "dedup_index"  # in a collect artifact: the MinHash index a later run may extend
 
 # (n-gram length in words, fraction of the document's characters)
@@ -195,6 +196,10 @@ class CleaningConfig(StageConfig):
             raise ValueError(f"allowed_languages: {unknown} are not lid.176 codes (e.g. 'en', "
                              f"'de', 'no' for Norwegian Bokmål, 'zh')")
         return languages
+
+
+class NothingSurvived(ValueError):
+    """No document of any source survived collection (a refresh whose new files add nothing)."""
 
 
 class Config(CleaningConfig):

@@ -9,15 +9,18 @@ Steps (each vectorized with numpy over a chunk of documents; 1-4 in minhash.py):
   2. shingle: every run of `shingle_words` consecutive words, hashed (deterministic 64-bit hashes,
      never Python's salted `hash()`);
   3. MinHash: `bands * rows` hash permutations, the minimum of each over a document's shingles;
-  4. LSH: a band's `rows` values hash to a bucket key; documents sharing a key in any band are
-     candidate pairs; a candidate pair counts as a near-duplicate only if the fraction of equal
-     signature values (the estimated Jaccard similarity) is >= `threshold`;
+  4. LSH: a band's `rows` values hash to a bucket key; documents sharing a key in any band (of
+     either band layout, see minhash.band_keys) are candidate pairs; a candidate pair counts as
+     a near-duplicate only if the exact Jaccard similarity of its two shingle sets is >=
+     `threshold` (against a document of the persisted index, which keeps no shingles: the
+     fraction of equal signature values, the MinHash estimate);
   5. clusters: connected components of the verified pairs. Exactly one document per cluster
      survives: one already in the persisted index if the cluster holds one, else the earliest
      in input order.
-Signatures are computed through `engine.map` over fixed-size chunks of documents, and bucketing
-through `engine.map` over fixed-size groups of bands; the merge is order-free, so the result is the
-same for any engine, worker count or completion order.
+Signatures are computed through `engine.map` over fixed-size chunks of documents, bucketing
+over fixed-size groups of bands and the exact check over fixed-size blocks of candidate pairs;
+the merge is order-free, so the result is the same for any engine, worker count or completion
+order.
 """
 from __future__ import annotations
 
@@ -31,11 +34,19 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.stage import Engine
-from tasks.collect.minhash import EMPTY_SIG, chunk_signatures
+from tasks.collect.minhash import (
+    EMPTY_SIG,
+    chunk_signatures,
+    exact_jaccards,
+    shingle_sets,
+)
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: band keys of every band layout (format 1 had layout 0 only)
 _U64 = np.uint64
-_PAIRS_PER_BLOCK = 65_536  # candidate pairs verified at once
+_PAIRS_PER_BLOCK = 65_536  # candidate pairs verified at once against the index's signatures
+# pairs of input documents checked exactly at once: both shingle sets of each (~300 8-byte
+# hashes for a 300-word page) are sorted together, so a block holds ~40 MB per temporary
+_EXACT_PAIRS_PER_BLOCK = 8_192
 _PAIRED_PER_BUCKET = 8  # a bucket's node is paired with at most this many earlier nodes
 
 
@@ -45,18 +56,27 @@ class DedupConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     shingle_words: int = Field(5, ge=1, description="Words per shingle (word n-gram size).")
-    # A pair of Jaccard similarity s shares a bucket in at least one band with probability
-    # 1 - (1 - s**rows)**bands. 18 x 6 puts the middle of that S-curve at 0.62 (~ threshold):
-    # 0.25 at s=0.5, 0.58 at 0.6, 0.90 at 0.7, 0.996 at 0.8. Measured on bench/neardup_set.py
-    # (4 seeds, ~2200 docs each), checked at 0.6 it kept precision 1.0 at recall 0.94-0.97;
-    # 14 x 8 (datatrove's default) with no check reached 0.85-0.91 there.
+    # A pair of Jaccard similarity s shares a bucket in at least one band of one layout with
+    # probability about 1 - (1 - s**rows)**(bands * band_layouts) (the second layout's bands
+    # share one value with each of `rows` first-layout bands, so they are nearly independent):
+    # for 18 x 6 and two layouts 0.43 at s=0.5, 0.82 at 0.6, 0.99 at 0.7 (one layout: 0.25,
+    # 0.58, 0.90). The exact-Jaccard check then decides, so more candidates cost time, never
+    # precision. Measured on bench/neardup_set.py (seeds 0-3, 1,976-2,011 docs; see the README),
+    # precision 1.0 everywhere; recall 0.95-0.96 with one layout checked at 0.6, 0.97-0.98 with
+    # two, 0.98-0.99 with two checked at 0.55 (datatrove at 18 x 6, no check: 0.955-0.972).
+    # Below 0.55 the labelled set gains little and real pages sharing only a site's navigation
+    # (0.49 in that set) come close.
     bands: int = Field(18, ge=1, description="LSH bands; bands x rows = hash permutations.")
     rows: int = Field(6, ge=1, description="Signature values per band (all must match for two "
                                            "documents to share the band's bucket).")
-    threshold: float = Field(0.6, gt=0, le=1, description="Jaccard similarity of shingle sets "
+    band_layouts: int = Field(2, ge=1, le=2, description="Ways the signature is cut into bands "
+                                                         "(1: consecutive values; 2: also one "
+                                                         "value of each of `rows` bands).")
+    threshold: float = Field(0.55, gt=0, le=1, description="Jaccard similarity of shingle sets "
                                                             "at or above which two documents are "
-                                                            "near-duplicates (estimated from the "
-                                                            "signatures of each candidate pair).")
+                                                            "near-duplicates (exact for two input "
+                                                            "documents, estimated from the "
+                                                            "signatures against the index).")
     seed: int = Field(1, ge=0, description="Seed of the hash permutations. Signatures (and a "
                                            "persisted index) are comparable only under one seed.")
     chunk_docs: int = Field(1024, ge=1, description="Documents per signature task (independent "
@@ -78,6 +98,9 @@ class DedupConfig(BaseModel):
     def lsh_threshold(self) -> float:
         """Jaccard similarity where the banding S-curve is steepest, about (1/bands)**(1/rows)."""
         return (1 / self.bands) ** (1 / self.rows)
+
+
+_INDEX_FIELDS = ("shingle_words", "bands", "rows", "band_layouts", "seed")  # signature settings
 
 
 def _bucket_task(item: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
@@ -122,24 +145,26 @@ class DedupIndex:
     shingle_words: int
     bands: int
     rows: int
+    band_layouts: int
     seed: int
     ids: np.ndarray  # str [m]
     signatures: np.ndarray  # uint32 [m, bands*rows]
-    band_keys: np.ndarray  # uint64 [m, bands]
+    band_keys: np.ndarray  # uint64 [m, bands*band_layouts]
 
     FILES = ("ids.npy", "signatures.npy", "band_keys.npy")
 
     @classmethod
     def empty(cls, cfg: DedupConfig) -> DedupIndex:
-        return cls(cfg.shingle_words, cfg.bands, cfg.rows, cfg.seed, np.zeros(0, "<U1"),
-                   np.zeros((0, cfg.num_perm), np.uint32), np.zeros((0, cfg.bands), _U64))
+        return cls(cfg.shingle_words, cfg.bands, cfg.rows, cfg.band_layouts, cfg.seed,
+                   np.zeros(0, "<U1"), np.zeros((0, cfg.num_perm), np.uint32),
+                   np.zeros((0, cfg.bands * cfg.band_layouts), _U64))
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def check_compatible(self, cfg: DedupConfig) -> None:
         """ValueError naming the first config field the stored signatures disagree with."""
-        for name in ("shingle_words", "bands", "rows", "seed"):
+        for name in _INDEX_FIELDS:
             if getattr(self, name) != getattr(cfg, name):
                 raise ValueError(f"{name}: the index was built with {getattr(self, name)}, the "
                                  f"config says {getattr(cfg, name)}; rebuild the index")
@@ -148,7 +173,7 @@ class DedupIndex:
                keys: np.ndarray) -> DedupIndex:
         """A new index holding these documents after the current ones."""
         ids_arr = np.asarray(list(ids), dtype=str)
-        return DedupIndex(self.shingle_words, self.bands, self.rows, self.seed,
+        return DedupIndex(self.shingle_words, self.bands, self.rows, self.band_layouts, self.seed,
                           np.concatenate([self.ids, ids_arr]),
                           np.concatenate([self.signatures, signatures.astype(np.uint32)]),
                           np.concatenate([self.band_keys, keys.astype(_U64)]))
@@ -158,8 +183,8 @@ class DedupIndex:
         directory.mkdir(parents=True, exist_ok=True)
         for name, array in zip(self.FILES, (self.ids, self.signatures, self.band_keys)):
             np.save(directory / name, array, allow_pickle=False)
-        meta = {"format": INDEX_FORMAT, "docs": len(self), "shingle_words": self.shingle_words,
-                "bands": self.bands, "rows": self.rows, "seed": self.seed}
+        meta = {"format": INDEX_FORMAT, "docs": len(self),
+                **{name: getattr(self, name) for name in _INDEX_FIELDS}}
         (directory / "index.json").write_text(json.dumps(meta, indent=2) + "\n")  # written last
 
     @classmethod
@@ -170,12 +195,14 @@ class DedupIndex:
             raise FileNotFoundError(f"{meta_path}: no dedup index here (index.json is missing)")
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != INDEX_FORMAT:
-            raise ValueError(f"{meta_path}: format {meta.get('format')}, expected {INDEX_FORMAT}")
+            raise ValueError(f"{meta_path}: index format {meta.get('format')}, this version reads "
+                             f"format {INDEX_FORMAT} only; rebuild the index (rerun the collect "
+                             f"stage that wrote it)")
         arrays = [np.load(directory / name, allow_pickle=False) for name in cls.FILES]
-        index = cls(meta["shingle_words"], meta["bands"], meta["rows"], meta["seed"], *arrays)
+        index = cls(*(meta[name] for name in _INDEX_FIELDS), *arrays)
         shapes = {"ids.npy": (meta["docs"],),
                   "signatures.npy": (meta["docs"], meta["bands"] * meta["rows"]),
-                  "band_keys.npy": (meta["docs"], meta["bands"])}
+                  "band_keys.npy": (meta["docs"], meta["bands"] * meta["band_layouts"])}
         for name, array in zip(cls.FILES, arrays):
             if array.shape != shapes[name]:
                 raise ValueError(f"{directory / name}: shape {array.shape}, index.json implies "
@@ -193,7 +220,7 @@ class DedupResult:
     representative: list[str | None]
     index: DedupIndex  # the given index plus this input's kept documents
     candidate_pairs: int  # distinct pairs sharing a bucket (index-only pairs excluded)
-    verified_pairs: int  # candidate pairs with estimated Jaccard >= threshold
+    verified_pairs: int  # candidate pairs with Jaccard >= threshold
     near_duplicates: int  # documents removed
     clusters: int  # clusters with 2+ members, at least one from this input
     removed_by_index: int  # removed documents whose survivor is in the index
@@ -211,28 +238,41 @@ def _candidate_pairs(index: DedupIndex, keys: np.ndarray, active: np.ndarray,
     nodes = np.r_[np.arange(m), m + np.flatnonzero(active)]
     all_keys = np.concatenate([index.band_keys, keys[active]])
     groups = [(all_keys[:, g:g + cfg.bands_per_task], nodes)
-              for g in range(0, cfg.bands, cfg.bands_per_task)]
+              for g in range(0, all_keys.shape[1], cfg.bands_per_task)]
     pairs = np.concatenate([np.zeros((0, 2), np.int64), *engine.map(_bucket_task, groups)])
     pairs = pairs[pairs[:, 1] >= m]  # two index docs were both kept already
     codes = np.unique(pairs[:, 0].astype(np.int64) * (m + len(keys)) + pairs[:, 1])
     return np.stack(np.divmod(codes, m + len(keys)), axis=1)
 
 
-def _verify(pairs: np.ndarray, index: DedupIndex, sigs: np.ndarray,
-            cfg: DedupConfig) -> np.ndarray:
-    """Pairs whose signatures agree in at least threshold * bands*rows positions."""
+def _exact_task(item: tuple[list[str], np.ndarray, DedupConfig]) -> np.ndarray:
+    """Which pairs [k, 2] of positions in `texts` have exact Jaccard >= threshold (bool [k])."""
+    texts, pairs, cfg = item
+    return exact_jaccards(*shingle_sets(texts, cfg), pairs) >= cfg.threshold - 1e-9
+
+
+def _verify(pairs: np.ndarray, index: DedupIndex, sigs: np.ndarray, texts: Sequence[str],
+            cfg: DedupConfig, engine: Engine) -> np.ndarray:
+    """Pairs whose Jaccard similarity is >= threshold: exact over shingle sets for two input
+    documents (blocks of pairs through `engine.map`), the fraction of equal signature values
+    against an index document."""
     m = len(index)
+    in_index = pairs[:, 0] < m  # the second node of a pair is always from this input
+    outer, inner = pairs[in_index], pairs[~in_index]
     min_equal = math.ceil(cfg.threshold * cfg.num_perm - 1e-9)
-    kept = []
-    for lo in range(0, len(pairs), _PAIRS_PER_BLOCK):
-        block = pairs[lo:lo + _PAIRS_PER_BLOCK]
-        in_index = block[:, 0] < m  # the second node of a pair is always from this input
-        left = np.empty((len(block), cfg.num_perm), np.uint32)
-        left[in_index] = index.signatures[block[in_index, 0]]
-        left[~in_index] = sigs[block[~in_index, 0] - m]
-        equal = (left == sigs[block[:, 1] - m]).sum(axis=1)
+    kept = [np.zeros((0, 2), np.int64)]
+    for lo in range(0, len(outer), _PAIRS_PER_BLOCK):
+        block = outer[lo:lo + _PAIRS_PER_BLOCK]
+        equal = (index.signatures[block[:, 0]] == sigs[block[:, 1] - m]).sum(axis=1)
         kept.append(block[equal >= min_equal])
-    return np.concatenate(kept) if kept else np.zeros((0, 2), np.int64)
+    blocks = [inner[lo:lo + _EXACT_PAIRS_PER_BLOCK]
+              for lo in range(0, len(inner), _EXACT_PAIRS_PER_BLOCK)]
+    items = []
+    for block in blocks:
+        docs, local = np.unique(block - m, return_inverse=True)
+        items.append(([texts[d] for d in docs], local.reshape(-1, 2), cfg))
+    kept += [block[similar] for block, similar in zip(blocks, engine.map(_exact_task, items))]
+    return np.concatenate(kept)
 
 
 def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
@@ -249,12 +289,13 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
     chunks = [(list(texts[s:s + cfg.chunk_docs]), cfg) for s in range(0, len(texts), cfg.chunk_docs)]
     parts = engine.map(chunk_signatures, chunks)
     sigs = np.concatenate([np.zeros((0, cfg.num_perm), np.uint32), *(p[0] for p in parts)])
-    keys = np.concatenate([np.zeros((0, cfg.bands), _U64), *(p[1] for p in parts)])
+    keys = np.concatenate([np.zeros((0, cfg.bands * cfg.band_layouts), _U64),
+                           *(p[1] for p in parts)])
     # documents with words: a real signature holds 108 values of 2**32, not all the maximum
     active = ~(sigs == EMPTY_SIG).all(axis=1)
     m, n = len(index), len(texts)
     candidates = _candidate_pairs(index, keys, active, cfg, engine)
-    verified = _verify(candidates, index, sigs, cfg)
+    verified = _verify(candidates, index, sigs, texts, cfg, engine)
     roots = _components(m + n, verified)
     root = roots[m:]
     keep = root == np.arange(m, m + n)

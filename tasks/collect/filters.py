@@ -1,20 +1,21 @@
-"""Per-document filters for the collect stage: datatrove's Gopher, C4 and FineWeb quality blocks,
-a URL block list and a language filter.
+"""Per-document filters for the collect stage: the Gopher, C4 and FineWeb quality rules, a URL
+block list and a language filter.
 
-Each filter is a plain function `f(text, cfg) -> str | None` (`url_blocked` takes the URL):
-None keeps the document, a string is a snake_case drop reason: datatrove's own for Gopher (e.g.
-"gopher_short_doc", "dup_line_frac"), datatrove's prefixed with "c4_"/"fineweb_" for those
-blocks (datatrove's bare "empty" or "too_few_sentences" would not say which filter spoke); the
-stage turns reasons into `dropped_<reason>` counters. `cfg` is anything with the attributes
-named in the field maps below (a tasks.collect.config.CleaningConfig).
+Each filter is a plain function `f(page, cfg) -> str | None` (`url_blocked` takes the URL):
+`page` is a text or a rules.Page (the chain passes one Page to every quality filter so the
+words and lines are computed once); None keeps the document, a string is a snake_case drop
+reason: datatrove's own for Gopher (e.g. "gopher_short_doc", "dup_line_frac"), datatrove's
+prefixed with "c4_"/"fineweb_" for those blocks (datatrove's bare "empty" or
+"too_few_sentences" would not say which filter spoke); the stage turns reasons into
+`dropped_<reason>` counters. `cfg` is anything with the attributes named in the field maps
+below (a tasks.collect.config.CleaningConfig).
 
-The datatrove blocks are called through their `.filter(Document)` method, without a datatrove
-executor, and each one is built once per process and per threshold set (building loads spaCy).
-Words are datatrove's: spaCy `blank("en")` tokens, so punctuation marks count as words; the
-tokenization of a text is cached inside datatrove (its last 5 texts), so a later filter on the
-same text does not redo it. C4's block also rewrites the text it keeps (only the lines its rules
-keep, each stripped, blank lines gone); here it only decides, the text is left whole: that
-rewrite flattens code indentation and paragraphs.
+The rules are rules.py's, which decide exactly as datatrove's blocks do (tests/test_rules.py)
+at a fraction of the cost. The blocks themselves stay reachable through `block_for`, built once
+per process and per threshold set, as the reference the tests and `python -m bench clean`
+compare against. C4's block also rewrites the text it keeps (only the lines its rules keep,
+each stripped, blank lines gone); here it only decides, the text is left whole: that rewrite
+flattens code indentation and paragraphs.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from functools import lru_cache
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from datatrove.data import Document
 from datatrove.pipeline.filters import (
     C4QualityFilter,
     FineWebQualityFilter,
@@ -31,7 +31,9 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
+from tasks.collect import rules
 from tasks.collect.langid import detect_language
+from tasks.collect.rules import Page
 
 # Config field -> constructor argument. datatrove skips a check whose threshold is falsy (0).
 GOPHER_QUALITY_ARGS: Mapping[str, str] = {
@@ -96,37 +98,32 @@ def block_for(kind: str, cfg: Any) -> BaseFilter:
     return _build_block(kind, tuple(block_kwargs(kind, cfg).items()))
 
 
-def _drop_reason(block: BaseFilter, text: str, prefix: str = "") -> str | None:
-    # A fresh Document each time: C4's block rewrites doc.text, which must not leak out.
-    verdict = block.filter(Document(text=text, id=""))
-    if verdict is True:
-        return None
-    _, reason = verdict  # these blocks reject with (False, reason)
-    return prefix + reason
+def _prefixed(prefix: str, reason: str | None) -> str | None:
+    return None if reason is None else prefix + reason
 
 
-def gopher_quality(text: str, cfg: Any) -> str | None:
+def gopher_quality(page: Page | str, cfg: Any) -> str | None:
     """Gopher quality rules (Rae et al. 2021, A.1.1): length, word length, symbols, bullets,
     ellipses, alphabetic words, stop words."""
-    return _drop_reason(block_for("gopher_quality", cfg), text)
+    return rules.gopher_quality(Page.of(page), cfg)
 
 
-def gopher_repetition(text: str, cfg: Any) -> str | None:
+def gopher_repetition(page: Page | str, cfg: Any) -> str | None:
     """Gopher repetition rules (Rae et al. 2021, Table A1): duplicate lines and paragraphs,
     top n-grams and duplicated n-grams, as fractions of the document's characters."""
-    return _drop_reason(block_for("gopher_repetition", cfg), text)
+    return rules.gopher_repetition(Page.of(page), cfg)
 
 
-def c4_quality(text: str, cfg: Any) -> str | None:
+def c4_quality(page: Page | str, cfg: Any) -> str | None:
     """C4's page rules (Raffel et al. 2020, 2.2): too few sentences on lines that look like
     prose, "lorem ipsum", optionally curly brackets (C4's code detector)."""
-    return _drop_reason(block_for("c4_quality", cfg), text, "c4_")
+    return _prefixed("c4_", rules.c4_quality(Page.of(page), cfg))
 
 
-def fineweb_quality(text: str, cfg: Any) -> str | None:
+def fineweb_quality(page: Page | str, cfg: Any) -> str | None:
     """FineWeb's line rules (Penedo et al. 2024): share of lines ending in punctuation, share of
     short lines, characters in duplicated lines, newlines per word (lists)."""
-    return _drop_reason(block_for("fineweb_quality", cfg), text, "fineweb_")
+    return _prefixed("fineweb_", rules.fineweb_quality(Page.of(page), cfg))
 
 
 @lru_cache(maxsize=4)

@@ -24,6 +24,7 @@ class MinHashParams(Protocol):
     num_perm: int
     bands: int
     rows: int
+    band_layouts: int
     seed: int
 
 
@@ -167,9 +168,18 @@ def minhash_signatures(texts: Sequence[str], cfg: MinHashParams) -> np.ndarray:
 
 
 def band_keys(signatures: np.ndarray, cfg: MinHashParams) -> np.ndarray:
-    """Bucket key of each band of each signature, uint64 [n_docs, bands]."""
-    rows = signatures.reshape(len(signatures), cfg.bands, cfg.rows).astype(_U64)
-    keys = np.broadcast_to(_splitmix64(cfg.seed ^ 0xBA4D, cfg.bands), rows.shape[:2]).copy()
+    """Bucket key of each band of each signature, uint64 [n_docs, bands * band_layouts].
+
+    Layout 0 cuts the signature into bands of consecutive values; layout 1 reads the same values
+    as a [bands, rows] matrix column by column, so each of its bands takes one value from each of
+    `rows` different layout-0 bands and collides nearly independently of them. The second
+    layout is a second chance for a pair whose matching values are spread over the layout-0
+    bands (no extra hashing: the same signature values)."""
+    n = len(signatures)
+    grid = signatures.reshape(n, cfg.bands, cfg.rows)
+    layouts = [grid, grid.transpose(0, 2, 1).reshape(n, cfg.bands, cfg.rows)][:cfg.band_layouts]
+    rows = np.concatenate(layouts, axis=1).astype(_U64)
+    keys = np.broadcast_to(_splitmix64(cfg.seed ^ 0xBA4D, rows.shape[1]), rows.shape[:2]).copy()
     for j in range(cfg.rows):
         keys = _mix(keys ^ rows[:, :, j])
     return keys
@@ -180,16 +190,39 @@ def estimate_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
     return float(np.mean(sig_a == sig_b))
 
 
-def shingle_set(text: str, cfg: MinHashParams) -> np.ndarray:
-    """The distinct shingle hashes of one text, for exact Jaccard similarity."""
-    return np.unique(_shingle_hashes([text], cfg)[0])
+def shingle_sets(texts: Sequence[str], cfg: MinHashParams) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct shingle hashes of each text, sorted, as one array and per-text offsets
+    (text i's set is values[offsets[i]:offsets[i + 1]])."""
+    shingles, n_shingles = _shingle_hashes(list(texts), cfg)
+    doc = np.repeat(np.arange(len(n_shingles)), n_shingles)
+    order = np.lexsort((shingles, doc))
+    shingles, doc = shingles[order], doc[order]
+    first = np.r_[True, (shingles[1:] != shingles[:-1]) | (doc[1:] != doc[:-1])]
+    counts = np.bincount(doc[first], minlength=len(n_shingles))
+    return shingles[first], np.r_[0, np.cumsum(counts)]
+
+
+def exact_jaccards(values: np.ndarray, offsets: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """|A & B| / |A | B| of the shingle sets (as from `shingle_sets`) of each pair [k, 2]; 1.0
+    for two empty sets. Both sets of all pairs are sorted together under a pair id; since each
+    set has distinct values, a value equal to its successor within a pair is in both sets."""
+    sizes = np.diff(offsets)
+    parts = sizes[pairs].ravel()  # A's size, B's size, for each pair in turn
+    starts = offsets[pairs].ravel()
+    owner = np.repeat(np.arange(len(pairs)), sizes[pairs].sum(axis=1))
+    within = np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)
+    vals = values[np.repeat(starts, parts) + within]
+    order = np.lexsort((vals, owner))
+    vals, owner = vals[order], owner[order]
+    both = (vals[1:] == vals[:-1]) & (owner[1:] == owner[:-1])
+    inter = np.bincount(owner[1:][both], minlength=len(pairs))
+    union = sizes[pairs].sum(axis=1) - inter
+    return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
 
 
 def exact_jaccard(a: str, b: str, cfg: MinHashParams) -> float:
-    """|A & B| / |A | B| of the two texts' shingle sets (1.0 for two texts without words)."""
-    sa, sb = shingle_set(a, cfg), shingle_set(b, cfg)
-    union = np.union1d(sa, sb).size
-    return np.intersect1d(sa, sb).size / union if union else 1.0
+    """Exact Jaccard similarity of two texts' shingle sets (1.0 for two texts without words)."""
+    return float(exact_jaccards(*shingle_sets([a, b], cfg), np.array([[0, 1]]))[0])
 
 
 def chunk_signatures(item: tuple[list[str], MinHashParams]) -> tuple[np.ndarray, np.ndarray]:

@@ -50,6 +50,7 @@ from tasks.collect.config import (  # noqa: F401 (the contract, re-exported)
     DEDUP_INDEX_DIR,
     VERSION,
     Config,
+    NothingSurvived,
     fingerprint,
 )
 from tasks.collect.dedup import DedupIndex, near_dedup
@@ -334,7 +335,7 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *,
         docs = apply_decontamination(docs, config.decontam, out_dir, funnel)
         funnel.step_docs("decontamination", docs)
     if not docs:
-        raise ValueError("no documents survived the filters; loosen the filter thresholds")
+        raise NothingSurvived("no documents survived the filters; loosen the filter thresholds")
     by_source: dict[str, list[Doc]] = {}
     for doc in docs:
         by_source.setdefault(doc["source"], []).append(doc)

@@ -24,9 +24,6 @@ from infra.supervisor import alive
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
-_free_ports = stack.free_ports
-
-
 def _port_flags(ports: stack.Ports) -> list[str]:
     return [arg for name, port in vars(ports).items() for arg in (f"--{name.replace('_', '-')}-port", str(port))]
 
@@ -87,7 +84,7 @@ def test_ports_that_cannot_work_are_refused_before_anything_starts():
 
 
 def test_a_taken_port_fails_that_service_without_starting_it(tmp_path):
-    ports = stack.Ports(*_free_ports(6))
+    ports = stack.Ports(*stack.free_ports(6))
     taken = [socket.create_server(("127.0.0.1", port)) for port in (ports.prefect, ports.mlflow, ports.ray)]
     try:
         states = stack.up(tmp_path, ports=ports, timeout_s=5)
@@ -119,7 +116,7 @@ def test_a_reused_pid_is_never_stopped(tmp_path):
 
 def test_a_service_that_exits_is_reported_with_its_log_and_forgotten(tmp_path, monkeypatch):
     crash = stack.Spec("prefect", (sys.executable, "-c", "print('no database'); raise SystemExit(3)"),
-                       dict(os.environ), "127.0.0.1", (_free_ports(1)[0],), "http://127.0.0.1:1/", "http://127.0.0.1:1")
+                       dict(os.environ), "127.0.0.1", (stack.free_ports(1)[0],), "http://127.0.0.1:1/", "http://127.0.0.1:1")
     monkeypatch.setattr(stack, "specs", lambda *args: [crash])
     [state] = stack.up(tmp_path, timeout_s=30)
     assert state.state == "failed" and state.note.startswith("exited; see ") and state.pid is None
@@ -182,7 +179,7 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
     home = tmp_path_factory.mktemp("stack")
     monkeypatch.setenv("GRISTMILL_HOME", str(home))
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # where a careless ./mlruns would land
-    ports = stack.Ports(*_free_ports(6))
+    ports = stack.Ports(*stack.free_ports(6))
     _dead_record(home, "ray")  # a stale pid file: replaced, not trusted
     secrets = {stack.PREFECT_AUTH: "team:prefect-Secret-4411", stack.MLFLOW_AUTH: "mlflow-Secret-9923xy"}
     for name, value in {**secrets, "MLFLOW_TRACKING_USERNAME": "admin",

@@ -226,17 +226,17 @@ def test_dpo_raises_the_sft_models_heldout_preference(tiny_preset_methods):
     assert dpo["heldout_logp_acc_after"] >= dpo["heldout_logp_acc_before"]
 
 
-def test_reward_model_beats_its_untrained_head_and_ppo_raises_its_score(tiny_preset_methods):
-    """139 held-out pairs. The reward model's accuracy after training against the untrained head:
-    the one this run drew (seeds 0-4: 0.597 -> 0.784, 0.417 -> 0.755, 0.669 -> 0.719,
-    0.446 -> 0.763, 0.389 -> 0.777) and the mean over 32 random heads (0.47-0.54; gains +0.24 to
-    +0.27; on the SFT model of sft.seed=1: +0.25 to +0.31, own head +0.06 to +0.42). Half the demo pairs reject a hedge, which a random head ranks all one way, so a single
-    head's accuracy swings with the seed (seed 2's was right on them by chance: +0.05); the mean
-    over heads is the baseline with the statistical weight. The reward-model score of greedy
+def test_reward_model_beats_random_heads_and_ppo_raises_its_score(tiny_preset_methods):
+    """139 held-out pairs. The reward model's accuracy after training against untrained heads:
+    the mean over 32 random heads (0.47-0.54; gains +0.24 to +0.27 over seeds 0-4; on the SFT
+    model of sft.seed=1: +0.25 to +0.31; a fresh-clone CI run: 0.460 -> 0.748, +0.29). The one
+    head this run drew is recorded (`heldout_rm_accuracy_before`) but not asserted on: half the demo
+    pairs reject a hedge, which a random head ranks all one way, so a single head's accuracy swings
+    with the seed (0.39-0.67 over seeds 0-4, 0.777 in that CI run, above its trained model's 0.748);
+    the mean over heads is the baseline with the statistical weight. The reward-model score of greedy
     replies to held-out prompts, PPO policy against the SFT model: +2.55, +2.67, +2.52, +2.44, +2.56
     (sft.seed=1: +2.39, +2.40, +2.26)."""
     ppo = tiny_preset_methods["ppo"]
     assert ppo["rm_pairs_heldout"] >= 130
     assert ppo["heldout_rm_accuracy_after"] >= ppo["heldout_rm_accuracy_untrained_mean"] + 0.12
-    assert ppo["heldout_rm_accuracy_after"] >= ppo["heldout_rm_accuracy_before"] + 0.02
     assert ppo["heldout_rm_score_after"] >= ppo["heldout_rm_score_before"] + 1.2

@@ -260,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("up", "status", "down"):
         return _stack(args)
     args.overrides = [*args.overrides, *extras]
+    if not (args.in_process or args.dry_run):
+        # The child plans and checks the config itself (a bad one: one line, exit 2, passed on), so
+        # this process imports nothing that the child would import again.
+        from infra.supervisor import supervise
+
+        return supervise([sys.executable, "-m", "flows.cli", *argv, "--in-process"])
     home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
     from flows.config import ConfigError, load_config
     from flows.dag import plan
@@ -276,10 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         _dry_run(config, planned, home)
         return 0
-    if not args.in_process:
-        from infra.supervisor import supervise
-
-        return supervise([sys.executable, "-m", "flows.cli", *argv, "--in-process"])
     from core.files import DiskSpaceError
     from flows.pipeline import pipeline
     from infra.services import start_embedded_services

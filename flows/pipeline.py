@@ -93,9 +93,9 @@ def _gpu_slot(stage: PlannedStage):
     return concurrency(GPU_LIMIT, occupy=1, strict=True)
 
 
-def _publish(name: str, manifest: Manifest, runtime: Runtime, run_id: str) -> None:
+def _publish(name: str, manifest: Manifest, runtime: Runtime, run_id: str, charts: bool) -> None:
     if name in PUBLISHERS:
-        PUBLISHERS[name](manifest, runtime.tracker, run_id)
+        PUBLISHERS[name](manifest, runtime.tracker, run_id, charts)
 
 
 @task(cache_policy=NO_CACHE)
@@ -104,36 +104,46 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
     """Reuse or compute one stage; `upstream` carries the manifests this stage depends on, `meta`
     extra fields for a computed manifest's meta (a data refresh's corpus version)."""
     logger = get_run_logger()
-    name = stage.spec.name
+    name, tracker = stage.spec.name, runtime.tracker
+    config = stage.config.model_dump(mode="json")
     existing = runtime.store.load(name, stage.key)
-    run_id = runtime.tracker.start_stage(runtime.parent_run_id, name, stage.key,
-                                         stage.config.model_dump(mode="json"), upstream, existing)
+    run_id = None
     try:
         if existing is not None:
             logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
                         existing.meta.get("mlflow_run_id"))
-            _publish(name, existing, runtime, run_id)
-            # Back-fill: the run that computed it may have lost MLflow before logging its metrics.
-            backfill = not runtime.tracker.finished(existing.meta.get("mlflow_run_id"))
-            if backfill:
-                runtime.tracker.set_tag(run_id, "gristmill.backfilled", "true")
-            runtime.tracker.finish_stage(run_id, existing, [], replay_metrics=backfill)
+            run_id, backfilled = tracker.record_reused_stage(runtime.parent_run_id, name, stage.key,
+                                                             config, upstream, existing)
+            # Charts live in the run that computed the artifact, unless it never finished.
+            _publish(name, existing, runtime, run_id if backfilled else existing.meta["mlflow_run_id"],
+                     charts=backfilled)
+            tracker.end(run_id, ok=True)
             return existing
+        run_id = tracker.start_stage(runtime.parent_run_id, name, stage.key, config, upstream)
         logger.info("%s: computing %s-%s", name, name, stage.key)
         artifacts: list[str] = []
         with _gpu_slot(stage):
             manifest, reused = runtime.store.materialize(
                 name, stage.key, _compute(stage, upstream, run_id, artifacts, meta or {}))
-        _publish(name, manifest, runtime, run_id)
-        runtime.tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
+        _publish(name, manifest, runtime, run_id, charts=True)
+        tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
         if reused:
             logger.info("%s: reused %s, computed meanwhile by another run", name, manifest.path)
         else:
             logger.info("%s: done in %.1f s -> %s", name, manifest.meta.get("seconds", 0), manifest.path)
         return manifest
     except BaseException:
-        runtime.tracker.end(run_id, ok=False)
+        if run_id is not None:
+            tracker.end(run_id, ok=False)
         raise
+
+
+def start_parent_run(tracker: Tracker, run_name: str, config: PipelineConfig, kind: str) -> str:
+    """The MLflow run of this flow run (`gristmill.kind` = kind): the config as params, except
+    `notify`, which names where a secret is kept."""
+    return tracker.start_pipeline(run_name, config.model_dump(mode="json", exclude={"notify"}),
+                                  {"gristmill.kind": kind, "prefect.flow_run_id": str(flow_run.id),
+                                   "gristmill.code_version": env.code_version()})
 
 
 def _summary(planned: list[PlannedStage], manifests: Mapping[str, Manifest]) -> str:
@@ -161,10 +171,7 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
                     "reuse" if stage.complete else "run")
     tracker = Tracker(home)
     run_name = f"{config.name} {flow_run.name}"
-    # `notify` names where a secret is kept: not a parameter of the run
-    parent = tracker.start_pipeline(run_name, config.model_dump(mode="json", exclude={"notify"}),
-                                    {"prefect.flow_run_id": str(flow_run.id),
-                                     "gristmill.code_version": env.code_version()})
+    parent = start_parent_run(tracker, run_name, config, "pipeline")
     if tracker.uri.startswith(("http://", "https://")):  # a tracking server: its UI can be linked
         create_link_artifact(f"{tracker.uri.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/"
                              f"{parent}", link_text=f"MLflow run {run_name}", key="mlflow-run",

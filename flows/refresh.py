@@ -37,7 +37,7 @@ from prefect.runtime import flow_run
 from core.sources import filesystem, parse_source, source_files
 from flows.config import PipelineConfig
 from flows.dag import plan
-from flows.pipeline import Runtime, run_stage
+from flows.pipeline import Runtime, run_stage, start_parent_run
 from infra import env
 from infra.artifacts import CORPUS, ArtifactStore
 from infra.tracking import Tracker
@@ -123,16 +123,14 @@ def _collect(config: PipelineConfig, store: ArtifactStore, version: int, parent:
     refresh = _collect_config(config, sorted(new), str(store.collect_dir(parent)) if near else None)
     [stage] = plan(refresh, store, until="collect")
     tracker = Tracker(env.gristmill_home())
-    run_id = tracker.start_pipeline(run_name, refresh.model_dump(mode="json", exclude={"notify"}),
-                                    {"gristmill.kind": "refresh", "prefect.flow_run_id": str(flow_run.id),
-                                     "gristmill.code_version": env.code_version()})
+    run_id = start_parent_run(tracker, run_name, refresh, "refresh")
     meta = {"corpus_version": version, "parent_version": parent and parent["version"]}
     try:
         manifest = run_stage.with_options(task_run_name="collect [refresh]")(
             stage, {}, Runtime(store, tracker, run_id), meta)
     except NothingSurvived:
         # the refresh did its job: the new files held nothing new (their collect task failed)
-        tracker.set_tag(run_id, "gristmill.refresh.published", "false")
+        tracker.set_tags(run_id, {"gristmill.refresh.published": "false"})
         tracker.end(run_id, ok=True)
         return None, tracker, run_id
     except BaseException:
@@ -199,7 +197,7 @@ def refresh(config: PipelineConfig, store: ArtifactStore) -> Outcome:
         tracker.log_corpus_version(run_id, version, manifest, parent)
         union = corpus_sources(store, store.corpus_versions())
         pipeline_run, reason = trigger(config, union, version, tokens)
-        tracker.set_tag(run_id, "gristmill.refresh.pipeline", pipeline_run or "not started")
+        tracker.set_tags(run_id, {"gristmill.refresh.pipeline": pipeline_run or "not started"})
         tracker.log_text(run_id, reason, "refresh.md")
     except BaseException:
         tracker.end(run_id, ok=False)

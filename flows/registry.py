@@ -134,9 +134,8 @@ def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
         tracker.set_alias(name, CHAMPION, version.version)
     decision = Decision(name, version.version, promoted, reason,
                         version.version if promoted or champion is None else champion.version)
-    for key, value in {"model": name, "version": version.version, "reason": reason,
-                       "decision": "promoted" if promoted else "candidate",
-                       "champion": decision.champion}.items():
-        tracker.set_tag(run_id, f"gristmill.registry.{key}", value)
+    tracker.set_tags(run_id, {f"gristmill.registry.{key}": value for key, value in {
+        "model": name, "version": version.version, "reason": reason,
+        "decision": "promoted" if promoted else "candidate", "champion": decision.champion}.items()})
     tracker.set_version_tag(name, version.version, "gristmill.promotion", reason)
     return decision

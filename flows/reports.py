@@ -49,24 +49,25 @@ def funnel_markdown(funnel: dict) -> str:
     return "\n".join(rows)
 
 
-def publish_collect(manifest: Manifest, tracker: Tracker, run_id: str) -> None:
-    """Funnel chart + language histogram (PNG) into the stage's MLflow run; tables in Prefect."""
+def publish_collect(manifest: Manifest, tracker: Tracker, run_id: str, charts: bool) -> None:
+    """Funnel chart + language histogram (PNG) into MLflow run `run_id` when `charts` (a reused
+    stage names the run that computed it, which has them); the tables in Prefect."""
     path = manifest.path / FUNNEL
     if not path.is_file():
         return
     funnel = json.loads(path.read_text())
-    with tempfile.TemporaryDirectory() as tmp:
-        charts = [funnel_chart(funnel["steps"], Path(tmp) / "funnel.png",
-                               f"collect funnel ({manifest.key})")]
-        if funnel.get("languages"):
-            charts.append(histogram_chart(funnel["languages"], Path(tmp) / "languages.png",
-                                          "documents per detected language (before filtering)"))
-        for chart in charts:
-            tracker.log_file(run_id, chart, "charts")
+    if charts:
+        with tempfile.TemporaryDirectory() as tmp:
+            pngs = [funnel_chart(funnel["steps"], Path(tmp) / "funnel.png", f"collect funnel ({manifest.key})")]
+            if funnel.get("languages"):
+                pngs.append(histogram_chart(funnel["languages"], Path(tmp) / "languages.png",
+                                            "documents per detected language (before filtering)"))
+            for png in pngs:
+                tracker.log_file(run_id, png, "charts")
     create_markdown_artifact(
         f"## Collect funnel `{manifest.key}`\n\nCharts: MLflow run `{run_id}`, "
         f"`charts/funnel.png` and `charts/languages.png`.\n\n{funnel_markdown(funnel)}",
         key="collect-funnel", description="Documents and bytes after each cleaning step")
 
 
-PUBLISHERS: dict[str, Callable[[Manifest, Tracker, str], None]] = {"collect": publish_collect}
+PUBLISHERS: dict[str, Callable[[Manifest, Tracker, str, bool], None]] = {"collect": publish_collect}

@@ -2,7 +2,8 @@
 
 `RayEngine.map(fn, items)` runs `fn` over `items` on a pool of Ray actors and returns results in
 input order, so a stage's output does not depend on the worker count. It joins the cluster named
-by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use. The actors live
+by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use; a map of a single
+item before that runs in this process (a local Ray would only add its start-up). The actors live
 from the first map to `shutdown()`, so a stage that maps several times (collect: units, then
 MinHash signatures and buckets) pays their start-up and warm caches (spaCy, fastText) once.
 A worker that dies (OOM, a kill) is restarted and its call retried: the mapped functions are
@@ -64,6 +65,10 @@ class RayEngine:
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         if not items:
             return []
+        if len(items) == 1 and not self._actors and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+            # One call has nothing to run beside it: starting a local Ray for it (4-20 s on 2
+            # cores, e.g. the tiny preset's one tokenize shard) costs more than the call.
+            return [fn(items[0])]
         self.start()
         if not self._actors:
             self._actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS).remote()

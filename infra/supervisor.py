@@ -16,6 +16,7 @@ unattended.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -124,7 +125,8 @@ def supervise(argv: Sequence[str], poll_s: float = 0.5) -> int:
                 deadline = time.monotonic() + GRACE_S
             if deadline is not None and (len(received) > 1 or time.monotonic() > deadline):
                 break
-            time.sleep(poll_s if deadline is None else 0.1)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # returns as soon as the child exits
+                child.wait(poll_s if deadline is None else 0.1)
         tree.kill()  # what the child left behind (or the child itself, past its grace)
         if received:
             name = signal.Signals(received[0]).name

@@ -42,7 +42,8 @@ from infra.artifacts import CONFIG, MANIFEST
 
 EXPERIMENT = "gristmill"
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
-BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch
+BATCH = 900  # MLflow accepts at most 1000 values (metrics + params + tags) per log_batch
+PARAMS_PER_BATCH = 100  # and at most 100 params (and 100 tags) of them
 
 
 def tracking_uri(home: Path) -> str:
@@ -62,6 +63,20 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _params(config: Mapping[str, Any]) -> list[Param]:
+    return [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
+
+
+def _stage_metrics(manifest: Manifest, with_steps: bool) -> list[Metric]:
+    """The manifest's numeric stats (step 0) and, when `with_steps`, its metrics.jsonl rows."""
+    stamp = _now_ms()
+    metrics = [Metric(k, v, stamp, 0) for k, v in _numeric(manifest.stats).items()]
+    if with_steps:
+        for row in read_metrics(manifest.path / METRICS_FILE):
+            metrics += [Metric(k, v, stamp, int(row["step"])) for k, v in _numeric(row).items() if k != "step"]
+    return metrics
 
 
 def _numeric(stats: Mapping[str, Any]) -> dict[str, float]:
@@ -135,43 +150,73 @@ class Tracker:
 
     def start_pipeline(self, run_name: str, config: Mapping[str, Any], tags: Mapping[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=run_name,
-                                     tags={"gristmill.kind": "pipeline", **tags})
-        self._log_params(run.info.run_id, config)
+                                     tags={"gristmill.kind": "pipeline", **tags})  # tags may set the kind
+        self._log_batches(run.info.run_id, params=_params(config))
         return run.info.run_id
 
     def start_stage(self, parent_id: str, stage: str, key: str, config: Mapping[str, Any],
-                    upstream: Mapping[str, Manifest], reused_from: Manifest | None) -> str:
-        tags = {"mlflow.parentRunId": parent_id, "gristmill.kind": "stage",
-                "gristmill.stage": stage, "gristmill.key": key,
-                "gristmill.reused": str(reused_from is not None).lower()}
-        if reused_from is not None and reused_from.meta.get("mlflow_run_id"):
-            tags["gristmill.source_run_id"] = reused_from.meta["mlflow_run_id"]
-        for name, manifest in upstream.items():
-            tags[f"gristmill.upstream.{name}.key"] = manifest.key
-            if manifest.meta.get("mlflow_run_id"):
-                tags[f"gristmill.upstream.{name}.run_id"] = manifest.meta["mlflow_run_id"]
-        run = self.client.create_run(self.experiment_id, run_name=stage, tags=tags)
-        run_id = run.info.run_id
-        self._log_params(run_id, config)
+                    upstream: Mapping[str, Manifest]) -> str:
+        """The run of a stage about to compute: tags, params and lineage logged now, so that the
+        UI shows them while it runs."""
+        run_id = self._create_stage_run(parent_id, stage, key, upstream, None, {})
+        self._log_batches(run_id, params=_params(config))
         self._log_lineage(run_id, upstream)
         return run_id
 
     def finish_stage(self, run_id: str, manifest: Manifest, artifacts: Iterable[str],
                      replay_metrics: bool) -> None:
         """Log stats, step metrics (when the stage ran here) and small artifacts; close the run."""
-        stamp = _now_ms()
-        metrics = [Metric(k, v, stamp, 0) for k, v in _numeric(manifest.stats).items()]
-        if replay_metrics:
-            for row in read_metrics(manifest.path / METRICS_FILE):
-                metrics += [Metric(k, v, stamp, int(row["step"]))
-                            for k, v in _numeric(row).items() if k != "step"]
-        tags = [RunTag("gristmill.artifact_dir", str(manifest.path))]
-        for start in range(0, max(len(metrics), 1), BATCH):  # the tag rides with the first batch
-            self.client.log_batch(run_id, metrics=metrics[start:start + BATCH], tags=tags if start == 0 else [])
+        self._log_batches(run_id, metrics=_stage_metrics(manifest, replay_metrics),
+                          tags=[RunTag("gristmill.artifact_dir", str(manifest.path))])
+        self._log_files(run_id, manifest, artifacts)
+        self.end(run_id, ok=True)
+
+    def record_reused_stage(self, parent_id: str, stage: str, key: str, config: Mapping[str, Any],
+                            upstream: Mapping[str, Manifest], manifest: Manifest) -> tuple[str, bool]:
+        """The run of a reused stage, in four calls: created with its tags, then params and stats in
+        one batch, lineage, end. It points at the run that computed the artifact, which holds the
+        step metrics, manifest, config and charts; when that run never finished (MLflow was lost
+        mid-stage) this run back-fills them and is tagged `gristmill.backfilled`. Returns (run id,
+        whether it back-filled); the run is left open for the stage's publisher, closed by `end`."""
+        backfill = not self.finished(manifest.meta.get("mlflow_run_id"))
+        extra = {"gristmill.artifact_dir": str(manifest.path), **({"gristmill.backfilled": "true"}
+                                                                  if backfill else {})}
+        run_id = self._create_stage_run(parent_id, stage, key, upstream, manifest, extra)
+        self._log_batches(run_id, params=_params(config), metrics=_stage_metrics(manifest, backfill))
+        self._log_lineage(run_id, upstream)
+        if backfill:
+            self._log_files(run_id, manifest, [])
+        return run_id, backfill
+
+    def _create_stage_run(self, parent_id: str, stage: str, key: str, upstream: Mapping[str, Manifest],
+                          reused_from: Manifest | None, extra: Mapping[str, str]) -> str:
+        tags = {"mlflow.parentRunId": parent_id, "gristmill.kind": "stage",
+                "gristmill.stage": stage, "gristmill.key": key,
+                "gristmill.reused": str(reused_from is not None).lower(), **extra}
+        if reused_from is not None and reused_from.meta.get("mlflow_run_id"):
+            tags["gristmill.source_run_id"] = reused_from.meta["mlflow_run_id"]
+        for name, manifest in upstream.items():
+            tags[f"gristmill.upstream.{name}.key"] = manifest.key
+            if manifest.meta.get("mlflow_run_id"):
+                tags[f"gristmill.upstream.{name}.run_id"] = manifest.meta["mlflow_run_id"]
+        return self.client.create_run(self.experiment_id, run_name=stage, tags=tags).info.run_id
+
+    def _log_files(self, run_id: str, manifest: Manifest, artifacts: Iterable[str]) -> None:
         for rel in [MANIFEST, CONFIG, *artifacts]:
             if (manifest.path / rel).is_file():
                 self.client.log_artifact(run_id, str(manifest.path / rel))
-        self.end(run_id, ok=True)
+
+    def _log_batches(self, run_id: str, params: list[Param] = (), metrics: list[Metric] = (),
+                     tags: list[RunTag] = ()) -> None:
+        """Params, metrics and tags in as few log_batch calls as MLflow's limits allow (at most
+        100 params and 1000 values in all per call)."""
+        params, metrics, tags = list(params), list(metrics), list(tags)
+        while params or metrics or tags:
+            batch_params, params = params[:PARAMS_PER_BATCH], params[PARAMS_PER_BATCH:]
+            batch_tags, tags = tags[:PARAMS_PER_BATCH], tags[PARAMS_PER_BATCH:]
+            room = BATCH - len(batch_params) - len(batch_tags)
+            batch_metrics, metrics = metrics[:room], metrics[room:]
+            self.client.log_batch(run_id, metrics=batch_metrics, params=batch_params, tags=batch_tags)
 
     def finished(self, run_id: str | None) -> bool:
         """Whether `run_id` exists and ended as FINISHED (a stage whose logging was cut short
@@ -189,8 +234,8 @@ class Tracker:
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self.client.set_terminated(run_id, status=status)
 
-    def set_tag(self, run_id: str, key: str, value: str) -> None:
-        self.client.set_tag(run_id, key, value)
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        self._log_batches(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_text(self, run_id: str, text: str, name: str) -> None:
         self.client.log_text(run_id, text, name)
@@ -237,11 +282,6 @@ class Tracker:
     def set_version_tag(self, name: str, version: str, key: str, value: str) -> None:
         self.client.set_model_version_tag(name, version, key, value)
 
-    def _log_params(self, run_id: str, config: Mapping[str, Any]) -> None:
-        params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
-        for start in range(0, len(params), 100):  # MLflow caps params per batch at 100
-            self.client.log_batch(run_id, params=params[start:start + 100])
-
     def log_corpus_version(self, run_id: str, version: int, manifest: Manifest,
                            parent: tuple[int, Manifest] | None) -> None:
         """A data refresh's lineage: the corpus version it published (dataset `corpus-v<N>`,
@@ -257,8 +297,7 @@ class Tracker:
             for n, m, context in versions])
         tags = {"gristmill.corpus.version": str(version), "gristmill.corpus.key": manifest.key,
                 "gristmill.corpus.parent_version": str(parent[0]) if parent else "none"}
-        for key, value in tags.items():
-            self.client.set_tag(run_id, key, value)
+        self.set_tags(run_id, tags)
 
     def _log_lineage(self, run_id: str, upstream: Mapping[str, Manifest]) -> None:
         inputs = [

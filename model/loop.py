@@ -70,11 +70,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def model_inputs(batch: Batch) -> dict[str, Any]:
-    """Forward arguments of a batch. A packed batch (model/packing.py) carries position ids that
-    restart at each example and no attention mask; the model then keeps examples from attending
-    across each other, but only without a KV cache, hence use_cache=False."""
+    """Forward arguments of a batch, without a KV cache (a training or scoring pass never reuses
+    one; building it copies every layer's keys and values). A packed batch (model/packing.py)
+    carries position ids that restart at each example and no attention mask; the model then keeps
+    examples from attending across each other, which also needs use_cache=False."""
     if "position_ids" not in batch:
-        return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
+        return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False}
     if "attention_mask" in batch:
         raise ValueError("a packed batch must not carry an attention_mask: it would disable the "
                          "per-example masking that position_ids give")
@@ -85,11 +86,20 @@ def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, 
     """(sum of next-token cross-entropy in nats, number of labelled tokens) of a padded or packed
     batch. `labels[:, t]` is the target for position t (already shifted); IGNORE_INDEX positions
     carry no loss."""
-    logits = model(**model_inputs(batch)).logits
     labels = batch["labels"]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, (labels != IGNORE_INDEX).sum()
+    scored = labels != IGNORE_INDEX
+    if bool(scored.all()):  # pretraining windows: every position is a target
+        logits = model(**model_inputs(batch)).logits.flatten(0, 1)
+        targets = labels.flatten()
+    else:
+        # Project only the scored positions onto the vocabulary (transformers' `logits_to_keep`
+        # with a boolean mask: a flat (scored, vocab) tensor). Prompt and padding positions carry
+        # no loss; in SFT on short chats they are over half the rows, and the output projection
+        # and softmax over the vocabulary are about half of a tiny model's work per position.
+        logits = model(**model_inputs(batch), logits_to_keep=scored).logits
+        targets = labels[scored]
+    loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+    return loss, scored.sum()
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:

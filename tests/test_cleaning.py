@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pydantic
@@ -307,6 +308,12 @@ def test_the_demo_key_follows_docs_of_a_package_installed_from_a_source_tree(tmp
     readme.write_text("first words\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     before = installed_state()
-    assert "demo-pkg==1.0" in before and "README.md" in before
+    assert "demo-pkg demo_pkg.egg-info" in before and "README.md" in before
     readme.write_text("other words, longer\n")
     assert installed_state() != before
+    before = installed_state()
+    pkg_info = info / "PKG-INFO"
+    written = pkg_info.stat().st_mtime_ns
+    pkg_info.write_text("Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.1\n\nAbout.\n")
+    os.utime(pkg_info, ns=(written + 10**9, written + 10**9))  # rewritten later (one clock tick may hold both)
+    assert installed_state() != before  # a new version in place: same size, newer file

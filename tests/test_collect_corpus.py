@@ -253,9 +253,12 @@ def test_shard_writes_check_free_space_first(tmp_path, monkeypatch):
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage._replace(free=100))
-    docs = [{"id": str(i), "text": "word " * 100, "source": "s", "url": "", "language": "en"} for i in range(3)]
+    spool = collect.Spool(tmp_path / "kept.jsonl")
+    docs = [spool.add({"id": str(i), "text": "word " * 100, "source": "s", "url": "", "language": "en"})
+            for i in range(3)]
+    spool.close()
     with pytest.raises(files.DiskSpaceError, match=r"a document shard in .*docs: needs about"):
-        collect.write_shards(docs, tmp_path / "docs", 2)
+        collect.write_shards(docs, spool, tmp_path / "docs", 2)
     assert not list((tmp_path / "docs").glob("*.gz"))
 
 

@@ -88,8 +88,9 @@ def test_cli_dry_run_takes_overrides_before_or_after_options(tmp_path, monkeypat
     assert "unknown config key 'sft.lrr'" in capsys.readouterr().err
 
 
-def test_missing_or_empty_sources_are_found_when_the_run_is_planned(tmp_path, monkeypatch, capsys):
-    """Before any service starts, for a run and a dry run alike: one line naming the source, exit 2."""
+def test_missing_or_empty_sources_are_found_when_the_run_is_planned(tmp_path, monkeypatch, capfd):
+    """Before any service starts, for a run and a dry run alike: one line naming the source, exit 2
+    (a run plans in its supervised child, whose stderr this captures)."""
     from flows.cli import main
 
     monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path / "home"))
@@ -98,7 +99,7 @@ def test_missing_or_empty_sources_are_found_when_the_run_is_planned(tmp_path, mo
                      f"align.grpo.prompts=[{tmp_path / 'missing.jsonl'}]"):
         for dry in ([], ["--dry-run"]):
             assert main(["run", str(TINY), override, *dry]) == 2
-            err = capsys.readouterr().err
+            err = capfd.readouterr().err
             assert err.startswith("gristmill: source ") and str(tmp_path) in err and err.count("\n") == 1
 
 

@@ -346,6 +346,34 @@ def test_loss_ignores_masked_labels(tiny_tokenizer_dir):
     assert causal_lm_loss(model, masked).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
+
+def test_logits_of_scored_positions_only_give_the_full_loss_and_gradients(tiny_tokenizer_dir):
+    """token_loss_sum projects only labelled positions onto the vocabulary (SFT: the assistant
+    tokens); loss and every gradient equal those of logits at every position, padding included."""
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    model = build_model(TINY, tok)
+    batch = _random_batch(2, rows=3)
+    batch = {**batch, "labels": batch["labels"].clone(), "attention_mask": torch.ones(3, 16, dtype=torch.long)}
+    batch["labels"][:, :5] = IGNORE_INDEX  # a prompt
+    batch["labels"][1, 11:] = IGNORE_INDEX  # a shorter row, right-padded
+    batch["attention_mask"][1, 11:] = 0
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    full = torch.nn.functional.cross_entropy(
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.flatten(0, 1),
+        batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+    expected = grads(full)
+    loss = causal_lm_loss(model, batch)
+    assert loss.item() == pytest.approx(full.item(), rel=1e-5)
+    for got, want in zip(grads(loss), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 # --- export -----------------------------------------------------------------------------------
 
 def test_export_loads_with_auto_classes_and_generates(tiny_tokenizer_dir, tmp_path):

@@ -50,3 +50,18 @@ def test_a_local_ray_listens_on_loopback_only():
         engine.shutdown()
     assert len({name for *_, name in listening}) >= 3, listening  # gcs_server, raylet, workers...
     assert {ip for ip, *_ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+
+
+def test_a_single_call_runs_here_without_starting_ray(monkeypatch):
+    """One item has nothing to run beside it: no local Ray is started for it (its start-up is
+    seconds); two items start Ray as before."""
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    engine = RayEngine(num_workers=2)
+    try:
+        assert engine.map(lambda _: os.getpid(), [None]) == [os.getpid()]
+        assert not ray.is_initialized() and engine._session_dir is None
+        assert engine.map(abs, [-1, -2]) == [1, 2] and ray.is_initialized()
+    finally:
+        engine.shutdown()

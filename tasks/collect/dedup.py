@@ -40,6 +40,7 @@ from tasks.collect.minhash import (
     exact_jaccards,
     shingle_sets,
 )
+from tasks.collect.spool import take
 
 INDEX_FORMAT = 2  # 2: band keys of every band layout (format 1 had layout 0 only)
 _U64 = np.uint64
@@ -245,7 +246,7 @@ def _candidate_pairs(index: DedupIndex, keys: np.ndarray, active: np.ndarray,
     return np.stack(np.divmod(codes, m + len(keys)), axis=1)
 
 
-def _exact_task(item: tuple[list[str], np.ndarray, DedupConfig]) -> np.ndarray:
+def _exact_task(item: tuple[Sequence[str], np.ndarray, DedupConfig]) -> np.ndarray:
     """Which pairs [k, 2] of positions in `texts` have exact Jaccard >= threshold (bool [k])."""
     texts, pairs, cfg = item
     return exact_jaccards(*shingle_sets(texts, cfg), pairs) >= cfg.threshold - 1e-9
@@ -270,7 +271,7 @@ def _verify(pairs: np.ndarray, index: DedupIndex, sigs: np.ndarray, texts: Seque
     items = []
     for block in blocks:
         docs, local = np.unique(block - m, return_inverse=True)
-        items.append(([texts[d] for d in docs], local.reshape(-1, 2), cfg))
+        items.append((take(texts, docs), local.reshape(-1, 2), cfg))
     kept += [block[similar] for block, similar in zip(blocks, engine.map(_exact_task, items))]
     return np.concatenate(kept)
 
@@ -286,11 +287,13 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
     ids = [str(i) for i in range(len(texts))] if ids is None else list(ids)
     if len(ids) != len(texts):
         raise ValueError(f"ids: {len(ids)} ids for {len(texts)} texts")
-    chunks = [(list(texts[s:s + cfg.chunk_docs]), cfg) for s in range(0, len(texts), cfg.chunk_docs)]
+    # a chunk of spooled texts is a lazy view: the worker reads its own texts
+    chunks = [(texts[s:s + cfg.chunk_docs], cfg) for s in range(0, len(texts), cfg.chunk_docs)]
     parts = engine.map(chunk_signatures, chunks)
     sigs = np.concatenate([np.zeros((0, cfg.num_perm), np.uint32), *(p[0] for p in parts)])
     keys = np.concatenate([np.zeros((0, cfg.bands * cfg.band_layouts), _U64),
                            *(p[1] for p in parts)])
+    del parts  # one copy of the signatures at a time
     # documents with words: a real signature holds 108 values of 2**32, not all the maximum
     active = ~(sigs == EMPTY_SIG).all(axis=1)
     m, n = len(index), len(texts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from pathlib import Path
 from typing import Iterator, Sequence
 
 from core.sources import DEMO_PREFIX
@@ -42,26 +43,32 @@ def list_packages() -> list[tuple[str, str]]:
 
 
 def installed_state() -> str:
-    """What the demo crawl would read, cheaply: `name==version` of every installed package, and for
-    packages not installed into site-packages (a source checkout's egg-info, an editable install),
-    whose files change without a new version, each documentation file's size and mtime."""
+    """What the demo crawl would read, cheaply (planning calls this on every run, so no METADATA
+    is parsed): each installed distribution's metadata directory (its name carries the package's
+    name and version) with the size of its METADATA, and for packages not installed into
+    site-packages (a source checkout's egg-info, an editable install), whose files change without a
+    new version, each documentation file's size and mtime."""
     found: dict[str, importlib.metadata.Distribution] = {}
-    for dist in importlib.metadata.distributions():
-        if dist.metadata["Name"]:
-            found.setdefault(normalize_name(dist.metadata["Name"]), dist)
+    for dist in importlib.metadata.distributions():  # the first one on sys.path wins, as in the crawl
+        found.setdefault(normalize_name(dist._normalized_name), dist)
     lines = []
     for key in sorted(found):
         dist = found[key]
-        lines.append(f"{dist.metadata['Name']}=={dist.version}")
-        home = str(getattr(dist, "_path", ""))
-        editable = '"editable": true' in (dist.read_text("direct_url.json") or "")
-        if editable or not any(part in home for part in ("site-packages", "dist-packages")):
-            for file in _doc_files(dist):
-                try:
-                    stat = file.locate().stat()
-                except OSError:
-                    continue
-                lines.append(f"  {file} {stat.st_size} {stat.st_mtime_ns}")
+        home = Path(str(getattr(dist, "_path", "")))
+        metadata = next((home / name for name in ("METADATA", "PKG-INFO") if (home / name).is_file()), None)
+        stat = metadata.stat() if metadata else None
+        installed = any(part in str(home) for part in ("site-packages", "dist-packages"))
+        if installed and '"editable": true' not in (dist.read_text("direct_url.json") or ""):
+            lines.append(f"{key} {home.name} {stat and stat.st_size}")  # the name holds the version
+            continue
+        # a source tree's metadata may change in place (a version bump keeps `name.egg-info`)
+        lines.append(f"{key} {home.name} {stat and stat.st_size} {stat and stat.st_mtime_ns}")
+        for file in _doc_files(dist):
+            try:
+                file_stat = file.locate().stat()
+            except OSError:
+                continue
+            lines.append(f"  {file} {file_stat.st_size} {file_stat.st_mtime_ns}")
     return "\n".join(lines) + "\n"
 
 

@@ -30,12 +30,24 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from tasks.collect.records import FILE_LEVEL_ERRORS
 
 PREVIEW_CHARS = 500  # of a dropped document's text in review/dropped.jsonl
 Doc = dict[str, Any]  # {"id", "text", "source", "url", "language"}
+
+
+class DocRef(NamedTuple):
+    """A kept document during the corpus-level steps; its text stays on disk (spool.py)."""
+
+    id: str
+    source: str
+    offset: int  # of its output line in the spool file
+    size: int  # bytes of that line
+    text_bytes: int  # of its text, UTF-8
+
+
 # Quarantined entries that stand for a source, not for a record (see the module docstring).
 SOURCE_LEVEL_ERRORS = frozenset({"error_source_without_documents"})
 NOT_IN_MIX = "dropped_not_in_mix"  # a document the mix did not take (weight < 1, budgets, cap)
@@ -122,13 +134,15 @@ class Funnel:
                                    "id": doc["id"], **detail, "preview": doc["text"][:PREVIEW_CHARS]},
                      reason)
 
-    def drop_missing(self, reason: str, before: Iterable[Doc], after: Iterable[Doc]) -> None:
+    def drop_missing(self, reason: str, before: Iterable[DocRef], after: Iterable[DocRef],
+                     load: Callable[[DocRef], Doc]) -> None:
         """Count each document of `before` that `after` does not hold (by id) as dropped for
-        `reason`: for a step that selects rather than rejects, like the mix."""
-        taken = {doc["id"] for doc in after}
+        `reason`: for a step that selects rather than rejects, like the mix. `load` reads a
+        dropped document whole, for its review sample."""
+        taken = {doc.id for doc in after}
         for doc in before:
-            if doc["id"] not in taken:
-                self.drop(reason, doc)
+            if doc.id not in taken:
+                self.drop(reason, load(doc))
 
     def _sample(self, sink: list[dict[str, Any]], row: dict[str, Any], reason: str) -> None:
         key = f"sampled_{reason}"
@@ -150,9 +164,8 @@ class Funnel:
     def step(self, name: str, docs: int, nbytes: int) -> None:
         self.steps.append({"step": name, "docs": docs, "bytes": nbytes})
 
-    def step_docs(self, name: str, docs: Iterable[Doc]) -> None:
-        docs = list(docs)
-        self.step(name, len(docs), sum(text_bytes(d["text"]) for d in docs))
+    def step_docs(self, name: str, docs: Sequence[DocRef]) -> None:
+        self.step(name, len(docs), sum(d.text_bytes for d in docs))
 
     def report(self) -> dict[str, Any]:
         """funnel.json."""
@@ -174,14 +187,14 @@ class Funnel:
             "per_source": {s: dict(sorted(c.items())) for s, c in self.per_source.items()},
         }
 
-    def accounting(self, out_docs: Iterable[Doc]) -> dict[str, Any]:
+    def accounting(self, out_docs: Iterable[DocRef]) -> dict[str, Any]:
         """funnel.json's `accounting` block for the output documents `out_docs` (after the mix):
         in, kept, dropped and quarantined by reason, whether in = kept + dropped + quarantined
         holds, in total and per source (see the module docstring)."""
         kept: dict[str, set[str]] = {}
         docs_out = 0
         for doc in out_docs:
-            kept.setdefault(doc["source"], set()).add(doc["id"])
+            kept.setdefault(doc.source, set()).add(doc.id)
             docs_out += 1
         sources = list(self.per_source) + [s for s in kept if s not in self.per_source]
         per_source = {s: _balance(self.source(s)["records_read"], len(kept.get(s, ())),

@@ -15,6 +15,9 @@ _U64 = np.uint64
 _MASK64 = (1 << 64) - 1
 EMPTY_SIG = np.uint32(0xFFFFFFFF)  # signature value of a document with no words
 _SHINGLES_PER_BLOCK = 8_192  # shingles per [permutations x shingles] uint64 block: 7 MB at 112
+# Text hashed into words and shingles at once: the prefix sums and powers of _word_hashes take
+# ~40 bytes per byte of text, so a whole chunk of long pages would take hundreds of MB.
+_CHARS_PER_BATCH = 1 << 20
 
 
 class MinHashParams(Protocol):
@@ -109,7 +112,20 @@ def _shingle_hashes(texts: Sequence[str], cfg: MinHashParams) -> tuple[np.ndarra
     A document of n >= k words has n - k + 1 shingles. A document shorter than one shingle
     (0 < n < k) still gets one: its n words, with the k - n missing positions hashed as 0, so two
     short documents match only if they hold the same words in the same order. A document with
-    no words has no shingles (see `_signatures`)."""
+    no words has no shingles (see `_signatures`). Hashed in batches of whole texts of about
+    _CHARS_PER_BATCH characters (a text's hashes do not depend on its batch)."""
+    ends = np.cumsum([len(t) for t in texts], dtype=np.int64)
+    cuts = [0]
+    while cuts[-1] < len(texts):
+        cuts.append(max(cuts[-1] + 1, int(np.searchsorted(
+            ends, (ends[cuts[-1] - 1] if cuts[-1] else 0) + _CHARS_PER_BATCH, side="right"))))
+    parts = [_batch_shingle_hashes(texts[a:b], cfg) for a, b in zip(cuts, cuts[1:])]
+    if not parts:
+        return _batch_shingle_hashes([], cfg)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _batch_shingle_hashes(texts: Sequence[str], cfg: MinHashParams) -> tuple[np.ndarray, np.ndarray]:
     k = cfg.shingle_words
     words, n_words = _word_hashes(texts)
     nonempty = n_words > 0
@@ -228,5 +244,5 @@ def exact_jaccard(a: str, b: str, cfg: MinHashParams) -> float:
 def chunk_signatures(item: tuple[list[str], MinHashParams]) -> tuple[np.ndarray, np.ndarray]:
     """(signatures, bucket keys) of one chunk of documents."""
     texts, cfg = item
-    sigs = _signatures(texts, cfg)
+    sigs = _signatures(list(texts), cfg)  # a lazy view of spooled texts is read here, once
     return sigs, band_keys(sigs, cfg)

@@ -98,17 +98,31 @@ def mix_documents(docs_by_source: Mapping[str, Sequence[Doc]],
                   cfg: MixConfig) -> tuple[list[Doc], dict[str, Any]]:
     """The training mix (documents repeated when a source is upsampled, shuffled across sources)
     and its record: per source docs/tokens available, weight, budget, docs/tokens taken, epochs."""
-    unknown = sorted((set(cfg.weights) | set(cfg.token_budgets)) - set(docs_by_source))
+    picks, record = mix_sizes({source: _doc_bytes(docs, source)
+                               for source, docs in sorted(docs_by_source.items())}, cfg)
+    return [docs_by_source[source][i] for source, i in picks], record
+
+
+def _check_sources(sources: Mapping[str, Any], cfg: MixConfig) -> None:
+    unknown = sorted((set(cfg.weights) | set(cfg.token_budgets)) - set(sources))
     if unknown:
         raise ValueError(f"mix: weights/token_budgets name sources that do not exist: {unknown} "
-                         f"(sources: {sorted(docs_by_source)})")
-    sizes = {source: _doc_bytes(docs, source) for source, docs in sorted(docs_by_source.items())}
+                         f"(sources: {sorted(sources)})")
+
+
+def mix_sizes(sizes_by_source: Mapping[str, np.ndarray],
+              cfg: MixConfig) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """`mix_documents` from the documents' UTF-8 sizes alone: (source, index within the source)
+    of each document of the mix, in mix order, and the record."""
+    _check_sources(sizes_by_source, cfg)
+    sizes = {source: np.asarray(doc_sizes, dtype=np.int64)
+             for source, doc_sizes in sorted(sizes_by_source.items())}
     targets = _targets(sizes, cfg)
-    mixed: list[Doc] = []
+    mixed: list[tuple[str, int]] = []
     sources: dict[str, dict[str, Any]] = {}
     for source, doc_sizes in sizes.items():
         picked = _take_bytes(doc_sizes, targets[source], _source_rng(cfg.seed, source))
-        mixed += [docs_by_source[source][i] for i in picked]
+        mixed += [(source, int(i)) for i in picked]
         sources[source] = _source_record(doc_sizes, picked, targets[source], source, cfg)
     order = np.random.default_rng(cfg.seed).permutation(len(mixed))
     total = sum(s["tokens_taken"] for s in sources.values())

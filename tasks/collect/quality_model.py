@@ -27,6 +27,7 @@ import json
 import os
 import re
 import sysconfig
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from tasks.collect.readers import (
     read_file,
     resolve_source,
 )
+from tasks.collect.spool import take
 
 DEMO_STDLIB_NAME = "stdlib-docstrings"
 DEMO_STDLIB = DEMO_PREFIX + DEMO_STDLIB_NAME
@@ -49,6 +51,7 @@ DROP_REASON = "low_quality_score"
 REFERENCE_DOC_WORDS = 200  # .txt files are cut into documents of about this many words
 MIN_DOCSTRING_WORDS = 40  # shorter docstrings are one-liners, not prose
 BATCH_DOCS = 32
+SCORE_BATCH_DOCS = 1024  # crawl documents featurized and scored at once
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 _STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages",
                 "ensurepip", "pydoc_data"}
@@ -202,7 +205,7 @@ def _split(n: int, fraction: float, rng: np.random.Generator) -> tuple[np.ndarra
     return np.sort(order[cut:]), np.sort(order[:cut])
 
 
-def train_quality_model(positives: list[str], negatives: list[str],
+def train_quality_model(positives: Sequence[str], negatives: Sequence[str],
                         cfg: QualityConfig) -> tuple[QualityModel, dict[str, float]]:
     """Train on a seeded sample of each class; metrics: train_*/heldout_* accuracy, precision,
     recall, auc (held-out ones absent when heldout_fraction is 0) and document counts."""
@@ -229,24 +232,27 @@ def train_quality_model(positives: list[str], negatives: list[str],
     return model, metrics
 
 
-def cross_fit_scores(positives: list[str], crawl: list[str], cfg: QualityConfig,
+def cross_fit_scores(positives: list[str], crawl: Sequence[str], cfg: QualityConfig,
                      folds: int = 2) -> np.ndarray:
-    """Scores of every crawl document from a model that did not train on it (k-fold)."""
+    """Scores of every crawl document from a model that did not train on it (k-fold); the fold
+    is scored SCORE_BATCH_DOCS at a time (a text's score does not depend on its batch)."""
     fold_of = np.random.default_rng(cfg.seed).permutation(len(crawl)) % folds
     scores = np.empty(len(crawl))
     for fold in range(folds):
-        others = [text for text, f in zip(crawl, fold_of) if f != fold]
-        model, _ = train_quality_model(positives, others, cfg)
-        scores[fold_of == fold] = model.score([t for t, f in zip(crawl, fold_of) if f == fold])
+        model, _ = train_quality_model(positives, take(crawl, np.flatnonzero(fold_of != fold)), cfg)
+        mine = np.flatnonzero(fold_of == fold)
+        for start in range(0, len(mine), SCORE_BATCH_DOCS):
+            batch = mine[start:start + SCORE_BATCH_DOCS]
+            scores[batch] = model.score(list(take(crawl, batch)))
     return scores
 
 
 # ---- reference text -----------------------------------------------------------------------------
-def sample(texts: list[str], max_docs: int, rng: np.random.Generator) -> list[str]:
+def sample(texts: Sequence[str], max_docs: int, rng: np.random.Generator) -> list[str]:
     """At most max_docs of texts, a seeded sample in the original order."""
     if len(texts) <= max_docs:
         return list(texts)
-    return [texts[i] for i in np.sort(rng.choice(len(texts), max_docs, replace=False))]
+    return list(take(texts, np.sort(rng.choice(len(texts), max_docs, replace=False))))
 
 
 def _cut(text: str) -> list[str]:

@@ -14,6 +14,14 @@ Every record read ends kept, dropped with a reason or quarantined: funnel.json's
 (in = kept + dropped + quarantined, in total and per source; funnel.py) is checked before the
 stage returns, and a gap fails it with the numbers (AccountingError).
 
+Memory: the corpus-level steps hold no texts. Merging writes each kept document's output line to
+a spool file (spool.py) and keeps a `DocRef` (id, source, where its line is, text bytes); the
+quality model reads texts back in batches (its training sample is capped), near dedup's workers
+read their own chunks and candidate pairs, decontamination streams them, and the shards are
+written by copying lines. What grows with the corpus is per document: its `DocRef` and exact-dedup
+hash (~430 bytes) and near dedup's signatures, band keys and index (~1.5 KB while it runs); in all
+~2.3 KB per document at the peak (`python -m bench memory`: 3.2 MB more for 1,435 more documents).
+
 Parallelism and resume: one work unit per input file (or per chunk of demo packages), mapped by
 the injected engine. Each unit writes its events to `units/unit-%05d.jsonl.gz` in out_dir (the
 stage's partial dir) when it finishes, so a killed run redoes only unfinished units; Common Crawl
@@ -31,7 +39,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from core.decontam import DecontamConfig, build_index
 from core.decontam import drop_reason as contamination_reason
@@ -57,13 +65,13 @@ from tasks.collect.dedup import DedupIndex, near_dedup
 from tasks.collect.funnel import (
     NOT_IN_MIX,
     PREVIEW_CHARS,
-    Doc,
+    DocRef,
     Funnel,
     check_accounting,
     flatten,
     text_bytes,
 )
-from tasks.collect.mixing import mix_documents
+from tasks.collect.mixing import mix_sizes
 from tasks.collect.quality_model import (
     QualityConfig,
     cross_fit_scores,
@@ -77,11 +85,13 @@ from tasks.collect.readers import (
     resolve_source,
 )
 from tasks.collect.records import ReadEvent, Skipped, quarantine_record
+from tasks.collect.spool import Spool
 
 log = logging.getLogger("gristmill.collect")
 
 DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
 UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
+SPOOL_FILE = "kept.jsonl"  # in UNITS_DIR: the kept documents during the corpus-level steps
 
 
 # ---------------------------------------------------------------- work units (per input file)
@@ -204,27 +214,33 @@ def text_hash(text: str) -> str:
     return hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()
 
 
-def merge(units: list[WorkUnit], results: list[Path], config: Config, funnel: Funnel) -> list[Doc]:
+def merge(units: list[WorkUnit], results: list[Path], config: Config, funnel: Funnel,
+          spool: Spool) -> list[DocRef]:
     """Fold unit events in input order into the funnel, capping extracted docs per source across
-    its units; exact duplicates are dropped (the first occurrence wins)."""
-    docs: list[Doc] = []
-    first_of: dict[str, str] = {}
+    its units; exact duplicates are dropped (the first occurrence wins). Kept documents go to
+    the spool, the returned references say where (the texts are not held)."""
+    docs: list[DocRef] = []
+    seen: set[bytes] = set()  # the 32-byte text hash of every distinct document
     cap = config.max_docs_per_source
-    for unit, result in zip(units, results):
-        for event in iter_jsonl([result]):
-            if cap is not None and funnel.source(unit.source)["docs_in"] >= cap:
-                break
-            funnel.add_event(unit.source, event)
-            if event["reason"] != "kept":
-                continue
-            digest = text_hash(event["text"])
-            doc = {"id": digest[:16], "text": event["text"], "source": unit.source,
-                   "url": event["url"], "language": event["language"]}
-            if digest in first_of:
-                funnel.drop("exact_duplicates", doc, duplicate_of=first_of[digest])
-                continue
-            first_of[digest] = doc["id"]
-            docs.append(doc)
+    try:
+        for unit, result in zip(units, results):
+            for event in iter_jsonl([result]):
+                if cap is not None and funnel.source(unit.source)["docs_in"] >= cap:
+                    break
+                funnel.add_event(unit.source, event)
+                if event["reason"] != "kept":
+                    continue
+                digest = text_hash(event["text"])
+                doc = {"id": digest[:16], "text": event["text"], "source": unit.source,
+                       "url": event["url"], "language": event["language"]}
+                key = bytes.fromhex(digest)
+                if key in seen:  # the first occurrence has the same id
+                    funnel.drop("exact_duplicates", doc, duplicate_of=doc["id"])
+                    continue
+                seen.add(key)
+                docs.append(spool.add(doc))
+    finally:
+        spool.close()
     _quarantine_empty_sources(config.sources, funnel)
     return docs
 
@@ -247,12 +263,12 @@ def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
                                   "source": source, "sample": json.dumps(why)})
 
 
-def apply_quality_model(docs: list[Doc], cfg: QualityConfig, out_dir: Path,
-                        funnel: Funnel) -> tuple[list[Doc], dict[str, float]]:
+def apply_quality_model(docs: list[DocRef], spool: Spool, cfg: QualityConfig, out_dir: Path,
+                        funnel: Funnel) -> tuple[list[DocRef], dict[str, float]]:
     """Train reference-vs-crawl, save the model, drop docs whose cross-fit score (from a model
     that did not train on them) is below the threshold."""
     positives = load_reference_texts(cfg.reference, cfg.max_train_docs, cfg.seed)
-    crawl = [d["text"] for d in docs]
+    crawl = spool.texts(docs)
     model, metrics = train_quality_model(positives, crawl, cfg)
     model.save(out_dir / "quality_model")
     kept = []
@@ -261,53 +277,53 @@ def apply_quality_model(docs: list[Doc], cfg: QualityConfig, out_dir: Path,
         if reason is None:
             kept.append(doc)
         else:
-            funnel.drop(f"dropped_{reason}", doc, score=round(float(score), 4))
+            funnel.drop(f"dropped_{reason}", spool.doc(doc), score=round(float(score), 4))
     return kept, {f"quality_model_{k}": v for k, v in metrics.items()}
 
 
-def apply_near_dedup(docs: list[Doc], config: Config, engine: Engine, out_dir: Path,
-                     funnel: Funnel) -> tuple[list[Doc], dict[str, int]]:
+def apply_near_dedup(docs: list[DocRef], spool: Spool, config: Config, engine: Engine,
+                     out_dir: Path, funnel: Funnel) -> tuple[list[DocRef], dict[str, int]]:
     index = DedupIndex.load(Path(config.dedup_index_from) / DEDUP_INDEX_DIR) \
         if config.dedup_index_from else None
-    result = near_dedup([d["text"] for d in docs], config.dedup, engine, index,
-                        ids=[d["id"] for d in docs])
+    result = near_dedup(spool.texts(docs), config.dedup, engine, index, ids=[d.id for d in docs])
     result.index.save(out_dir / DEDUP_INDEX_DIR)
     for doc, keep, representative in zip(docs, result.keep, result.representative):
         if not keep:
-            funnel.drop("near_duplicates", doc, duplicate_of=representative)
+            funnel.drop("near_duplicates", spool.doc(doc), duplicate_of=representative)
     return [d for d, keep in zip(docs, result.keep) if keep], \
         {f"near_dedup_{k}": v for k, v in result.counts().items()}
 
 
-def apply_decontamination(docs: list[Doc], cfg: DecontamConfig, out_dir: Path,
-                          funnel: Funnel) -> list[Doc]:
+def apply_decontamination(docs: list[DocRef], spool: Spool, cfg: DecontamConfig, out_dir: Path,
+                          funnel: Funnel) -> list[DocRef]:
     index = build_index(cfg)
     kept = []
-    for doc in docs:
-        matches = index.find(doc["text"])
-        index.record(doc["id"], matches)
+    for doc, text in zip(docs, spool.texts(docs)):
+        matches = index.find(text)
+        index.record(doc.id, matches)
         reason = contamination_reason(matches)
         if reason is None:
             kept.append(doc)
             continue
-        funnel.drop(f"dropped_{reason}", doc, matches=[list(m) for m in matches[:10]])
+        funnel.drop(f"dropped_{reason}", spool.doc(doc), matches=[list(m) for m in matches[:10]])
     (out_dir / "decontamination.json").write_text(json.dumps(index.report(), indent=2) + "\n")
     return kept
 
 
-def write_shards(docs: list[Doc], docs_dir: Path, docs_per_shard: int) -> int:
-    """docs/part-%05d.jsonl.gz; gzip mtime fixed at 0 so equal docs give byte-identical files."""
+def write_shards(docs: Sequence[DocRef], spool: Spool, docs_dir: Path, docs_per_shard: int) -> int:
+    """docs/part-%05d.jsonl.gz, each document's line copied from the spool; gzip mtime fixed at
+    0 so equal docs give byte-identical files."""
     if docs_dir.exists():  # left by an interrupted earlier attempt
         shutil.rmtree(docs_dir)
     docs_dir.mkdir(parents=True)
     n_shards = 0
     for n_shards, start in enumerate(range(0, len(docs), docs_per_shard), start=1):
-        lines = "".join(json.dumps(d, ensure_ascii=False) + "\n"
-                        for d in docs[start:start + docs_per_shard])
-        ensure_free_space(docs_dir, len(lines), "a document shard")  # gzip only shrinks it
+        shard = docs[start:start + docs_per_shard]
+        ensure_free_space(docs_dir, sum(d.size for d in shard), "a document shard")  # gzip only shrinks it
         with open(docs_dir / f"part-{n_shards - 1:05d}.jsonl.gz", "wb") as raw:
             with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-                f.write(lines.encode())
+                for line in spool.lines(shard):  # deflate's output does not depend on the pieces
+                    f.write(line)
     return n_shards
 
 
@@ -318,35 +334,39 @@ def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *,
     units = plan_units(config, out_dir / DOWNLOADS_DIR)
     log.info("collect: %d work units from %d sources", len(units), len(config.sources))
     funnel = Funnel(config.review_samples)
-    docs = merge(units, run_units(units, out_dir / UNITS_DIR, engine), config, funnel)
+    results = run_units(units, out_dir / UNITS_DIR, engine)
+    spool = Spool(out_dir / UNITS_DIR / SPOOL_FILE)
+    docs = merge(units, results, config, funnel, spool)
     funnel.record_steps()
     funnel.step_docs("exact_dedup", docs)
     stats: dict[str, Any] = {}
     if config.quality.enabled:
-        docs, quality_stats = apply_quality_model(docs, config.quality, out_dir, funnel)
+        docs, quality_stats = apply_quality_model(docs, spool, config.quality, out_dir, funnel)
         stats.update(quality_stats)
         funnel.step_docs("quality_model", docs)
     if config.near_dedup:
-        docs, dedup_stats = apply_near_dedup(docs, config, engine, out_dir, funnel)
+        docs, dedup_stats = apply_near_dedup(docs, spool, config, engine, out_dir, funnel)
         stats.update(dedup_stats)
         funnel.counts["near_duplicates"] = dedup_stats["near_dedup_near_duplicates"]
         funnel.step_docs("near_dedup", docs)
     if config.decontam.eval_sets:
-        docs = apply_decontamination(docs, config.decontam, out_dir, funnel)
+        docs = apply_decontamination(docs, spool, config.decontam, out_dir, funnel)
         funnel.step_docs("decontamination", docs)
     if not docs:
         raise NothingSurvived("no documents survived the filters; loosen the filter thresholds")
-    by_source: dict[str, list[Doc]] = {}
+    by_source: dict[str, list[DocRef]] = {}
     for doc in docs:
-        by_source.setdefault(doc["source"], []).append(doc)
-    mixed, mix_record = mix_documents(by_source, config.mix)
-    funnel.drop_missing(NOT_IN_MIX, docs, mixed)
+        by_source.setdefault(doc.source, []).append(doc)
+    picks, mix_record = mix_sizes({source: [d.text_bytes for d in refs]
+                                   for source, refs in by_source.items()}, config.mix)
+    mixed = [by_source[source][i] for source, i in picks]
+    funnel.drop_missing(NOT_IN_MIX, docs, mixed, spool.doc)
     docs = mixed
     funnel.step_docs("mix", docs)
     (out_dir / "mix.json").write_text(json.dumps(mix_record, indent=2) + "\n")
     report = funnel.report()
     report["accounting"] = funnel.accounting(docs)
-    report["shards"] = write_shards(docs, out_dir / "docs", config.docs_per_shard)
+    report["shards"] = write_shards(docs, spool, out_dir / "docs", config.docs_per_shard)
     (out_dir / "funnel.json").write_text(json.dumps(report, indent=2) + "\n")
     check_accounting(report["accounting"])  # after funnel.json, which shows where it went wrong
     artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]

@@ -10,7 +10,8 @@ from pydantic import Field, model_validator
 from core.sources import JSONL_SUFFIXES, fingerprint_sources
 from model.settings import LoopConfig, LoraSettings
 
-VERSION = 3  # 3: pretraining text mixed into the batches (pretrain_mix)
+VERSION = 4  # 3: pretraining text mixed into the batches (pretrain_mix); 4: logits only at scored
+            # positions (the same loss, summed in another order: weights differ in the last bits)
 
 
 class Config(LoopConfig):

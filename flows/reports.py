@@ -1,7 +1,9 @@
 """What a finished stage shows beyond its stats: charts in its MLflow run, Prefect artifacts.
 
-Rendered from the committed artifact (never written into it, so a re-run changes no file), for
-computed and reused stages alike. One publisher per stage that has something to show.
+Rendered from the committed artifact (never written into it, so a re-run changes no file). The
+Prefect artifacts are made for computed and reused stages alike; the charts go to the MLflow run
+that computed the stage (a reused stage's run points at it, unless it back-fills). One publisher per
+stage that has something to show.
 """
 from __future__ import annotations
 

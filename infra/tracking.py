@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from mlflow.entities import (
     Dataset,
@@ -173,8 +173,9 @@ class Tracker:
 
     def record_reused_stage(self, parent_id: str, stage: str, key: str, config: Mapping[str, Any],
                             upstream: Mapping[str, Manifest], manifest: Manifest) -> tuple[str, bool]:
-        """The run of a reused stage, in four calls: created with its tags, then params and stats in
-        one batch, lineage, end. It points at the run that computed the artifact, which holds the
+        """The run of a reused stage: one call to ask whether the run that computed the artifact
+        finished, then four to record it (created with its tags, params and stats in one batch,
+        lineage, end). It points at the run that computed the artifact, which holds the
         step metrics, manifest, config and charts; when that run never finished (MLflow was lost
         mid-stage) this run back-fills them and is tagged `gristmill.backfilled`. Returns (run id,
         whether it back-filled); the run is left open for the stage's publisher, closed by `end`."""
@@ -206,8 +207,8 @@ class Tracker:
             if (manifest.path / rel).is_file():
                 self.client.log_artifact(run_id, str(manifest.path / rel))
 
-    def _log_batches(self, run_id: str, params: list[Param] = (), metrics: list[Metric] = (),
-                     tags: list[RunTag] = ()) -> None:
+    def _log_batches(self, run_id: str, params: Sequence[Param] = (), metrics: Sequence[Metric] = (),
+                     tags: Sequence[RunTag] = ()) -> None:
         """Params, metrics and tags in as few log_batch calls as MLflow's limits allow (at most
         100 params and 1000 values in all per call)."""
         params, metrics, tags = list(params), list(metrics), list(tags)

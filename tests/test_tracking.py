@@ -53,7 +53,7 @@ def _computed(tracker, tmp_path, stage: str, key: str, upstream=None, steps: int
     return manifest
 
 
-def test_a_reused_stage_is_one_run_in_four_calls_pointing_at_the_run_that_computed_it(tracker, tmp_path):
+def test_a_reused_stage_is_recorded_in_four_calls_pointing_at_the_run_that_computed_it(tracker, tmp_path):
     collect = _computed(tracker, tmp_path, "collect", "c1")
     tokenize = _computed(tracker, tmp_path, "tokenize", "t1", {"collect": collect})
     parent = tracker.start_pipeline("again", {}, {})
@@ -62,6 +62,7 @@ def test_a_reused_stage_is_one_run_in_four_calls_pointing_at_the_run_that_comput
                                                      {"collect": collect}, tokenize)
     tracker.end(run_id, ok=True)
     assert not backfilled
+    # one question (did the computing run finish?), then four calls to record the stage
     assert calls.names == ["get_run", "create_run", "log_batch", "log_inputs", "set_terminated"]
     from mlflow.tracking import MlflowClient
 

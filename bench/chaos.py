@@ -95,6 +95,12 @@ def _said(log: Path) -> str:
     return lines[-1] if lines else ""
 
 
+def _tail(log: Path, lines: int = 6) -> str:
+    """The last `lines` non-blank lines of a run's log, joined: why a run failed, in a trial's note."""
+    return " / ".join([line.strip() for line in log.read_text(errors="replace").splitlines()
+                       if line.strip()][-lines:])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -280,8 +286,11 @@ def concurrent(suite: Suite, name: str, stage: str) -> Trial:
     logs = "".join(r.output() for r in runs)
     once = all(logs.count(f"{s}: done in") == 1 for s in ("collect", "tokenize"))
     same = all(suite.same_as_reference(home, s) for s in ("collect", "tokenize"))
+    failed = " | ".join(f"run{i}: {_tail(r.log)}" for i, (r, code) in enumerate(zip(runs, codes))
+                        if code != 0)
     return Trial("concurrent", "collect+tokenize", codes == [0, 0] and once and same, same,
-                 suite.docs_lost(home, "collect"), f"exits {codes}, each stage computed once: {once}")
+                 suite.docs_lost(home, "collect"),
+                 f"exits {codes}, each stage computed once: {once}" + (f"; {failed}" if failed else ""))
 
 
 def _server(cmd: list[str], port: int, env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -291,7 +291,7 @@ class Tracker:
         versions = [(version, manifest, "corpus-version")]
         if parent is not None:
             versions.append((*parent, "parent-corpus-version"))
-        self.client.log_inputs(run_id, datasets=[
+        self._log_inputs(run_id, [
             DatasetInput(Dataset(name=f"corpus-v{n}", digest=m.key, source_type="gristmill-corpus",
                                  source=m.path.resolve().as_uri()),
                          tags=[InputTag("mlflow.data.context", context)])
@@ -310,7 +310,22 @@ class Tracker:
             for name, m in upstream.items()
         ]
         if inputs:
-            self.client.log_inputs(run_id, datasets=inputs)
+            self._log_inputs(run_id, inputs)
+
+    def _log_inputs(self, run_id: str, inputs: list[DatasetInput], attempts: int = 3) -> None:
+        """`log_inputs`, tried again when it fails. MLflow looks a dataset up and inserts it when
+        missing in two steps, so two runs logging the same dataset at once (two runs of one config,
+        the second reusing what the first computed) can both insert, and the later one fails on the
+        unique (experiment, name, digest) constraint. The failed transaction changed nothing, and
+        the next try finds the row the other run inserted."""
+        for attempt in range(attempts):
+            try:
+                self.client.log_inputs(run_id, datasets=inputs)
+                return
+            except MlflowException:  # TrackingUnavailable (no answer) is not one: it propagates
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
 
 
 class RunRecord(dict):

@@ -110,3 +110,35 @@ def test_batches_respect_mlflows_limits(tracker, tmp_path):
     client = MlflowClient(tracker.uri)
     assert len(client.get_run(parent).data.params) == 250
     assert len(client.get_metric_history(run_id, "loss")) == 2500
+
+
+def test_lineage_survives_another_run_logging_the_same_dataset_at_once(tracker, tmp_path):
+    """Two runs of one config log the same upstream dataset together; MLflow's look-up-then-insert
+    lets both insert, and the later one fails on the unique constraint (seen in the fault suite's
+    concurrent trial). Replayed here: the other run's insert lands between this run's look-up and
+    insert, and this run's lineage still links to the one dataset row."""
+    import sqlalchemy
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking import Tracker
+
+    collect = _computed(tracker, tmp_path, "collect", "c1")
+    other = Tracker(tmp_path / "home")
+    real, raced = tracker.client.log_inputs, []
+
+    def racing(run_id, datasets):
+        if not raced:  # the other run inserts first; this run's insert then violates the constraint
+            raced.append(other.start_stage(other.start_pipeline("other", {}, {}), "tokenize", "t1",
+                                           {}, {"collect": collect}))
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: "
+                                  "datasets.experiment_id, datasets.name, datasets.digest") \
+                from sqlalchemy.exc.IntegrityError("INSERT INTO datasets", {}, None)
+        return real(run_id, datasets=datasets)
+
+    tracker.client.log_inputs = racing
+    run_id = tracker.start_stage(tracker.start_pipeline("this", {}, {}), "tokenize", "t1", {},
+                                 {"collect": collect})
+    client = MlflowClient(tracker.uri)
+    names = {i.dataset.name for r in (run_id, raced[0]) for i in client.get_run(r).inputs.dataset_inputs}
+    assert names == {"collect-c1"}

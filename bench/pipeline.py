@@ -5,8 +5,10 @@
 1. `cold_s`: `gristmill run configs/tiny.yaml` in a fresh GRISTMILL_HOME (new process each time);
    `reused_s`: the same command again over the finished store (every stage reused), with the
    embedded Prefect API and MLflow store; `reused_s_with_server`: the same against a standing
-   stack (`gristmill up`: Prefect server, MLflow server, Ray head; one warm-up run first, as a user
-   with the stack up has made runs before); `dry_run_s`: `--dry-run` over the finished store.
+   stack (`gristmill up`: Prefect server, MLflow server, Ray head and the warm runner the run
+   forks from; one warm-up run first, as a user with the stack up has made runs before), and
+   `reused_s_with_server_fresh`: the same with GRISTMILL_WARM=0 (a fresh interpreter per run),
+   the two alternating; `dry_run_s`: `--dry-run` over the finished store.
 2. Per-stage overhead of Prefect task + MLflow child run + artifact store, on a stage that does
    nothing: inside one flow, N no-op stages computed (fresh keys) and then reused, against calling
    the no-op stage function directly.
@@ -36,8 +38,9 @@ def _cli_seconds(home: Path, args: list[str], exports: dict[str, str] | None = N
     return time.perf_counter() - started
 
 
-def _with_server(home: Path, args: list[str], repeats: int) -> list[float]:
-    """Fully reused runs against a standing stack in `home` (on free ports), after a warm-up."""
+def _with_server(home: Path, args: list[str], repeats: int) -> tuple[list[float], list[float]]:
+    """Fully reused runs against a standing stack in `home` (on free ports), after a warm-up:
+    forked from the warm runner, and in a fresh interpreter."""
     from infra import stack
 
     states = stack.up(home, ports=stack.Ports(*stack.free_ports(6)))
@@ -46,13 +49,17 @@ def _with_server(home: Path, args: list[str], repeats: int) -> list[float]:
             raise RuntimeError(f"the stack did not come up:\n{stack.format_states(states)}")
         exports = {k: v for s in states for k, v in s.export.items()}
         _cli_seconds(home, args, exports)
-        return [_cli_seconds(home, args, exports) for _ in range(repeats)]
+        warm, fresh = [], []
+        for _ in range(repeats):
+            warm.append(_cli_seconds(home, args, {**exports, "GRISTMILL_WARM": "1"}))
+            fresh.append(_cli_seconds(home, args, {**exports, "GRISTMILL_WARM": "0"}))
+        return warm, fresh
     finally:
         stack.down(home)
 
 
 def pipeline_times(repeats: int, overrides: list[str]) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"cold": [], "reused": [], "dry_run": [], "reused_with_server": []}
+    times: dict[str, list[float]] = {"cold": [], "reused": [], "dry_run": []}
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         for repeat in range(repeats):
@@ -60,7 +67,7 @@ def pipeline_times(repeats: int, overrides: list[str]) -> dict[str, list[float]]
             times["cold"].append(_cli_seconds(home, overrides))
             times["reused"].append(_cli_seconds(home, overrides))
             times["dry_run"].append(_cli_seconds(home, [*overrides, "--dry-run"]))
-        times["reused_with_server"] = _with_server(home, overrides, repeats)
+        times["reused_with_server"], times["reused_with_server_fresh"] = _with_server(home, overrides, repeats)
     return times
 
 
@@ -92,6 +99,7 @@ def main(argv: list[str]) -> int:
     print(f"{'measure':<44}{'median':>10}   runs")
     for name, label in (("cold", "tiny pipeline, cold (s)"), ("reused", "tiny pipeline, fully reused (s)"),
                         ("reused_with_server", "same, against `gristmill up` (s)"),
+                        ("reused_with_server_fresh", "same, GRISTMILL_WARM=0 (s)"),
                         ("dry_run", "--dry-run over the finished store (s)")):
         print(f"{label:<44}{median[name]:>10.1f}   {[round(t, 1) for t in times[name]]}")
     print(f"{'no-op stage, direct call (ms)':<44}{overhead['direct_s'] * 1e3:>10.1f}")
@@ -100,7 +108,9 @@ def main(argv: list[str]) -> int:
     summary: dict[str, Any] = {
         "benchmark": "pipeline", "cold_s": round(cold, 2), "reused_s": round(reused, 2),
         "reuse_speedup": round(cold / reused, 2),
-        "reused_s_with_server": round(median["reused_with_server"], 2), "dry_run_s": round(median["dry_run"], 2),
+        "reused_s_with_server": round(median["reused_with_server"], 2),
+        "reused_s_with_server_fresh": round(median["reused_with_server_fresh"], 2),
+        "dry_run_s": round(median["dry_run"], 2),
         "stage_overhead_computed_ms": round((overhead["computed_s"] - overhead["direct_s"]) * 1e3, 1),
         "stage_overhead_reused_ms": round((overhead["reused_s"] - overhead["direct_s"]) * 1e3, 1),
         "repeats": args.repeats,

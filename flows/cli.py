@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         # this process imports nothing that the child would import again.
         from infra.supervisor import supervise
 
-        return supervise([sys.executable, "-m", "flows.cli", *argv, "--in-process"])
+        child_args = [*argv, "--in-process"]
+        return supervise([sys.executable, "-m", "flows.cli", *child_args], warm_args=child_args)
     home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
     from flows.config import ConfigError, load_config
     from flows.dag import plan

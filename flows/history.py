@@ -13,10 +13,13 @@ from typing import Mapping
 
 from core.stage import Manifest
 from flows import report_card
+from flows.dag import STAGE_NAMES
 from flows.registry import Decision
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.tracking import RunRecord, Tracker, pipeline_run, stage_runs_of
+
+DAG_ORDER = {name: i for i, name in enumerate(STAGE_NAMES)}
 
 
 def run_manifests(tracker: Tracker, store: ArtifactStore,
@@ -68,7 +71,10 @@ def _changes(a: Mapping[str, str], b: Mapping[str, str]) -> list[tuple[str, str,
 
 
 def _stage_rows(runs: list[RunRecord]) -> dict[str, RunRecord]:
-    return {r["tags"].get("gristmill.stage", r["name"]): r for r in runs}
+    """stage -> its run, in the DAG's order (reused stages are recorded concurrently, so their
+    runs' start times need not follow it)."""
+    rows = {r["tags"].get("gristmill.stage", r["name"]): r for r in runs}
+    return dict(sorted(rows.items(), key=lambda item: DAG_ORDER.get(item[0], len(DAG_ORDER))))
 
 
 def compare(home: Path, run_a: str, run_b: str) -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
@@ -30,15 +31,38 @@ from infra.memory import PeakRSS
 from infra.tracking import Tracker
 
 GPU_LIMIT = "gpu"  # the Prefect global concurrency limit GPU stages take a slot of
+RECORD_THREADS = 3  # reused stages recorded at once (each mostly waits on the tracking server)
 
 
 class Runtime:
-    """The edges a run talks to: artifact store and tracker (built once per flow run)."""
+    """The edges a run talks to: artifact store and tracker (built once per flow run). With
+    `background`, a reused stage's MLflow run is recorded on a thread while the flow moves on to
+    the next stage (each record waits on the tracking server; a fully reused run overlaps them);
+    `join` waits for them all and raises the first failure."""
 
-    def __init__(self, store: ArtifactStore, tracker: Tracker, parent_run_id: str):
+    def __init__(self, store: ArtifactStore, tracker: Tracker, parent_run_id: str,
+                 background: bool = False):
         self.store = store
         self.tracker = tracker
         self.parent_run_id = parent_run_id
+        self._pool = ThreadPoolExecutor(RECORD_THREADS, "gristmill-record") if background else None
+        self._records: list[Future] = []
+
+    def record(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._pool is None:
+            fn(*args)
+        else:
+            self._records.append(self._pool.submit(fn, *args))
+
+    def join(self) -> None:
+        records, self._records = self._records, []
+        for future in records:
+            future.result()
+
+    def abandon(self) -> None:
+        """The run is failing or stopping: drop the records not started, wait for none."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _engine(stage: PlannedStage) -> Engine:
@@ -98,6 +122,21 @@ def _publish(name: str, manifest: Manifest, runtime: Runtime, run_id: str, chart
         PUBLISHERS[name](manifest, runtime.tracker, run_id, charts)
 
 
+def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[str, Manifest],
+                   existing: Manifest, runtime: Runtime) -> None:
+    name, tracker = stage.spec.name, runtime.tracker
+    run_id, backfilled = tracker.record_reused_stage(runtime.parent_run_id, name, stage.key,
+                                                     config, upstream, existing)
+    try:
+        # Charts live in the run that computed the artifact, unless it never finished.
+        _publish(name, existing, runtime, run_id if backfilled else existing.meta["mlflow_run_id"],
+                 charts=backfilled)
+    except BaseException:
+        tracker.end(run_id, ok=False)
+        raise
+    tracker.end(run_id, ok=True)
+
+
 @task(cache_policy=NO_CACHE)
 def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runtime,
               meta: dict[str, Any] | None = None) -> Manifest:
@@ -112,12 +151,7 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
         if existing is not None:
             logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
                         existing.meta.get("mlflow_run_id"))
-            run_id, backfilled = tracker.record_reused_stage(runtime.parent_run_id, name, stage.key,
-                                                             config, upstream, existing)
-            # Charts live in the run that computed the artifact, unless it never finished.
-            _publish(name, existing, runtime, run_id if backfilled else existing.meta["mlflow_run_id"],
-                     charts=backfilled)
-            tracker.end(run_id, ok=True)
+            runtime.record(_record_reused, stage, config, upstream, existing, runtime)
             return existing
         run_id = tracker.start_stage(runtime.parent_run_id, name, stage.key, config, upstream)
         logger.info("%s: computing %s-%s", name, name, stage.key)
@@ -176,7 +210,7 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
         create_link_artifact(f"{tracker.uri.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/"
                              f"{parent}", link_text=f"MLflow run {run_name}", key="mlflow-run",
                              description="The MLflow parent run: params, stage runs, metrics, lineage")
-    runtime = Runtime(store, tracker, parent)
+    runtime = Runtime(store, tracker, parent, background=True)
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
     run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}
@@ -189,16 +223,19 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
             if not stage.complete and (rows := rollbacks(manifests[stage.spec.name])):
                 notify(config.notify, "training.rollback", run, {"stage": stage.spec.name,
                                                                  "rollbacks": rows})
+        runtime.join()
         if config.registry.enabled and "evaluate" in manifests:
             decision = register_and_promote(config, tracker, parent, manifests)
             logger.info("registry: %s", decision.markdown())
     except Exception as error:
+        runtime.abandon()
         tracker.end(parent, ok=False)
         failed = next((s.spec.name for s in planned if s.spec.name not in manifests), None)
         notify(config.notify, "run.failed", run, {"stage": failed,
                                                   "error": f"{type(error).__name__}: {error}"[:2000]})
         raise
     except BaseException:  # Ctrl-C, SIGTERM: the user stopped it, nothing to report
+        runtime.abandon()
         tracker.end(parent, ok=False)
         raise
     summary = _summary(planned, manifests) + (f"\n\n{decision.markdown()}" if decision else "")

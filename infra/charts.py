@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -26,6 +27,11 @@ def _pyplot():
     return plt
 
 
+# pyplot's figures are process-wide state, and reused stages are recorded on threads
+# (flows/pipeline.py): this process renders one chart at a time.
+_ONE_AT_A_TIME = threading.Lock()
+
+
 def _cached(render: Callable[..., Path]) -> Callable[..., Path]:
     """Serve `render(data, path, title, ...)` from the chart cache, keyed by all its arguments."""
 
@@ -34,11 +40,12 @@ def _cached(render: Callable[..., Path]) -> Callable[..., Path]:
         digest = hashlib.sha256(json.dumps([render.__name__, data, title, options], sort_keys=True,
                                            default=str).encode()).hexdigest()[:24]
         kept = env.gristmill_home() / "cache" / "charts" / f"{digest}.png"
-        if not kept.exists():
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            partial = kept.with_name(f"{digest}.{os.getpid()}.partial.png")
-            render(data, partial, title, **options)
-            partial.replace(kept)  # whole files only: another run may read it at once
+        with _ONE_AT_A_TIME:
+            if not kept.exists():
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                partial = kept.with_name(f"{digest}.{os.getpid()}.partial.png")
+                render(data, partial, title, **options)
+                partial.replace(kept)  # whole files only: another run may read it at once
         shutil.copyfile(kept, path)
         return Path(path)
 

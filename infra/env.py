@@ -7,9 +7,11 @@ Variables the user has set are respected (`setdefault`), so `PREFECT_API_URL`,
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import MutableMapping
 
 DEFAULT_HOME = ".gristmill"
 
@@ -41,13 +43,13 @@ def is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def keep_ray_on_loopback() -> None:
+def keep_ray_on_loopback(environ: MutableMapping[str, str] = os.environ) -> None:
     """A Ray this machine starts (no RAY_ADDRESS) or a `gristmill up` head (a loopback
     RAY_ADDRESS) stays on 127.0.0.1: without the switch (see above) a local Ray's GCS, raylet and
     agents listen on every interface. Ray reads it when imported, so call this before."""
-    address = os.environ.get("RAY_ADDRESS", "")
+    address = environ.get("RAY_ADDRESS", "")
     if not address or is_loopback(address.rpartition(":")[0]):
-        os.environ.setdefault(RAY_SINGLE_MACHINE, "0")
+        environ.setdefault(RAY_SINGLE_MACHINE, "0")
 
 
 def gristmill_home() -> Path:
@@ -58,14 +60,29 @@ def configure(home: Path | None = None) -> Path:
     """Point every component's state at `home` (default $GRISTMILL_HOME or ./.gristmill)."""
     home = Path(home).resolve() if home else gristmill_home()
     home.mkdir(parents=True, exist_ok=True)
-    os.environ["GRISTMILL_HOME"] = str(home)
-    for name, value in OFFLINE_AND_QUIET.items():
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
-    keep_ray_on_loopback()
+    apply_defaults(os.environ, home)
     # Prefect attaches its handlers to the extra loggers but leaves their level at WARNING.
     logging.getLogger("gristmill").setLevel(logging.INFO)
     return home
+
+
+def apply_defaults(environ: MutableMapping[str, str], home: Path) -> None:
+    """The variables `configure` sets, on any mapping (the warm runner compares two processes'
+    environments this way); a value already there is kept."""
+    environ["GRISTMILL_HOME"] = str(home)
+    for name, value in OFFLINE_AND_QUIET.items():
+        environ.setdefault(name, value)
+    environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    keep_ray_on_loopback(environ)
+
+
+def short_path(path: Path, max_chars: int) -> Path:
+    """`path`, or when it is longer than `max_chars` (a Unix socket's limit is 107 bytes) a short
+    one in /tmp named by a hash of it: one long path, always the same short one."""
+    if len(str(path)) <= max_chars:
+        return path
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    return Path("/tmp") / f"gristmill-{path.stem}-{digest}{path.suffix}"
 
 
 def artifacts_root(home: Path) -> Path:

@@ -20,7 +20,6 @@ against these servers are one history.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import secrets
@@ -37,7 +36,7 @@ from typing import Mapping
 
 import psutil
 
-from infra import env
+from infra import env, warm
 from infra.services import home_lock
 from infra.supervisor import alive, kill_all
 
@@ -52,7 +51,7 @@ RAY_TEMP_MAX_CHARS = 40
 RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min/--max-worker-port
 STACK_LOCK = "stack.lock"  # in GRISTMILL_HOME: one `up`/`down` at a time
 STOP_GRACE_S = 10.0  # a service's time to exit on SIGTERM before it is killed
-NAMES = ("prefect", "mlflow", "ray")  # the order `up` starts and reports them in
+NAMES = ("prefect", "mlflow", "ray", "runner")  # the order `up` starts and reports them in
 # Basic auth, on when these are set in `up`'s environment and required to expose a server:
 # Prefect checks every API call against "user:password" (clients send PREFECT_API_AUTH_STRING);
 # MLflow runs its basic-auth app, whose admin is created on first start with this password
@@ -98,6 +97,7 @@ class Spec:
     health_url: str  # answers 200 once the service is ready
     url: str  # what a person opens
     export: Mapping[str, str] = field(default_factory=dict)  # what clients set to use it
+    socket: str = ""  # a Unix socket answering a ping instead of a health URL (the warm runner)
 
 
 @dataclass
@@ -130,10 +130,7 @@ def _tool(name: str) -> str:
 def ray_temp_dir(home: Path) -> Path:
     """Ray's temp root: under GRISTMILL_HOME when the path is short enough for Ray's sockets,
     else a short folder in /tmp named by a hash of the home (so one home, one folder)."""
-    inside = Path(home).resolve() / "ray"
-    if len(str(inside)) <= RAY_TEMP_MAX_CHARS:
-        return inside
-    return Path("/tmp") / f"gristmill-ray-{hashlib.sha256(str(inside).encode()).hexdigest()[:8]}"
+    return env.short_path(Path(home).resolve() / "ray", RAY_TEMP_MAX_CHARS)
 
 
 def check_exposure(host: str) -> None:
@@ -174,8 +171,8 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
     check_exposure(host)
     home = Path(home).resolve()
     reach = LOOPBACK if host in WILDCARDS else host  # where clients on this machine connect
-    base = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
-    base.update(env.OFFLINE_AND_QUIET, GRISTMILL_HOME=str(home))
+    shell = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
+    base = {**shell, **env.OFFLINE_AND_QUIET, "GRISTMILL_HOME": str(home)}
     prefect = Spec(
         "prefect",
         (_tool("prefect"), "server", "start", "--host", host, "--port", str(ports.prefect),
@@ -214,7 +211,13 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
         f"http://{reach}:{ports.ray_dashboard}/api/version", f"http://{reach}:{ports.ray_dashboard}",
         {"RAY_ADDRESS": f"{reach}:{ports.ray}",
          **({env.RAY_SINGLE_MACHINE: "0"} if env.is_loopback(host) else {})})
-    return [prefect, mlflow, ray]
+    # The warm runner (infra/warm.py) sees what a shell that exported the others' variables sees,
+    # so the runs of that shell can fork from it.
+    stack_exports = {k: v for spec in (prefect, mlflow, ray) for k, v in spec.export.items()}
+    sock = str(warm.socket_path(home))
+    runner = Spec("runner", (sys.executable, "-m", "flows.runner", str(home)),
+                  {**shell, **stack_exports, "GRISTMILL_HOME": str(home)}, reach, (), "", sock, socket=sock)
+    return [prefect, mlflow, ray, runner]
 
 
 # --- probes ---------------------------------------------------------------------------------
@@ -252,7 +255,10 @@ def http_ok(url: str, timeout_s: float = 3.0) -> bool:
 
 
 def healthy(record: Mapping) -> bool:
-    """The service's own port accepts connections and its health URL answers 200."""
+    """The service's own port accepts connections and its health URL answers 200 (the runner:
+    its socket answers a ping)."""
+    if record.get("socket"):
+        return warm.ping(record["socket"])
     return port_open(record["host"], record["ports"][0]) and http_ok(record["health_url"])
 
 
@@ -345,7 +351,7 @@ def _start(home: Path, spec: Spec) -> dict:
     record = {"name": spec.name, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
               "argv": list(spec.argv), "host": spec.host, "ports": list(spec.ports),
               "health_url": spec.health_url, "url": spec.url, "export": dict(spec.export),
-              "log": str(folder / f"{spec.name}.log")}
+              "socket": spec.socket, "log": str(folder / f"{spec.name}.log")}
     (folder / f"{spec.name}.json").write_text(json.dumps(record, indent=1))
     (folder / f"{spec.name}.pid").write_text(f"{proc.pid}\n")
     return record

@@ -23,9 +23,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import psutil
+
+if TYPE_CHECKING:
+    from infra.warm import WarmChild
 
 GRACE_S = 7.0  # the child's time to unwind before everything left is killed; exit stays < 10 s
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -86,9 +89,13 @@ def die_with_supervisor(poll_s: float = 0.5) -> None:
     supervisor = os.environ.get(SUPERVISOR_ENV)
     if not supervisor:
         return
+    try:  # the supervisor is not always our parent: the warm runner (infra/warm.py) forks us
+        watched = [psutil.Process(int(supervisor))]
+    except psutil.NoSuchProcess:
+        watched = []
 
     def watch() -> None:
-        while os.getppid() == int(supervisor):
+        while alive(watched):  # psutil compares start times: a reused pid is not the supervisor
             time.sleep(poll_s)
         _Tree(os.getpid()).kill(spare_root=True)
         os._exit(137)
@@ -96,10 +103,12 @@ def die_with_supervisor(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="gristmill-supervisor-watch", daemon=True).start()
 
 
-def supervise(argv: Sequence[str], poll_s: float = 0.5) -> int:
-    """Run `argv` as the pipeline child; return its exit code, or 130/143 after a signal."""
+def supervise(argv: Sequence[str], poll_s: float = 0.5, warm_args: Sequence[str] | None = None) -> int:
+    """Run `argv` as the pipeline child; return its exit code, or 130/143 after a signal. With
+    `warm_args` (the child's `gristmill` arguments), the home's warm runner forks the child when
+    it can (infra/warm.py), else `argv` starts as a fresh process."""
     received: list[int] = []
-    child: subprocess.Popen | None = None
+    child: subprocess.Popen | WarmChild | None = None
     forwarded = False
 
     def forward() -> None:
@@ -114,8 +123,13 @@ def supervise(argv: Sequence[str], poll_s: float = 0.5) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in EXIT_CODES}
     try:
-        child = subprocess.Popen(list(argv), start_new_session=True,
-                                 env={**os.environ, SUPERVISOR_ENV: str(os.getpid())})
+        environ = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        if warm_args is not None:
+            from infra.warm import fork_run
+
+            child = fork_run(list(warm_args), environ)
+        if child is None:
+            child = subprocess.Popen(list(argv), start_new_session=True, env=environ)
         forward()  # a signal that came while the child was being started
         tree = _Tree(child.pid)
         deadline: float | None = None

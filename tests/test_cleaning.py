@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pydantic
@@ -317,3 +319,19 @@ def test_the_demo_key_follows_docs_of_a_package_installed_from_a_source_tree(tmp
     pkg_info.write_text("Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.1\n\nAbout.\n")
     os.utime(pkg_info, ns=(written + 10**9, written + 10**9))  # rewritten later (one clock tick may hold both)
     assert installed_state() != before  # a new version in place: same size, newer file
+
+
+def test_the_demo_reads_the_environment_wherever_a_run_starts(tmp_path):
+    """`python -m` in a source checkout puts the working directory on sys.path, where the
+    checkout's `*.egg-info` would shadow the installed metadata: the demo's packages (and so the
+    collect key) would depend on where a run was started (a console script, `gristmill up`'s warm
+    runner and the Ray workers start elsewhere)."""
+    checkout = tmp_path / "checkout"
+    info = checkout / "demo_pkg.egg-info"
+    info.mkdir(parents=True)
+    (info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n\nAbout.\n")
+    probe = ("from tasks.collect.demo_crawl import installed_state, list_packages; "
+             "print(repr((installed_state(), list_packages())))")
+    seen = [subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True,
+                           check=True).stdout for cwd in (checkout, tmp_path)]
+    assert seen[0] == seen[1] and "demo-pkg" not in seen[0]

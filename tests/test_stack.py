@@ -87,20 +87,21 @@ def test_a_taken_port_fails_that_service_without_starting_it(tmp_path):
     ports = stack.Ports(*stack.free_ports(6))
     taken = [socket.create_server(("127.0.0.1", port)) for port in (ports.prefect, ports.mlflow, ports.ray)]
     try:
-        states = stack.up(tmp_path, ports=ports, timeout_s=5)
+        states = [s for s in stack.up(tmp_path, ports=ports, timeout_s=5) if s.name != "runner"]
     finally:
         for sock in taken:
             sock.close()
+        stack.down(tmp_path)  # the warm runner binds no port: it may have started
     assert [(s.name, s.state) for s in states] == [("prefect", "failed"), ("mlflow", "failed"), ("ray", "failed")]
     assert all("taken by a process gristmill did not start" in s.note for s in states)
     assert not list(stack.services_dir(tmp_path).glob("*.pid"))
 
 
 def test_stale_pid_files_read_as_stopped_and_down_removes_them(tmp_path):
-    for name in ("prefect", "mlflow", "ray"):
+    for name in stack.NAMES:
         _dead_record(tmp_path, name)
-    assert [s.state for s in stack.status(tmp_path)] == ["stopped"] * 3
-    assert [s.note for s in stack.down(tmp_path)] == ["stale pid file removed"] * 3
+    assert [s.state for s in stack.status(tmp_path)] == ["stopped"] * 4
+    assert [s.note for s in stack.down(tmp_path)] == ["stale pid file removed"] * 4
     assert not list(stack.services_dir(tmp_path).iterdir())
 
 
@@ -190,13 +191,16 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
         assert "basic auth is on" in capsys.readouterr().out
         first = {s.name: s for s in stack.status(home)}
         assert {n: (s.state, s.healthy) for n, s in first.items()} == {
-            n: ("running", True) for n in ("prefect", "mlflow", "ray")}
+            n: ("running", True) for n in ("prefect", "mlflow", "ray", "runner")}
         records = {n: json.loads((home / "services" / f"{n}.json").read_text()) for n in first}
         assert int((home / "services" / "ray.pid").read_text()) == first["ray"].pid
 
         # Loopback only: every listening socket of every process of the three sessions.
         for name, record in records.items():
             listening = _listening(record)
+            if name == "runner":  # a Unix socket, only this user's: nothing on the network
+                assert not listening and stack.healthy(record), listening
+                continue
             assert {ip for ip, _ in listening} <= LOOPBACK_IPS, (name, listening)
             assert record["ports"][0] in {port for _, port in listening}, (name, listening)
         processes = [p for r in records.values() for p in stack.session_processes(r)]
@@ -216,7 +220,7 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
         assert out.strip() == (f"export PREFECT_API_URL=http://127.0.0.1:{ports.prefect}/api "
                                f"MLFLOW_TRACKING_URI=http://127.0.0.1:{ports.mlflow} "
                                f"RAY_ADDRESS=127.0.0.1:{ports.ray} RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
-        assert err.count("already running") == 3
+        assert err.count("already running") == 4
         assert {s.name: s.pid for s in stack.status(home)} == {n: s.pid for n, s in first.items()}
 
         # MLflow: the SQLite store and the served artifacts are under GRISTMILL_HOME.
@@ -230,7 +234,7 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
         assert not Path("mlruns").exists() and not Path("mlartifacts").exists()
         assert (home / "mlflow.db").is_file() and (home / "prefect" / "prefect.db").is_file()
         # The secrets are in no record, log or command line `up` left behind.
-        for path in (home / "services").iterdir():
+        for path in filter(Path.is_file, (home / "services").iterdir()):  # not the runner's socket
             assert not any(v in path.read_text(errors="replace") for v in secrets.values()), path
     finally:
         capsys.readouterr()
@@ -239,4 +243,4 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
     assert alive(processes) == []
     assert not list((home / "services").glob("*.pid"))
     assert cli.main(["status"]) == 3
-    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["stopped"] * 3
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["stopped"] * 4

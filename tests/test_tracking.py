@@ -62,8 +62,8 @@ def test_a_reused_stage_is_recorded_in_four_calls_pointing_at_the_run_that_compu
                                                      {"collect": collect}, tokenize)
     tracker.end(run_id, ok=True)
     assert not backfilled
-    # one question (did the computing run finish?), then four calls to record the stage
-    assert calls.names == ["get_run", "create_run", "log_batch", "log_inputs", "set_terminated"]
+    # four calls to record the stage: that the computing run finished, the home's ledger says
+    assert calls.names == ["create_run", "log_batch", "log_inputs", "set_terminated"]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracker.uri)
@@ -81,6 +81,19 @@ def test_a_reused_stage_is_recorded_in_four_calls_pointing_at_the_run_that_compu
     assert client.get_metric_history(run_id, "loss") == []
     assert len(client.get_metric_history(tokenize.meta["mlflow_run_id"], "loss")) == 3
     assert client.list_artifacts(run_id) == []
+
+
+def test_a_run_that_finished_elsewhere_is_asked_about_once(tracker, tmp_path):
+    """A run ended by another home (or before the ledger existed) is looked up in MLflow once,
+    then known; one that never finished is asked about again each time."""
+    collect = _computed(tracker, tmp_path, "collect", "c1")
+    tracker.ledger.unlink()
+    parent = tracker.start_pipeline("lost", {}, {})
+    cut_short = tracker.start_stage(parent, "pretrain", "p1", {}, {})
+    calls = Calls(tracker)
+    assert [tracker.finished(collect.meta["mlflow_run_id"]) for _ in range(2)] == [True, True]
+    assert [tracker.finished(cut_short) for _ in range(2)] == [False, False]
+    assert calls.names == ["get_run", "get_run", "get_run"]
 
 
 def test_a_reused_stage_whose_computing_run_never_finished_backfills_it(tracker, tmp_path):

@@ -10,7 +10,9 @@ URLs look like `python-package://<name>/<version>/<file>`.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -31,11 +33,26 @@ def normalize_name(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _environment_path() -> list[str]:
+    """sys.path without the directory the program was started from ('' or the working directory,
+    there under `python -m` in a source checkout, whose `*.egg-info` would then shadow the
+    installed metadata): what the demo reads depends on the environment, not on where a run is
+    started (a console script, the runner `gristmill up` keeps, a worker)."""
+    cwd = os.getcwd()
+    return [entry for entry in sys.path if entry and os.path.abspath(entry) != cwd]
+
+
+def _distributions(name: str | None = None) -> Iterator[importlib.metadata.Distribution]:
+    if name is None:
+        return iter(importlib.metadata.distributions(path=_environment_path()))
+    return iter(importlib.metadata.distributions(name=name, path=_environment_path()))
+
+
 def list_packages() -> list[tuple[str, str]]:
-    """Sorted (name, version) of installed distributions; the first one on sys.path wins,
-    as it does for `importlib.metadata.distribution(name)`."""
+    """Sorted (name, version) of installed distributions; the first one on the path wins, as it
+    does for `importlib.metadata.distribution(name)`."""
     found: dict[str, tuple[str, str]] = {}
-    for dist in importlib.metadata.distributions():
+    for dist in _distributions():
         name = dist.metadata["Name"]
         if name:
             found.setdefault(normalize_name(name), (name, dist.version))
@@ -49,7 +66,7 @@ def installed_state() -> str:
     site-packages (a source checkout's egg-info, an editable install), whose files change without a
     new version, each documentation file's size and mtime."""
     found: dict[str, importlib.metadata.Distribution] = {}
-    for dist in importlib.metadata.distributions():  # the first one on sys.path wins, as in the crawl
+    for dist in _distributions():  # the first one on the path wins, as in the crawl
         found.setdefault(normalize_name(dist._normalized_name), dist)
     lines = []
     for key in sorted(found):
@@ -115,9 +132,8 @@ def package_records(dist: importlib.metadata.Distribution) -> Iterator[ReadEvent
 def iter_records(packages: Sequence[tuple[str, str]]) -> Iterator[ReadEvent]:
     """Records of the given (name, version) packages, in the order given."""
     for name, version in packages:
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
+        dist = next(_distributions(name), None)
+        if dist is None:
             yield Skipped("skipped_package_missing")
             continue
         if dist.version != version:  # changed since the work was planned: do not mix versions

@@ -210,7 +210,9 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
         create_link_artifact(f"{tracker.uri.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/"
                              f"{parent}", link_text=f"MLflow run {run_name}", key="mlflow-run",
                              description="The MLflow parent run: params, stage runs, metrics, lineage")
-    runtime = Runtime(store, tracker, parent, background=True)
+    # Against a tracking server, reused stages are recorded side by side; an SQLite store takes
+    # one writer at a time, and threads would only queue on its lock (measured slower).
+    runtime = Runtime(store, tracker, parent, background=tracker.uri.startswith(("http://", "https://")))
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
     run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}

@@ -1,5 +1,7 @@
 """`gristmill up / status / down`: a standing Prefect server, MLflow tracking server and Ray head on
-this machine, bound to 127.0.0.1 unless `--host` says otherwise, all state under GRISTMILL_HOME.
+this machine, bound to 127.0.0.1 unless `--host` says otherwise, all state under GRISTMILL_HOME;
+beside them the warm runner `gristmill run` forks its pipeline from (flows/runner.py, on a Unix
+socket in the home).
 Exposed to the network, Prefect and MLflow must ask for credentials (basic auth, see
 `check_exposure`); on loopback they do when the same variables are set.
 

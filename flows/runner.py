@@ -108,7 +108,7 @@ class Runner:
             print(f"runner: forked pid {pid}: gristmill {' '.join(request['argv'])}", flush=True)
             send(conn, {"pid": pid})
             self.runs[pid] = conn
-        except (OSError, ValueError) as error:  # a client that went away or sent garbage
+        except (OSError, ValueError, KeyError, TypeError) as error:  # a client gone, or garbage
             print(f"runner: dropped a request: {error}", file=sys.stderr, flush=True)
             conn.close()
         finally:

@@ -68,10 +68,15 @@ class _Tree:
     server may be re-parented or in their own process groups by the time we stop them."""
 
     def __init__(self, root_pid: int):
-        self.root = psutil.Process(root_pid)
-        self.known: dict[int, psutil.Process] = {root_pid: self.root}
+        try:
+            self.root: psutil.Process | None = psutil.Process(root_pid)
+        except psutil.NoSuchProcess:  # a child forked by the warm runner may be gone (and reaped) already
+            self.root = None
+        self.known: dict[int, psutil.Process] = {root_pid: self.root} if self.root else {}
 
     def refresh(self) -> None:
+        if self.root is None:
+            return
         try:
             for proc in self.root.children(recursive=True):
                 self.known.setdefault(proc.pid, proc)
@@ -80,7 +85,7 @@ class _Tree:
 
     def kill(self, spare_root: bool = False) -> None:
         self.refresh()
-        kill_all(p for p in self.known.values() if not (spare_root and p.pid == self.root.pid))
+        kill_all(p for p in self.known.values() if not (spare_root and p is self.root))
 
 
 def die_with_supervisor(poll_s: float = 0.5) -> None:

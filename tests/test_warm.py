@@ -112,3 +112,16 @@ def test_ctrl_c_stops_a_forked_run_and_everything_it_started(runner):
     assert not alive(processes), [" ".join(p.cmdline()[:4]) for p in alive(processes)]
     assert "stopped by SIGINT" in log.read_text()
     assert warm.ping(warm.socket_path(runner.home))  # the runner itself goes on
+
+
+def test_a_child_gone_before_the_supervisor_looks_is_no_error():
+    """A forked run may end, and be reaped by the runner, before its supervisor first looks at
+    it (a config error takes a fraction of a second)."""
+    from infra.supervisor import _Tree
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tree = _Tree(gone.pid)
+    tree.refresh()
+    tree.kill()
+    assert tree.known == {}

@@ -9,7 +9,13 @@
    forks from; one warm-up run first, as a user with the stack up has made runs before), and
    `reused_s_with_server_fresh`: the same with GRISTMILL_WARM=0 (a fresh interpreter per run),
    the two alternating; `dry_run_s`: `--dry-run` over the finished store.
-2. Per-stage overhead of Prefect task + MLflow child run + artifact store, on a stage that does
+2. `new_home_services_s`: the embedded services (Prefect's API server, MLflow's store) starting
+   in a new home whose databases are copied from migrated templates (infra/schemas.py; built
+   before the first repeat), against `new_home_services_unseeded_s`: the same with
+   GRISTMILL_SCHEMA_TEMPLATES=0, where the servers migrate new databases; the two alternate.
+   `cold_s` above is a machine's first run: each cold run has a cache of its own, so it builds
+   the templates too.
+3. Per-stage overhead of Prefect task + MLflow child run + artifact store, on a stage that does
    nothing: inside one flow, N no-op stages computed (fresh keys) and then reused, against calling
    the no-op stage function directly.
 """
@@ -31,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _cli_seconds(home: Path, args: list[str], exports: dict[str, str] | None = None) -> float:
-    env = {**os.environ, "GRISTMILL_HOME": str(home), **(exports or {})}
+    env = {**os.environ, "GRISTMILL_HOME": str(home), "GRISTMILL_CACHE": str(home / "cache"), **(exports or {})}
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *args],
                    cwd=REPO, env=env, check=True, capture_output=True)
@@ -71,6 +77,36 @@ def pipeline_times(repeats: int, overrides: list[str]) -> dict[str, list[float]]
     return times
 
 
+SERVICES_START = """
+import json, sys, time
+from infra import env
+env.configure()
+started = time.perf_counter()
+from infra.services import start_embedded_services
+start_embedded_services(env.gristmill_home())
+print(json.dumps(time.perf_counter() - started))
+from prefect.server.api.server import SubprocessASGIServer
+SubprocessASGIServer().stop()
+"""
+
+
+def new_home_services(repeats: int) -> dict[str, list[float]]:
+    """Seconds to start the embedded services in a new home, seeded and not, alternating."""
+    times: dict[str, list[float]] = {"new_home_services": [], "new_home_services_unseeded": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats + 1):  # the first, unrecorded, builds the templates
+            for name, templates in (("new_home_services", "1"), ("new_home_services_unseeded", "0")):
+                home = Path(tmp) / f"home-{repeat}-{templates}"
+                env = {**os.environ, "GRISTMILL_HOME": str(home), "GRISTMILL_CACHE": str(Path(tmp) / "cache"),
+                       "GRISTMILL_SCHEMA_TEMPLATES": templates}
+                env.pop("PREFECT_API_URL", None), env.pop("MLFLOW_TRACKING_URI", None)
+                out = subprocess.run([sys.executable, "-c", SERVICES_START], cwd=REPO, env=env, check=True,
+                                     capture_output=True, text=True).stdout
+                if repeat:
+                    times[name].append(json.loads(out.strip().splitlines()[-1]))
+    return times
+
+
 def noop_overhead(n_stages: int) -> dict[str, float]:
     """Seconds per stage: direct call, through the flow computing, through the flow reusing."""
     from infra import env
@@ -92,7 +128,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--noop-stages", type=int, default=6)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    times = pipeline_times(args.repeats, args.overrides)
+    times = pipeline_times(args.repeats, args.overrides) | new_home_services(args.repeats)
     overhead = noop_overhead(args.noop_stages)
     median = {name: statistics.median(runs) for name, runs in times.items()}
     cold, reused = median["cold"], median["reused"]
@@ -100,7 +136,9 @@ def main(argv: list[str]) -> int:
     for name, label in (("cold", "tiny pipeline, cold (s)"), ("reused", "tiny pipeline, fully reused (s)"),
                         ("reused_with_server", "same, against `gristmill up` (s)"),
                         ("reused_with_server_fresh", "same, GRISTMILL_WARM=0 (s)"),
-                        ("dry_run", "--dry-run over the finished store (s)")):
+                        ("dry_run", "--dry-run over the finished store (s)"),
+                        ("new_home_services", "services start, new home, templates (s)"),
+                        ("new_home_services_unseeded", "same, servers migrate (s)")):
         print(f"{label:<44}{median[name]:>10.1f}   {[round(t, 1) for t in times[name]]}")
     print(f"{'no-op stage, direct call (ms)':<44}{overhead['direct_s'] * 1e3:>10.1f}")
     print(f"{'no-op stage via flow, computed (ms)':<44}{overhead['computed_s'] * 1e3:>10.1f}")
@@ -111,6 +149,8 @@ def main(argv: list[str]) -> int:
         "reused_s_with_server": round(median["reused_with_server"], 2),
         "reused_s_with_server_fresh": round(median["reused_with_server_fresh"], 2),
         "dry_run_s": round(median["dry_run"], 2),
+        "new_home_services_s": round(median["new_home_services"], 2),
+        "new_home_services_unseeded_s": round(median["new_home_services_unseeded"], 2),
         "stage_overhead_computed_ms": round((overhead["computed_s"] - overhead["direct_s"]) * 1e3, 1),
         "stage_overhead_reused_ms": round((overhead["reused_s"] - overhead["direct_s"]) * 1e3, 1),
         "repeats": args.repeats,

@@ -1,13 +1,24 @@
 """Small file helpers shared by the stages: content digests, JSON-lines reading (local paths and
-any fsspec URL), and the free-space check made before large writes."""
+any fsspec URL), the free-space check made before large writes, and a lock file."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
+
+
+@contextlib.contextmanager
+def locked(directory: Path, name: str) -> Iterator[None]:
+    """An exclusive flock on `directory/name` for the duration of the block: one process at a
+    time (e.g. starts or stops the services of one home). The OS releases it if the holder dies."""
+    with (Path(directory) / name).open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:

@@ -6,26 +6,18 @@ in a fresh home would migrate the same SQLite files together, and alembic fails 
 ("Online migration expected to match one row ..."). So start-up happens under an flock in
 GRISTMILL_HOME: the first run creates the schemas, the second finds them in place. With
 `PREFECT_API_URL` / `MLFLOW_TRACKING_URI` set, those servers own their schemas and only the
-MLflow experiment is looked up (or created) under the lock.
+MLflow experiment is looked up (or created) under the lock. A home's databases start as copies of
+migrated templates (infra/schemas.py) where the defaults place them.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 from pathlib import Path
-from typing import Iterator
+
+from core.files import locked
+from infra import schemas
 
 LOCK = "services.lock"
-
-
-@contextlib.contextmanager
-def home_lock(home: Path, name: str = LOCK) -> Iterator[None]:
-    """An exclusive flock on `home/name` for the duration of the block: one process at a time
-    starts (or stops) services of one home. The OS releases it if the holder dies."""
-    with (Path(home) / name).open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def start_embedded_services(home: Path) -> None:
@@ -33,11 +25,14 @@ def start_embedded_services(home: Path) -> None:
     and experiment, one run at a time per home. The Prefect server started here is the one the
     flow then uses (Prefect keeps one per process). `gristmill up` (infra/stack.py) starts the
     standing servers instead; with its exports set, this only looks up the experiment."""
-    with home_lock(home):
+    with locked(home, LOCK):
         if not os.environ.get("PREFECT_API_URL"):
             from prefect.server.api.server import SubprocessASGIServer
 
+            schemas.seed_prefect(Path(os.environ.get("PREFECT_HOME", Path(home) / "prefect")))
             SubprocessASGIServer().start()
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            schemas.seed_mlflow(home)
         from infra.tracking import Tracker
 
         Tracker(home)

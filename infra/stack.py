@@ -38,8 +38,9 @@ from typing import Mapping
 
 import psutil
 
+from core.files import locked
 from infra import env, warm
-from infra.services import home_lock
+from infra.schemas import seed_mlflow, seed_prefect
 from infra.supervisor import alive, kill_all
 
 LOOPBACK = "127.0.0.1"
@@ -54,6 +55,8 @@ RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min/--max-work
 STACK_LOCK = "stack.lock"  # in GRISTMILL_HOME: one `up`/`down` at a time
 STOP_GRACE_S = 10.0  # a service's time to exit on SIGTERM before it is killed
 NAMES = ("prefect", "mlflow", "ray", "runner")  # the order `up` starts and reports them in
+# A new home's databases start as migrated templates (infra/schemas.py), not migrated by the server.
+SEED = {"prefect": lambda home: seed_prefect(home / "prefect"), "mlflow": seed_mlflow}
 # Basic auth, on when these are set in `up`'s environment and required to expose a server:
 # Prefect checks every API call against "user:password" (clients send PREFECT_API_AUTH_STRING);
 # MLflow runs its basic-auth app, whose admin is created on first start with this password
@@ -213,7 +216,7 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
         f"http://{reach}:{ports.ray_dashboard}/api/version", f"http://{reach}:{ports.ray_dashboard}",
         {"RAY_ADDRESS": f"{reach}:{ports.ray}",
          **({env.RAY_SINGLE_MACHINE: "0"} if env.is_loopback(host) else {})})
-    # The warm runner (infra/warm.py) sees what a shell that exported the others' variables sees,
+    # The warm runner (flows/runner.py) sees what a shell that exported the others' variables sees,
     # so the runs of that shell can fork from it.
     stack_exports = {k: v for spec in (prefect, mlflow, ray) for k, v in spec.export.items()}
     sock = str(warm.socket_path(home))
@@ -368,7 +371,7 @@ def up(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), timeout_s: floa
     services_dir(home).mkdir(parents=True, exist_ok=True)
     states: dict[str, State] = {}
     waiting: dict[str, dict] = {}
-    with home_lock(home, STACK_LOCK):  # two `up`s at once would both start everything
+    with locked(home, STACK_LOCK):  # two `up`s at once would both start everything
         for spec in specs(home, host, ports):
             record = _read(home, spec.name)
             if _leader(record) is not None:
@@ -383,6 +386,7 @@ def up(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), timeout_s: floa
                     f"port {', '.join(map(str, busy))} on {spec.host} is taken by a process gristmill "
                     f"did not start; choose others (gristmill up --help)"))
                 continue
+            SEED.get(spec.name, lambda home: None)(home)
             record = _start(home, spec)
             states[spec.name] = State(spec.name, "starting", record["pid"], record["url"],
                                       note="started", export=dict(spec.export))
@@ -416,7 +420,7 @@ def _wait_healthy(home: Path, states: dict[str, State], waiting: dict[str, dict]
 def down(home: Path, grace_s: float = STOP_GRACE_S) -> list[State]:
     """Stop every service `up` recorded in `home` (with all its processes) and forget it."""
     home = Path(home).resolve()
-    with home_lock(home, STACK_LOCK) if home.is_dir() else contextlib.nullcontext():
+    with locked(home, STACK_LOCK) if home.is_dir() else contextlib.nullcontext():
         records = {name: _read(home, name) for name in NAMES}
         running = {name for name, record in records.items() if _leader(record) is not None}
         _stop([r for r in records.values() if r], grace_s)  # a dead leader may have left children

@@ -50,6 +50,19 @@ def tracking_uri(home: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or env.mlflow_store_uri(home)
 
 
+def migrate_sqlite_store(db: Path) -> None:
+    """Create MLflow's tables in a new SQLite file and migrate them to this MLflow's revision:
+    what its store does on first open, before it adds the Default experiment."""
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{db}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}: how nested configs become MLflow params."""
     flat: dict[str, Any] = {}

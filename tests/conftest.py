@@ -3,6 +3,7 @@ tiny-pipeline run the end-to-end tests share, and the one served deployment the 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ from pipeline_helpers import FAST, STAGES, TinyRun, gristmill, plan_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The migrated database templates new homes copy (infra/schemas.py): one set for the session,
+# built by its first run, rather than whatever the user's cache holds.
+os.environ.setdefault("GRISTMILL_CACHE", tempfile.mkdtemp(prefix="gristmill-test-cache-"))
 
 REPO = Path(__file__).resolve().parents[1]
 

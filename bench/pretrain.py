@@ -9,7 +9,10 @@ on CUDA) and thread count, and read the loss every step. Runs alternate (plain, 
 so drift hits both; tokens/s are medians over `--repeats`, timed from the batch of step
 `--warmup-steps` to the last batch (so start-up, compilation and the final checkpoint are
 excluded, per-step overhead included). MFU uses 6*N + attention FLOPs per token and the GPU's
-bf16 peak. The last line is one JSON object with `ratio_vs_plain_torch`.
+bf16 peak. Where no peak is known (a CPU), the loops' model FLOP/s are set against the best
+rate a lone matrix product reaches on the same device and threads (`matmul_gflops`: products
+shaped like the model's projections, and a 2048-cube), the most any training step could get.
+The last line is one JSON object with `ratio_vs_plain_torch`.
 """
 from __future__ import annotations
 
@@ -117,6 +120,26 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def matmul_gflops(preset: str, tokens: int, vocab_size: int, device: torch.device, repeats: int = 7) -> float:
+    """GFLOP/s of the fastest fp32 product among the model's projection shapes and a 2048-cube
+    (median of `repeats` after warm-up)."""
+    cfg = PRESETS[preset]
+    h, ffn = cfg.hidden_size, cfg.intermediate_size
+    best = 0.0
+    for m, k, n in ((tokens, h, vocab_size), (tokens, h, ffn), (tokens, ffn, h), (2048, 2048, 2048)):
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+        seconds = []
+        for i in range(repeats + 2):
+            started = time.perf_counter()
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                seconds.append(time.perf_counter() - started)
+        best = max(best, 2 * m * k * n / statistics.median(seconds) / 1e9)
+    return best
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     torch.set_num_threads(args.threads)
@@ -136,14 +159,21 @@ def main(argv: list[str]) -> int:
     fpt = flops_per_token(PRESETS[args.preset], args.vocab_size, args.seq_len)
     peak = device_peak_tflops(cfg.peak_tflops, resolve_device(args.device))
     mfus = {mode: tok_s[mode] * fpt / (peak * 1e12) if peak else None for mode in tok_s}
+    matmul = None if peak else matmul_gflops(args.preset, args.batch_size * args.seq_len, args.vocab_size,
+                                             resolve_device(args.device))
     print(f"{'loop':<8}{'tokens/s (median)':>20}{'runs':>40}{'MFU':>8}")
     for mode, values in results.items():
         runs = " ".join(f"{v:,.0f}" for v in values)
         print(f"{mode:<8}{tok_s[mode]:>20,.0f}{runs:>40}{'' if mfus[mode] is None else f'{mfus[mode]:.1%}':>8}")
+    if matmul:
+        print(f"model GFLOP/s, ours {tok_s['ours'] * fpt / 1e9:.1f}, plain {tok_s['plain'] * fpt / 1e9:.1f}; "
+              f"fastest lone matrix product {matmul:.1f} GFLOP/s")
     print(json.dumps({"bench": "pretrain", "preset": args.preset, "device": args.device, "compile": args.compile,
                       "threads": args.threads, "batch_size": args.batch_size, "seq_len": args.seq_len,
                       "steps": args.steps, "repeats": args.repeats,
                       "tokens_per_s_ours": round(tok_s["ours"], 1), "tokens_per_s_plain": round(tok_s["plain"], 1),
                       "ratio_vs_plain_torch": round(tok_s["ours"] / tok_s["plain"], 4),
-                      "mfu_ours": mfus["ours"], "mfu_plain": mfus["plain"]}))
+                      "mfu_ours": mfus["ours"], "mfu_plain": mfus["plain"], "flops_per_token": fpt,
+                      "gflops_ours": round(tok_s["ours"] * fpt / 1e9, 1),
+                      "matmul_gflops": None if matmul is None else round(matmul, 1)}))
     return 0

@@ -57,6 +57,16 @@ RECENT_LOSSES = 10  # steps averaged into the reported final train loss
 MIN_SPIKE_STD_FRAC = 0.01
 
 
+def _not_tied_embedding_notice(record: logging.LogRecord) -> bool:
+    """Accelerate warns at every checkpoint that it "removed shared tensor lm_head.weight": the
+    tied input/output embedding is one tensor, stored once, and loads back tied (resume is checked
+    bit for bit in tests/test_pretrain.py). The notice says nothing a user can act on."""
+    return "Removed shared tensor" not in record.getMessage()
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_not_tied_embedding_notice)
+
+
 class TrainingDiverged(RuntimeError):
     """Training kept producing non-finite or spiking losses after `max_rollbacks` rollbacks."""
 

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     from flows.pipeline import pipeline
     from infra.services import start_embedded_services
     from infra.supervisor import die_with_supervisor
-    from infra.tracking import TrackingUnavailable, tracking_uri
+    from infra.tracking import TrackingUnavailable, is_server, tracking_uri
 
     die_with_supervisor()
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     for stage, path in outputs.items():
         print(f"{stage:<9} {path}")
     uri = tracking_uri(home)
-    print(f"MLflow: {uri}" if uri.startswith("http") else f"MLflow: mlflow ui --backend-store-uri {uri}")
+    print(f"MLflow: {uri}" if is_server(uri) else f"MLflow: mlflow ui --backend-store-uri {uri}")
     return 0
 
 

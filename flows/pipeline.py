@@ -28,7 +28,7 @@ from flows.reports import PUBLISHERS
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.memory import PeakRSS
-from infra.tracking import Tracker
+from infra.tracking import Tracker, is_server
 
 GPU_LIMIT = "gpu"  # the Prefect global concurrency limit GPU stages take a slot of
 RECORD_THREADS = 3  # reused stages recorded at once (each mostly waits on the tracking server)
@@ -206,13 +206,13 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     tracker = Tracker(home)
     run_name = f"{config.name} {flow_run.name}"
     parent = start_parent_run(tracker, run_name, config, "pipeline")
-    if tracker.uri.startswith(("http://", "https://")):  # a tracking server: its UI can be linked
+    if is_server(tracker.uri):
         create_link_artifact(f"{tracker.uri.rstrip('/')}/#/experiments/{tracker.experiment_id}/runs/"
                              f"{parent}", link_text=f"MLflow run {run_name}", key="mlflow-run",
                              description="The MLflow parent run: params, stage runs, metrics, lineage")
     # Against a tracking server, reused stages are recorded side by side; an SQLite store takes
     # one writer at a time, and threads would only queue on its lock (measured slower).
-    runtime = Runtime(store, tracker, parent, background=tracker.uri.startswith(("http://", "https://")))
+    runtime = Runtime(store, tracker, parent, background=is_server(tracker.uri))
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
     run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}

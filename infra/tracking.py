@@ -50,6 +50,11 @@ def tracking_uri(home: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or env.mlflow_store_uri(home)
 
 
+def is_server(uri: str) -> bool:
+    """A tracking server (its UI can be linked; it takes concurrent writers), not a local store."""
+    return uri.startswith(("http://", "https://"))
+
+
 def migrate_sqlite_store(db: Path) -> None:
     """Create MLflow's tables in a new SQLite file and migrate them to this MLflow's revision:
     what its store does on first open, before it adds the Default experiment."""

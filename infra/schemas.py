@@ -1,12 +1,12 @@
 """Migrated, empty databases for new homes.
 
-A new home's Prefect database takes ~10 s of alembic migrations (over a hundred of them) before
-its server answers, and MLflow's store ~1.5 s more; every new GRISTMILL_HOME (a test, an
-experiment, another project) paid that. The migrated schema is the same for every home of one
+A new home's Prefect database took its server 15-20 s of alembic migrations (over a hundred of
+them) on a 2-core machine before it answered, and MLflow's store ~1.5 s more; every new
+GRISTMILL_HOME (a test, an experiment, another project) paid that. The migrated schema is the same for every home of one
 Prefect or MLflow install, so it is built once, by the tool's own migrations, into a template
 under the user's cache (`$GRISTMILL_CACHE`, default `~/.cache/gristmill`), and copied into a home
-whose database does not exist yet. A template holds the schema and alembic's revision row and
-nothing else. Its name carries the tool's version and a digest of its migration scripts, so
+whose database does not exist yet. A template holds what the migrations write (the schema,
+alembic's revision row, MLflow's default workspace) and nothing a run writes. Its name carries the tool's version and a digest of its migration scripts, so
 another install builds its own. Building one that fails is logged and skipped: the server then
 migrates the home's database itself, as it always could; so does every new database with
 GRISTMILL_SCHEMA_TEMPLATES=0.
@@ -111,13 +111,13 @@ def seed(tool: str, db: Path) -> bool:
         return False
     db.parent.mkdir(parents=True, exist_ok=True)
     partial = db.with_name(f"{db.name}.{os.getpid()}.partial")
-    shutil.copyfile(source, partial)
     try:
+        shutil.copyfile(source, partial)
         os.link(partial, db)  # never over a database a server created meanwhile
     except FileExistsError:
         return False
     finally:
-        partial.unlink()
+        partial.unlink(missing_ok=True)
     return True
 
 

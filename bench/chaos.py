@@ -44,7 +44,7 @@ from typing import Callable
 import psutil
 
 from bench.runs import REPO, SHORT, STAGES, cli_env, committed_dir, committed_files
-from infra.supervisor import alive, kill_all, process_tree
+from infra.processes import alive, kill_all, process_tree
 
 CYCLE = ["kill9", "sigint", "concurrent", "fuzz", "ray_worker", "kill9", "commit", "disk_full",
          "kill9", "mlflow_down", "kill9", "prefect_restart"]
@@ -330,7 +330,7 @@ def mlflow_down(suite: Suite, name: str, stage: str) -> Trial:
         trial = suite.finish("mlflow_down", stage, home, f"exit {rc}, said {said[:100]!r}"
                              + (" (the run had ended before the server stopped)" if early else ""),
                              ok=clear, env=env)
-        from infra.tracking import stage_runs
+        from infra.tracking.runs import stage_runs
 
         runs = stage_runs(env["MLFLOW_TRACKING_URI"], stage)
         logged = any(r.info.status == "FINISHED" and r.data.metrics for r in runs)

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
 
     from core.stage import SerialEngine
     from infra import env
-    from tasks.align import run
+    from tasks.align.stage import run
 
     env.configure()
     torch.set_num_threads(2)
@@ -77,7 +77,8 @@ def main(argv: list[str]) -> int:
         for seed in [int(s) for s in args.seeds.split(",")]:
             with tempfile.TemporaryDirectory() as tmp:
                 started = time.perf_counter()
-                stats = run(_seeded(config.align, method, seed), {"sft": sft}, Path(tmp), engine=SerialEngine()).stats
+                stats = run(_seeded(config.align, method, seed), Path(tmp), engine=SerialEngine(),
+                            sft=sft).stats
             row = {"method": method, "seed": seed, "seconds": round(time.perf_counter() - started, 1)}
             for claim in CLAIMS[method]:
                 before, after = stats[f"{claim}_before"], stats[f"{claim}_after"]

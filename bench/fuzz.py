@@ -445,7 +445,7 @@ def run_trial(files: Sequence[FuzzFile], workdir: Path, texts: Sequence[str] = P
     """Run the collect stage over `files` plus an intact JSONL source of `texts` (first), each a
     source of its own, in `workdir`; check what the module docstring lists."""
     from core.stage import SerialEngine
-    from tasks.collect import Config
+    from tasks.collect.config import Config
     from tasks.collect.stage import run
 
     shutil.rmtree(workdir, ignore_errors=True)
@@ -462,7 +462,7 @@ def run_trial(files: Sequence[FuzzFile], workdir: Path, texts: Sequence[str] = P
                     mix={"weights": {str(paths[0]): anchor_weight}})
     failure = None
     try:
-        run(config, {}, out, engine=SerialEngine())
+        run(config, out, engine=SerialEngine())
     except Exception as exc:  # noqa: BLE001 (what escaped is the finding)
         failure = f"{type(exc).__name__}: {str(exc)[:500]}"
     funnel_path = out / "funnel.json"

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from tasks.collect.langid import accuracy_by_language, load_model, overall_accuracy
 
-    load_model()  # time the predictions, not the 10 ms load
+    load_model()  # time the predictions, not the one-off load
     start = time.perf_counter()
     results = accuracy_by_language(args.data)
     seconds = time.perf_counter() - start

@@ -108,7 +108,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     with PeakRSS() as peak:  # as flows/pipeline.py measures a stage
         engine = RayEngine(num_workers=config.num_workers)
         try:
-            result = collect.run(config, {}, out, engine=engine)
+            result = collect.run(config, out, engine=engine)
         finally:
             engine.shutdown()
     seconds = time.perf_counter() - started

@@ -1,21 +1,21 @@
 """A flow of no-op stages, to measure what the Prefect task, MLflow child run and artifact store
-add to each stage (imported only after `infra.env.configure`)."""
+add to each stage (imported only in a configured process: flows/entry.py)."""
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from prefect import flow
 
-from core.stage import Manifest, StageConfig, StageResult
-from flows.dag import PlannedStage, StageSpec
+from core.stage import StageConfig, StageResult
+from flows.dag import PlannedStage
 from flows.pipeline import Runtime, run_stage
+from flows.stages import StageSpec
 from infra import env
 from infra.artifacts import ArtifactStore
-from infra.tracking import Tracker
+from infra.tracking.runs import Tracker
 
 VERSION = 1
 _SALT = uuid.uuid4().hex  # fresh keys per benchmark process, identical within it (so reuse hits)
@@ -25,29 +25,30 @@ class Config(StageConfig):
     index: int = 0
 
 
-def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Any) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Any) -> StageResult:
     return StageResult(stats={})
 
 
-_SPEC = StageSpec("noop", sys.modules[__name__], ())
+_SPEC = StageSpec(name="noop", run=f"{__name__}.run", config=Config, description="Does nothing.",
+                  version=VERSION)
 
 
 def direct_seconds(n: int) -> float:
     started = time.perf_counter()
     for i in range(n):
-        run(Config(index=i), {}, Path("."), engine=None)
+        run(Config(index=i), Path("."), engine=None)
     return time.perf_counter() - started
 
 
 @flow(name="noop-stages")
 def noop_flow(n: int) -> float:
     """Runs n no-op stages (computed the first time, reused after); returns their wall seconds."""
-    home = env.configure()
+    home = env.gristmill_home()
     tracker = Tracker(home)
     runtime = Runtime(ArtifactStore(env.artifacts_root(home)), tracker,
                       tracker.start_pipeline("noop-bench", {}, {}))
     started = time.perf_counter()
     for i in range(n):
-        stage = PlannedStage(_SPEC, Config(index=i), f"{_SALT[:8]}{i:04d}", False)
+        stage = PlannedStage(spec=_SPEC, config=Config(index=i), key=f"{_SALT[:8]}{i:04d}", complete=False)
         run_stage(stage, {}, runtime)
     return time.perf_counter() - started

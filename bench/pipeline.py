@@ -5,10 +5,8 @@
 1. `cold_s`: `gristmill run configs/tiny.yaml` in a fresh GRISTMILL_HOME (new process each time);
    `reused_s`: the same command again over the finished store (every stage reused), with the
    embedded Prefect API and MLflow store; `reused_s_with_server`: the same against a standing
-   stack (`gristmill up`: Prefect server, MLflow server, Ray head and the warm runner the run
-   forks from; one warm-up run first, as a user with the stack up has made runs before), and
-   `reused_s_with_server_fresh`: the same with GRISTMILL_WARM=0 (a fresh interpreter per run),
-   the two alternating; `dry_run_s`: `--dry-run` over the finished store.
+   stack (`gristmill up`: Prefect server, MLflow server, Ray head; one warm-up run first, as a
+   user with the stack up has made runs before); `dry_run_s`: `--dry-run` over the finished store.
 2. `new_home_services_s`: the embedded services (Prefect's API server, MLflow's store) starting
    in a new home whose databases are copied from migrated templates (infra/schemas.py; built
    before the first repeat), against `new_home_services_unseeded_s`: the same with
@@ -37,29 +35,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _cli_seconds(home: Path, args: list[str], exports: dict[str, str] | None = None) -> float:
-    env = {**os.environ, "GRISTMILL_HOME": str(home), "GRISTMILL_CACHE": str(home / "cache"), **(exports or {})}
+    env = {**os.environ, "GRISTMILL_HOME": str(home), "GRISTMILL_CACHE": str(home / "cache"),
+           **(exports or {})}
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *args],
                    cwd=REPO, env=env, check=True, capture_output=True)
     return time.perf_counter() - started
 
 
-def _with_server(home: Path, args: list[str], repeats: int) -> tuple[list[float], list[float]]:
-    """Fully reused runs against a standing stack in `home` (on free ports), after a warm-up:
-    forked from the warm runner, and in a fresh interpreter."""
+def _with_server(home: Path, args: list[str], repeats: int) -> list[float]:
+    """Fully reused runs against a standing stack in `home` (on free ports), after a warm-up."""
     from infra import stack
 
-    states = stack.up(home, ports=stack.Ports(*stack.free_ports(6)))
+    states = stack.up(home, ports=stack.Ports.free())
     try:
         if any(s.state != "running" for s in states):
             raise RuntimeError(f"the stack did not come up:\n{stack.format_states(states)}")
         exports = {k: v for s in states for k, v in s.export.items()}
         _cli_seconds(home, args, exports)
-        warm, fresh = [], []
-        for _ in range(repeats):
-            warm.append(_cli_seconds(home, args, {**exports, "GRISTMILL_WARM": "1"}))
-            fresh.append(_cli_seconds(home, args, {**exports, "GRISTMILL_WARM": "0"}))
-        return warm, fresh
+        return [_cli_seconds(home, args, exports) for _ in range(repeats)]
     finally:
         stack.down(home)
 
@@ -73,14 +67,14 @@ def pipeline_times(repeats: int, overrides: list[str]) -> dict[str, list[float]]
             times["cold"].append(_cli_seconds(home, overrides))
             times["reused"].append(_cli_seconds(home, overrides))
             times["dry_run"].append(_cli_seconds(home, [*overrides, "--dry-run"]))
-        times["reused_with_server"], times["reused_with_server_fresh"] = _with_server(home, overrides, repeats)
+        times["reused_with_server"] = _with_server(home, overrides, repeats)
     return times
 
 
 SERVICES_START = """
 import json, sys, time
+import flows.entry  # configures the process
 from infra import env
-env.configure()
 started = time.perf_counter()
 from infra.services import start_embedded_services
 start_embedded_services(env.gristmill_home())
@@ -109,11 +103,9 @@ def new_home_services(repeats: int) -> dict[str, list[float]]:
 
 def noop_overhead(n_stages: int) -> dict[str, float]:
     """Seconds per stage: direct call, through the flow computing, through the flow reusing."""
-    from infra import env
-
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["GRISTMILL_HOME"] = str(Path(tmp) / "home")
-        env.configure()
+        import flows.entry  # noqa: F401  configures this process for that home, before Prefect
         from bench import noop_flow
 
         direct = noop_flow.direct_seconds(n_stages)
@@ -135,7 +127,6 @@ def main(argv: list[str]) -> int:
     print(f"{'measure':<44}{'median':>10}   runs")
     for name, label in (("cold", "tiny pipeline, cold (s)"), ("reused", "tiny pipeline, fully reused (s)"),
                         ("reused_with_server", "same, against `gristmill up` (s)"),
-                        ("reused_with_server_fresh", "same, GRISTMILL_WARM=0 (s)"),
                         ("dry_run", "--dry-run over the finished store (s)"),
                         ("new_home_services", "services start, new home, templates (s)"),
                         ("new_home_services_unseeded", "same, servers migrate (s)")):
@@ -147,7 +138,6 @@ def main(argv: list[str]) -> int:
         "benchmark": "pipeline", "cold_s": round(cold, 2), "reused_s": round(reused, 2),
         "reuse_speedup": round(cold / reused, 2),
         "reused_s_with_server": round(median["reused_with_server"], 2),
-        "reused_s_with_server_fresh": round(median["reused_with_server_fresh"], 2),
         "dry_run_s": round(median["dry_run"], 2),
         "new_home_services_s": round(median["new_home_services"], 2),
         "new_home_services_unseeded_s": round(median["new_home_services_unseeded"], 2),

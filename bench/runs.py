@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from flows.dag import STAGE_NAMES
+from flows.stages import STAGE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = list(STAGE_NAMES)

@@ -1,19 +1,22 @@
 """The contract every pipeline stage follows.
 
-A stage is a package in `tasks/` whose `__init__` exposes
+A stage is a package in `tasks/` with
 
-    VERSION: int                      # bump when outputs change for the same config
-    class Config(pydantic.BaseModel)  # its own typed config, strict about unknown keys
-    def fingerprint(config) -> str | None  # digest of external data it reads (core.sources)
-    def run(config, inputs, out_dir, *, engine) -> StageResult  # may be imported on first use
+    config.py  VERSION: int                      # bump when outputs change for the same config
+               class Config(StageConfig)         # its own typed config, strict about unknown keys
+               def fingerprint(config) -> str | None  # digest of external data it reads (core.sources)
+    stage.py   def run(config, out_dir, *, engine, <upstream>: Manifest, ...) -> StageResult
 
-Planning a run needs only `Config`, `VERSION` and `fingerprint`, so a package keeps them importable
-without its heavy dependencies (torch, TRL, datatrove...) and may resolve `run` lazily.
+and one entry in the stage table (flows/stages.py) naming them and its upstream stages. Planning a
+run needs only config.py, so it imports none of the stage's heavy dependencies (torch, TRL,
+datatrove...); stage.py is imported when the stage computes.
 
-`inputs` maps an upstream stage name to that stage's committed `Manifest`; `out_dir` is the only
-place the stage may write (it is a `.partial` directory that survives a crash, so a long stage can
-keep checkpoints there and resume). Stages import neither Prefect nor MLflow: the flow layer wraps
-them with the artifact store and tracking.
+`run` receives each upstream stage's committed `Manifest` as the keyword argument named after that
+stage (`def run(config, out_dir, *, engine, tokenize: Manifest)`); its keyword parameters besides
+`engine` are its upstream stages, and the table's entry must name the same ones. `out_dir` is the
+only place the stage may write (it is a `.partial` directory that survives a crash, so a long stage
+can keep checkpoints there and resume). Stages import neither Prefect nor MLflow: the flow layer
+wraps them with the artifact store and tracking.
 """
 from __future__ import annotations
 

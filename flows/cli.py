@@ -1,4 +1,4 @@
-"""The `gristmill` command line.
+"""The `gristmill` command line: one function per command, the parser below.
 
     gristmill run configs/tiny.yaml                      # run (or reuse) the whole pipeline
     gristmill run configs/tiny.yaml sft.lr=3e-4          # dotted overrides; downstream stages re-run
@@ -11,7 +11,7 @@
     gristmill evaluate MODEL_DIR --task hellaswag.jsonl --task arc_easy.jsonl --limit 500
     gristmill up [--print-env]                           # Prefect, MLflow and Ray servers on 127.0.0.1
     gristmill status | gristmill down                    # what `up` started: health; stop it
-    gristmill serve configs/tiny.yaml                    # `pipeline` + `data-refresh` deployments, for the UI
+    gristmill serve configs/tiny.yaml                    # `pipeline` + `data-refresh` deployments, UI
     gristmill refresh configs/tiny.yaml                  # new inputs -> next corpus version, once
 """
 from __future__ import annotations
@@ -21,16 +21,167 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
 from infra import env
 
+# What `run` prints when a signal stopped it.
+RESUME_NOTE = "finished stages and checkpoints are kept, run the same command again to resume"
+
+
+def _fail(message: object) -> int:
+    """Report a user's mistake in one line; the command's exit code."""
+    print(f"gristmill: {message}", file=sys.stderr)
+    return 2
+
+
+# --- commands ---------------------------------------------------------------------------------
+# `run`, `serve` and `refresh` run supervised (infra/supervisor.py): their work is done by the
+# child `python -m flows.supervised`, which checks the config itself, so this process imports
+# nothing the child would import again.
+
+def _supervised(command: str, arguments: dict, stopped_note: str = "") -> int:
+    from infra.supervisor import supervise
+
+    return supervise([sys.executable, "-m", "flows.supervised", command, json.dumps(arguments)],
+                     stopped_note=stopped_note)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _dry_run(args)
+    arguments = {"config": str(args.config), "overrides": args.overrides, "until": args.until}
+    if args.in_process:
+        from flows import supervised
+
+        return supervised.run(**arguments)
+    return _supervised("run", arguments, RESUME_NOTE)
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """The resolved config and, per stage, whether it would be reused or run: planning only."""
+    import yaml
+
+    from flows.config import ConfigError, load_config
+    from flows.dag import plan
+    from infra.artifacts import ArtifactStore
+
+    artifacts = env.artifacts_root(env.gristmill_home())
+    try:
+        config = load_config(args.config, args.overrides)
+        planned = plan(config, ArtifactStore(artifacts), args.until)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        return _fail(error)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    print(f"\n# plan (artifacts under {artifacts})")
+    for stage in planned:
+        print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cron = [f"refresh.cron={json.dumps(args.refresh_cron)}"] if args.refresh_cron else []  # JSON: YAML-safe
+    return _supervised("serve", {"config": str(args.config), "overrides": [*args.overrides, *cron]})
+
+
+def _refresh(args: argparse.Namespace) -> int:
+    return _supervised("refresh", {"config": str(args.config), "overrides": args.overrides})
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flows import history
+
+    try:
+        md, html, _ = history.report(env.gristmill_home(), args.run)
+    except LookupError as error:
+        return _fail(error.args[0])
+    print(md.read_text(), end="")
+    print(f"\nreport card: {md}\n             {html}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from flows import history
+
+    try:
+        print(history.compare(env.gristmill_home(), args.run_a, args.run_b), end="")
+    except LookupError as error:
+        return _fail(error.args[0])
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from model.plan import format_plan, plan
+    from model.presets import preset
+
+    given = {"vocab_size": args.vocab_size, "tokens": args.tokens, "gpu_hours": args.gpu_hours,
+             "price_per_gpu_hour": args.price_per_gpu_hour, "mfu": args.mfu,
+             "peak_tflops": args.gpu_peak_tflops}
+    try:
+        result = plan(preset(args.preset), **{k: v for k, v in given.items() if v is not None})
+    except ValueError as error:
+        return _fail(error)
+    print(format_plan(args.preset, result))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from tasks.evaluate.engine import EvalOptions, evaluate_files, format_table
+
+    if (args.limit is not None and args.limit < 1) or args.batch_size < 1 or args.samples < 0:
+        return _fail("--limit and --batch-size must be >= 1, --samples >= 0")
+    options = EvalOptions(batch_size=args.batch_size, shots=args.shots, max_new_tokens=args.max_new_tokens,
+                          samples=args.samples, include_flagged=args.include_flagged)
+    try:
+        summary = evaluate_files(args.model_dir, args.task, args.out, fmt=args.format, limit=args.limit,
+                                 device=args.device, options=options,
+                                 warn=lambda message: print(f"gristmill: {message}", file=sys.stderr))
+    except (ValueError, OSError) as error:  # EvalDataError is a ValueError naming the file
+        return _fail(error)
+    print(format_table(summary))
+    print(f"results: {args.out} (per item: {args.out.with_name(args.out.stem + '.items.jsonl')})")
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from infra import stack
+
+    home = env.gristmill_home()
+    ports = stack.Ports(**{name: getattr(args, f"{name}_port") for name in vars(stack.Ports())})
+    try:
+        states = stack.up(home, args.host, ports, args.timeout)
+    except (ValueError, FileNotFoundError) as error:
+        return _fail(error)
+    table = stack.format_states(states) + f"\nlogs: {stack.services_dir(home)}/<name>.log" + stack.auth_note()
+    if args.print_env:
+        print(table, file=sys.stderr)
+        print(stack.exports(states))
+    else:
+        print(f"{table}\n\nto use them from a shell (or: eval \"$(gristmill up --print-env)\"):\n"
+              f"{stack.exports(states)}")
+    return 0 if all(s.state == "running" for s in states) else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from infra import stack
+
+    states = stack.status(env.gristmill_home())
+    print(stack.format_states(states))
+    return 0 if all(s.state == "running" for s in states) else 3
+
+
+def _down(args: argparse.Namespace) -> int:
+    from infra import stack
+
+    print(stack.format_states(stack.down(env.gristmill_home())))
+    return 0
+
+
+# --- the parser -------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gristmill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the pipeline, reusing every complete stage")
+    run = _command(commands, _run, "run", "run the pipeline, reusing every complete stage")
     _config_arguments(run, "YAML preset, e.g. configs/tiny.yaml")
     run.add_argument("--until", metavar="STAGE", help="run the DAG up to and including STAGE")
     run.add_argument("--dry-run", action="store_true",
@@ -38,8 +189,45 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--in-process", action="store_true",
                      help="run the pipeline in this process instead of a supervised child "
                           "(for debuggers; Ctrl-C then stops only as fast as Prefect and Ray allow)")
-    plan = commands.add_parser("plan", help="compute budget of a model preset (Chinchilla tokens, "
-                                            "FLOPs, GPU-hours, cost)")
+    _add_plan(commands)
+    report = _command(commands, _report, "report", "(re)write the report card of a past pipeline run")
+    report.add_argument("run", nargs="?", help="MLflow run id or name of the pipeline run "
+                                               "(default: the latest)")
+    compare = _command(commands, _compare, "compare", "what changed between two pipeline runs: "
+                                                      "config keys, stages reused vs computed, metrics")
+    compare.add_argument("run_a", help="MLflow run id or name")
+    compare.add_argument("run_b", help="MLflow run id or name")
+    _add_evaluate(commands)
+    serve = _command(commands, _serve, "serve", "serve the `pipeline` and `data-refresh` deployments "
+                                                "on the Prefect server (PREFECT_API_URL) to start runs "
+                                                "from its UI")
+    _config_arguments(serve, "YAML preset: the deployment's default parameters")
+    serve.add_argument("--refresh-cron", metavar="CRON",
+                       help="schedule of `data-refresh`, e.g. \"0 3 * * 1\" (default: refresh.cron)")
+    refresh = _command(commands, _refresh, "refresh", "collect what is new in collect.sources into the "
+                                                      "next corpus version, once (README: Data refresh)")
+    _config_arguments(refresh, "YAML preset")
+    _add_stack(commands)
+    return parser
+
+
+def _command(commands, func, name: str, summary: str) -> argparse.ArgumentParser:
+    """The subcommand `name`, which runs `func(args)`."""
+    command = commands.add_parser(name, help=summary)
+    command.set_defaults(func=func)
+    return command
+
+
+def _config_arguments(command: argparse.ArgumentParser, config_help: str) -> None:
+    command.add_argument("config", type=Path, help=config_help)
+    # A `*` positional without a default counts as required in argparse's usage errors.
+    command.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                         help="dotted config overrides")
+
+
+def _add_plan(commands) -> None:
+    plan = _command(commands, _plan, "plan", "compute budget of a model preset (Chinchilla tokens, "
+                                             "FLOPs, GPU-hours, cost)")
     plan.add_argument("preset", help="model preset: tiny, 125m, 1b, 7b")
     budget = plan.add_mutually_exclusive_group()
     budget.add_argument("--tokens", type=float, help="training tokens (default: 20 per parameter)")
@@ -49,21 +237,18 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-peak-tflops", type=float,
                       help="peak dense bf16 TFLOP/s of one GPU (default 989: H100/H200 SXM)")
     plan.add_argument("--vocab-size", type=int, help="vocabulary size (default 32000)")
-    report = commands.add_parser("report", help="(re)write the report card of a past pipeline run")
-    report.add_argument("run", nargs="?", help="MLflow run id or name of the pipeline run "
-                                               "(default: the latest)")
-    compare = commands.add_parser("compare", help="what changed between two pipeline runs: "
-                                                  "config keys, stages reused vs computed, metrics")
-    compare.add_argument("run_a", help="MLflow run id or name")
-    compare.add_argument("run_b", help="MLflow run id or name")
-    evaluate = commands.add_parser("evaluate", help="score a Hugging Face causal-LM directory on benchmark "
-                                                    "files (README: Evaluation)")
+
+
+def _add_evaluate(commands) -> None:
+    evaluate = _command(commands, _evaluate, "evaluate", "score a Hugging Face causal-LM directory on "
+                                                         "benchmark files (README: Evaluation)")
     evaluate.add_argument("model_dir", type=Path, help="HF model directory (config, weights, tokenizer)")
     evaluate.add_argument("--task", action="append", required=True, metavar="FILE",
                           help="benchmark JSONL file; repeat for several")
     evaluate.add_argument("--format", help="force a format instead of recognising it from the fields: "
                                            "mc, hellaswag, mmlu, piqa, winogrande, lambada, gsm8k")
-    evaluate.add_argument("--limit", type=int, help="score the first N items of each file (lm-eval's --limit)")
+    evaluate.add_argument("--limit", type=int,
+                          help="score the first N items of each file (lm-eval's --limit)")
     evaluate.add_argument("--out", type=Path, default=Path("results.json"),
                           help="results JSON (default results.json); per-item rows go beside it "
                                "in NAME.items.jsonl")
@@ -75,237 +260,48 @@ def _parser() -> argparse.ArgumentParser:
                           help="GSM8K sampled answers per problem for pass@k (0: greedy only)")
     evaluate.add_argument("--include-flagged", action="store_true",
                           help="score MMLU-Redux items whose error_type is not 'ok' too")
-    serve = commands.add_parser("serve", help="serve the `pipeline` and `data-refresh` deployments on the "
-                                              "Prefect server (PREFECT_API_URL) to start runs from its UI")
-    _config_arguments(serve, "YAML preset: the deployment's default parameters")
-    serve.add_argument("--refresh-cron", metavar="CRON",
-                       help="schedule of `data-refresh`, e.g. \"0 3 * * 1\" (default: refresh.cron)")
-    refresh = commands.add_parser("refresh", help="collect what is new in collect.sources into the next "
-                                                  "corpus version, once (README: Data refresh)")
-    _config_arguments(refresh, "YAML preset")
-    _add_stack_commands(commands)
-    return parser
 
 
-def _config_arguments(command: argparse.ArgumentParser, config_help: str) -> None:
-    command.add_argument("config", type=Path, help=config_help)
-    command.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+def _add_stack(commands) -> None:
+    from infra.stack import Ports
 
-
-def _add_stack_commands(commands) -> None:
-    up = commands.add_parser("up", help="start a Prefect server, an MLflow server and a Ray head "
-                                        "(README: Servers)")
+    up = _command(commands, _up, "up", "start a Prefect server, an MLflow server and a Ray head "
+                                       "(README: Servers)")
     up.add_argument("--host", default="127.0.0.1",
                     help="interface to bind (default 127.0.0.1; another one exposes them to the network "
                          "and needs PREFECT_SERVER_API_AUTH_STRING and MLFLOW_AUTH_ADMIN_PASSWORD)")
-    from infra.stack import Ports
-
     for name, default in vars(Ports()).items():
         up.add_argument(f"--{name.replace('_', '-')}-port", dest=f"{name}_port", type=int, default=default,
                         metavar="PORT", help=f"default {default}")
     up.add_argument("--print-env", action="store_true",
                     help="print only the export line on stdout: eval \"$(gristmill up --print-env)\"")
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for health (default 180)")
-    commands.add_parser("status", help="what `gristmill up` started: running or not, pid, URL, health")
-    commands.add_parser("down", help="stop everything `gristmill up` started")
-
-
-def _stack(args: argparse.Namespace) -> int:
-    home = env.configure()
-    from infra import stack
-
-    if args.command == "down":
-        print(stack.format_states(stack.down(home)))
-        return 0
-    if args.command == "status":
-        states = stack.status(home)
-        print(stack.format_states(states))
-        return 0 if all(s.state == "running" for s in states) else 3
-    ports = stack.Ports(**{name: getattr(args, f"{name}_port") for name in vars(stack.Ports())})
-    try:
-        states = stack.up(home, args.host, ports, args.timeout)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"gristmill: {error}", file=sys.stderr)
-        return 2
-    table = stack.format_states(states) + f"\nlogs: {stack.services_dir(home)}/<name>.log" + stack.auth_note()
-    if args.print_env:
-        print(table, file=sys.stderr)
-        print(stack.exports(states))
-    else:
-        print(f"{table}\n\nto use them from a shell (or: eval \"$(gristmill up --print-env)\"):\n"
-              f"{stack.exports(states)}")
-    return 0 if all(s.state == "running" for s in states) else 1
-
-
-def _evaluate(args: argparse.Namespace) -> int:
-    from tasks.evaluate.engine import EvalOptions, evaluate_files, format_table
-
-    if (args.limit is not None and args.limit < 1) or args.batch_size < 1 or args.samples < 0:
-        print("gristmill: --limit and --batch-size must be >= 1, --samples >= 0", file=sys.stderr)
-        return 2
-    options = EvalOptions(batch_size=args.batch_size, shots=args.shots, max_new_tokens=args.max_new_tokens,
-                          samples=args.samples, include_flagged=args.include_flagged)
-    warn = lambda message: print(f"gristmill: {message}", file=sys.stderr)  # noqa: E731
-    try:
-        summary = evaluate_files(args.model_dir, args.task, args.out, fmt=args.format, limit=args.limit,
-                                 device=args.device, options=options, warn=warn)
-    except (ValueError, OSError) as error:  # EvalDataError is a ValueError naming the file
-        print(f"gristmill: {error}", file=sys.stderr)
-        return 2
-    print(format_table(summary))
-    print(f"results: {args.out} (per item: {args.out.with_name(args.out.stem + '.items.jsonl')})")
-    return 0
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from model.plan import format_plan, plan
-    from model.presets import preset
-
-    given = {"vocab_size": args.vocab_size, "tokens": args.tokens, "gpu_hours": args.gpu_hours,
-             "price_per_gpu_hour": args.price_per_gpu_hour, "mfu": args.mfu, "peak_tflops": args.gpu_peak_tflops}
-    try:
-        result = plan(preset(args.preset), **{k: v for k, v in given.items() if v is not None})
-    except ValueError as error:
-        print(f"gristmill: {error}", file=sys.stderr)
-        return 2
-    print(format_plan(args.preset, result))
-    return 0
-
-
-def _serve(args: argparse.Namespace, extras: list[str]) -> int:
-    env.configure()
-    from flows.config import ConfigError, load_config
-    from flows.serve import serve
-
-    cron = [f"refresh.cron={json.dumps(args.refresh_cron)}"] if args.refresh_cron else []  # JSON: YAML-safe
-    try:
-        config = load_config(args.config, [*args.overrides, *extras, *cron])
-        serve(config)
-    except (ConfigError, ValueError) as error:
-        print(f"gristmill: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-def _refresh(args: argparse.Namespace, extras: list[str]) -> int:
-    home = env.configure()  # before prefect/mlflow are imported: they read it at import
-    from flows.config import ConfigError, load_config
-
-    try:
-        config = load_config(args.config, [*args.overrides, *extras])
-    except ConfigError as error:
-        print(f"gristmill: {error}", file=sys.stderr)
-        return 2
-    from flows.refresh import data_refresh
-    from infra.services import start_embedded_services
-
-    try:
-        start_embedded_services(home)
-        outcome = data_refresh(config=config)
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, FileNotFoundError) as error:  # a missing or empty source, named
-        print(f"gristmill: {error}", file=sys.stderr)
-        return 2
-    print(outcome["reason"] if not outcome["published"] else
-          f"corpus v{outcome['version']}: {outcome['collect_dir']}\n{outcome['reason']}")
-    return 0
-
-
-def _history(args: argparse.Namespace) -> int:
-    home = env.configure()
-    from flows import history
-
-    try:
-        if args.command == "compare":
-            print(history.compare(home, args.run_a, args.run_b), end="")
-            return 0
-        md, html, missing = history.report(home, args.run)
-    except LookupError as error:
-        print(f"gristmill: {error.args[0]}", file=sys.stderr)
-        return 2
-    print(md.read_text(), end="")
-    print(f"\nreport card: {md}\n             {html}")
-    return 0
-
-
-def _dry_run(config, planned: list, home: Path) -> None:
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
-    print(f"\n# plan (artifacts under {env.artifacts_root(home)})")
-    for stage in planned:
-        print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
+    _command(commands, _status, "status", "what `gristmill up` started: running or not, pid, URL, health")
+    _command(commands, _down, "down", "stop everything `gristmill up` started")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Parse `argv` (default: the command line) and run its command; the exit code."""
     parser = _parser()
     # Overrides may come after options too (`run CONFIG --until pretrain a.b=1`): argparse leaves
-    # those as extras, which are taken as overrides when they look like key=value.
-    args, extras = parser.parse_known_args(argv)
+    # those as extras, taken as overrides when they look like key=value.
+    args, extras = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
     unknown = [item for item in extras if "=" not in item or item.startswith("-")]
-    if unknown or (extras and args.command not in ("run", "serve", "refresh")):
+    if unknown or (extras and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extras)}")
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "evaluate":
-        return _evaluate(args)
-    if args.command == "serve":
-        return _serve(args, extras)
-    if args.command == "refresh":
-        return _refresh(args, extras)
-    if args.command in ("report", "compare"):
-        return _history(args)
-    if args.command in ("up", "status", "down"):
-        return _stack(args)
-    args.overrides = [*args.overrides, *extras]
-    if not (args.in_process or args.dry_run):
-        # The child plans and checks the config itself (a bad one: one line, exit 2, passed on), so
-        # this process imports nothing that the child would import again.
-        from infra.supervisor import supervise
+    if extras:
+        args.overrides = [*args.overrides, *extras]
+    return args.func(args)
 
-        child_args = [*argv, "--in-process"]
-        return supervise([sys.executable, "-m", "flows.cli", *child_args], warm_args=child_args)
-    home = env.configure()  # before prefect/mlflow/ray are imported: they read it at import
-    from flows.config import ConfigError, load_config
-    from flows.dag import plan
-    from infra.artifacts import ArtifactStore
 
-    try:
-        config = load_config(args.config, args.overrides)
-        # Planning digests every input (core.sources): a missing or empty source is found here,
-        # before any service starts.
-        planned = plan(config, ArtifactStore(env.artifacts_root(home)), args.until)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
-        print(f"gristmill: {error}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        _dry_run(config, planned, home)
-        return 0
-    from core.files import DiskSpaceError
-    from flows.pipeline import pipeline
-    from infra.services import start_embedded_services
-    from infra.supervisor import die_with_supervisor
-    from infra.tracking import TrackingUnavailable, is_server, tracking_uri
+def console() -> int:
+    """The `gristmill` console script (and `python -m flows.cli`): the process is configured
+    first (flows/entry.py), then the command line runs. `main` alone leaves the environment as
+    it is (a test calls it in its own process)."""
+    import flows.entry  # noqa: F401
 
-    die_with_supervisor()
-
-    try:
-        start_embedded_services(home)
-        outputs = pipeline(config=config, until=args.until)
-    except KeyboardInterrupt:  # Ctrl-C relayed by the supervisor, which reports it in one line
-        return 130
-    except (TrackingUnavailable, DiskSpaceError) as error:  # after the log's traceback, one line
-        cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
-        print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
-        return 1
-    for stage, path in outputs.items():
-        print(f"{stage:<9} {path}")
-    uri = tracking_uri(home)
-    print(f"MLflow: {uri}" if is_server(uri) else f"MLflow: mlflow ui --backend-store-uri {uri}")
-    return 0
+    return main()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

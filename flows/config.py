@@ -2,23 +2,19 @@
 
     gristmill run configs/tiny.yaml pretrain.max_steps=50 sft.lr=3e-4
 
-Unknown keys are errors that name the key; each stage later receives only its own section.
+The stage sections come from the stage table (flows/stages.py): a stage added there has its section
+here. Unknown keys are errors that name the key; each stage later receives only its own section.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from flows.notify import NotifyConfig
-from tasks.align import Config as AlignConfig
-from tasks.collect import Config as CollectConfig
-from tasks.evaluate import Config as EvaluateConfig
-from tasks.pretrain import Config as PretrainConfig
-from tasks.sft import Config as SFTConfig
-from tasks.tokenize import Config as TokenizeConfig
+from flows.stages import STAGES, StageSpec, checked
 
 
 class ConfigError(ValueError):
@@ -72,28 +68,45 @@ class RefreshConfig(BaseModel):
     deployment: str = Field("pipeline/pipeline", description="The deployment started ('flow/deployment').")
 
 
-class PipelineConfig(BaseModel):
+class PipelineConfigBase(BaseModel):
     """Every stage's config. Field defaults are the `tiny` preset (2 CPU cores, minutes)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field("tiny", description="Name of this pipeline configuration, shown in Prefect and MLflow.")
-    collect: CollectConfig = Field(default_factory=CollectConfig, description="Collect and clean raw documents.")
-    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="Train the tokenizer, write token shards.")
-    pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Next-token pretraining.")
-    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning on conversations.")
-    align: AlignConfig = Field(default_factory=AlignConfig, description="Preference alignment.")
-    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation and report.")
-    registry: RegistryConfig = Field(default_factory=RegistryConfig,
-                                     description="Model registry: candidate and champion aliases.")
-    notify: NotifyConfig = Field(default_factory=NotifyConfig,
-                                 description="Failure and rollback notifications (webhook, Prefect events).")
-    refresh: RefreshConfig = Field(default_factory=RefreshConfig,
-                                   description="Scheduled data refresh: new inputs into corpus versions.")
+    stages: ClassVar[tuple[StageSpec, ...]] = ()  # the table the sections were made from, in DAG order
 
     @property
     def registered_model_name(self) -> str:
         return self.registry.model_name or f"gristmill-{self.name}"
+
+
+NAME_FIELD = Field("tiny", description="Name of this pipeline configuration, shown in Prefect and MLflow.")
+# The sections that are not stages (none changes a stage output); they follow the stages' sections
+# in the Prefect form and a dry run.
+OTHER_SECTIONS: dict[str, Any] = {
+    "registry": (RegistryConfig, Field(default_factory=RegistryConfig,
+                                       description="Model registry: candidate and champion aliases.")),
+    "notify": (NotifyConfig, Field(default_factory=NotifyConfig, description="Failure and rollback "
+                                   "notifications (webhook, Prefect events).")),
+    "refresh": (RefreshConfig, Field(default_factory=RefreshConfig,
+                                     description="Scheduled data refresh: new inputs into corpus versions.")),
+}
+
+
+def build_config_class(stages: Sequence[StageSpec]) -> type[PipelineConfigBase]:
+    """The pipeline config of a stage table: `name`, one section per stage (its config type, with
+    its defaults and the table's description), then the other sections."""
+    stages = checked(stages)
+    sections = {spec.name: (spec.config, Field(default_factory=spec.config, description=spec.description))
+                for spec in stages}
+    model = create_model("PipelineConfig", __base__=PipelineConfigBase, __module__=__name__,
+                         __doc__=PipelineConfigBase.__doc__, name=(str, NAME_FIELD), **sections,
+                         **OTHER_SECTIONS)
+    model.stages = stages
+    return model
+
+
+PipelineConfig = build_config_class(STAGES)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -107,7 +120,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-# Keys renamed when every trainer started sharing core.settings.TrainSettings: where they went.
+# Keys renamed when every trainer started sharing core.train_config.TrainConfig: where they went.
 MOVED_KEYS = {
     **{f"align.{knob}": f"align.<method>.{knob}" for knob in
        ("lr", "max_steps", "batch_size", "warmup_frac", "seed", "device", "checkpoint_every", "max_seq_len")},
@@ -142,9 +155,11 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
 
 
-def load_config(path: Path | str | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
+def load_config(path: Path | str | None = None, overrides: Sequence[str] = (),
+                config_class: type[PipelineConfigBase] = PipelineConfig) -> PipelineConfigBase:
     """Read a YAML preset (or only defaults when `path` is None) and apply `key=value` overrides;
-    values are parsed as YAML, so `pretrain.max_steps=50` is an int and `collect.sources=[a,b]` a list."""
+    values are parsed as YAML, so `pretrain.max_steps=50` is an int and `collect.sources=[a,b]` a list.
+    `config_class` is another stage table's (`build_config_class`)."""
     data: dict[str, Any] = {}
     if path is not None:
         if not Path(path).is_file():
@@ -153,21 +168,24 @@ def load_config(path: Path | str | None = None, overrides: Sequence[str] = ()) -
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of stage sections at the top level")
         data = loaded or {}
-    return _validated(data, overrides, str(path or "config"))
+    return _validated(config_class, data, overrides, str(path or "config"))
 
 
-def with_overrides(config: PipelineConfig, overrides: Sequence[str]) -> PipelineConfig:
+def with_overrides(config: PipelineConfigBase, overrides: Sequence[str]) -> PipelineConfigBase:
     """`config` with `key=value` overrides applied (the Prefect form's free-form overrides)."""
-    return _validated(config.model_dump(mode="json"), overrides, "config") if overrides else config
+    if not overrides:
+        return config
+    return _validated(type(config), config.model_dump(mode="json"), overrides, "config")
 
 
-def _validated(data: dict[str, Any], overrides: Sequence[str], where: str) -> PipelineConfig:
+def _validated(config_class: type[PipelineConfigBase], data: dict[str, Any], overrides: Sequence[str],
+               where: str) -> PipelineConfigBase:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         _set_dotted(data, key.strip(), _parse_yaml(raw, f"override {item!r}"))
     try:
-        return PipelineConfig.model_validate(data)
+        return config_class.model_validate(data)
     except ValidationError as error:
         raise ConfigError(f"{where}: {_describe(error)}") from None

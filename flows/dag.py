@@ -1,65 +1,53 @@
-"""The six stages as a DAG, and the plan: every stage's artifact key, known before anything runs.
+"""The plan: every stage's artifact key, known before anything runs; and a planned stage's run.
 
 Keys depend only on configs, stage versions, upstream keys and input fingerprints, so the whole
-plan (including which stages will be reused) is computed up front; `--dry-run` prints it.
+plan (including which stages will be reused) is computed up front; `--dry-run` prints it. The
+stages and their order are the config's stage table (flows/stages.py).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import ModuleType
+from pathlib import Path
 
-from core.stage import StageConfig
-from flows.config import PipelineConfig
+from core.stage import Engine, Manifest, StageConfig, StageResult
+from flows.config import PipelineConfigBase
+from flows.stages import StageSpec, stages_until
 from infra.artifacts import ArtifactStore, stage_key
-from tasks import align, collect, evaluate, pretrain, sft, tokenize
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    name: str
-    module: ModuleType  # a tasks/ package exposing the contract of core/stage.py
-    deps: tuple[str, ...]
-    uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
-    uses_gpu: bool = False  # computed under the `gpu` concurrency limit (flows/pipeline.py)
-
-
-STAGES: tuple[StageSpec, ...] = (
-    StageSpec("collect", collect, (), uses_ray=True),
-    StageSpec("tokenize", tokenize, ("collect",), uses_ray=True),
-    StageSpec("pretrain", pretrain, ("tokenize",), uses_gpu=True),
-    # tokenize: the pretraining text SFT mixes in (sft.pretrain_mix)
-    StageSpec("sft", sft, ("tokenize", "pretrain"), uses_gpu=True),
-    StageSpec("align", align, ("sft",), uses_gpu=True),
-    # collect: the training text benchmark items are checked against (contamination)
-    StageSpec("evaluate", evaluate, ("collect", "tokenize", "pretrain", "sft", "align"), uses_gpu=True),
-)
-STAGE_NAMES = tuple(spec.name for spec in STAGES)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlannedStage:
+    """A stage of this run: its table entry, its section of the config and its artifact key."""
+
     spec: StageSpec
     config: StageConfig
     key: str
     complete: bool  # a committed artifact with this key exists, so the stage will be reused
 
 
-def stages_until(until: str | None) -> tuple[StageSpec, ...]:
-    """The stages up to and including `until` (all of them when None); STAGES is in DAG order."""
-    if until is None:
-        return STAGES
-    if until not in STAGE_NAMES:
-        raise ValueError(f"--until {until!r} is not a stage; choose one of {', '.join(STAGE_NAMES)}")
-    return STAGES[: STAGE_NAMES.index(until) + 1]
-
-
-def plan(config: PipelineConfig, store: ArtifactStore, until: str | None = None) -> list[PlannedStage]:
+def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = None) -> list[PlannedStage]:
+    """The stages of `config`'s table up to `until` (all when None), in DAG order, with their keys."""
     keys: dict[str, str] = {}
     planned = []
-    for spec in stages_until(until):
+    for spec in stages_until(until, config.stages):
         stage_config = getattr(config, spec.name)
-        key = stage_key(spec.name, spec.module.VERSION, stage_config.hashed_dict(),
-                        {dep: keys[dep] for dep in spec.deps}, spec.module.fingerprint(stage_config))
+        key = stage_key(spec.name, spec.version, stage_config.hashed_dict(),
+                        {name: keys[name] for name in spec.upstream}, spec.fingerprint(stage_config))
         keys[spec.name] = key
-        planned.append(PlannedStage(spec, stage_config, key, store.load(spec.name, key) is not None))
+        planned.append(PlannedStage(spec=spec, config=stage_config, key=key,
+                                    complete=store.load(spec.name, key) is not None))
     return planned
+
+
+def run_planned(stage: PlannedStage, upstream: Mapping[str, Manifest], out_dir: Path, *,
+                engine: Engine) -> StageResult:
+    """Run the stage's code into `out_dir`, each upstream manifest passed as the keyword argument
+    named after its stage, once each is checked to be the manifest of the stage it is given as."""
+    spec = stage.spec
+    if set(upstream) != set(spec.upstream):
+        raise ValueError(f"stage {spec.name!r} takes upstream {sorted(spec.upstream)}, "
+                         f"given {sorted(upstream)}")
+    if wrong := {name: m.stage for name, m in upstream.items() if m.stage != name}:
+        raise ValueError(f"stage {spec.name!r}: upstream given a manifest of another stage ({wrong})")
+    return spec.load_run()(stage.config, out_dir, engine=engine, **upstream)

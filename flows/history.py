@@ -13,11 +13,11 @@ from typing import Mapping
 
 from core.stage import Manifest
 from flows import report_card
-from flows.dag import STAGE_NAMES
 from flows.registry import Decision
+from flows.stages import STAGE_NAMES
 from infra import env
 from infra.artifacts import ArtifactStore
-from infra.tracking import RunRecord, Tracker, pipeline_run, stage_runs_of
+from infra.tracking.runs import RunRecord, Tracker, pipeline_run, stage_runs_of
 
 DAG_ORDER = {name: i for i, name in enumerate(STAGE_NAMES)}
 

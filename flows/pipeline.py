@@ -19,16 +19,16 @@ from prefect.runtime import flow_run
 
 from core.stage import Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig, with_overrides
-from flows.dag import PlannedStage, plan
+from flows.dag import PlannedStage, plan, run_planned
 from flows.history import publish_report_card
 from flows.notify import notify, rollbacks
 from flows.registry import Decision, register_and_promote
 from flows.report_card import registry_section
-from flows.reports import PUBLISHERS
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.memory import PeakRSS
-from infra.tracking import Tracker, is_server
+from infra.tracking import is_server
+from infra.tracking.runs import Tracker
 
 GPU_LIMIT = "gpu"  # the Prefect global concurrency limit GPU stages take a slot of
 RECORD_THREADS = 3  # reused stages recorded at once (each mostly waits on the tracking server)
@@ -83,7 +83,7 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
         with PeakRSS() as peak:  # the stage's memory, its Ray workers' included
             engine = _engine(stage)
             try:
-                result = stage.spec.module.run(stage.config, upstream, partial_dir, engine=engine)
+                result = run_planned(stage, upstream, partial_dir, engine=engine)
             finally:
                 getattr(engine, "shutdown", lambda: None)()
         artifacts.extend(result.artifacts)
@@ -91,7 +91,7 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
             "config": stage.config.model_dump(mode="json"),
             "upstream": {name: m.key for name, m in upstream.items()},
             "stats": {**result.stats, "peak_rss_mb": peak.mb},
-            "meta": {"stage_version": stage.spec.module.VERSION, "code_version": env.code_version(),
+            "meta": {"stage_version": stage.spec.version, "code_version": env.code_version(),
                      "mlflow_run_id": run_id, "prefect_flow_run_id": str(flow_run.id),
                      "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta},
         }
@@ -117,9 +117,9 @@ def _gpu_slot(stage: PlannedStage):
     return concurrency(GPU_LIMIT, occupy=1, strict=True)
 
 
-def _publish(name: str, manifest: Manifest, runtime: Runtime, run_id: str, charts: bool) -> None:
-    if name in PUBLISHERS:
-        PUBLISHERS[name](manifest, runtime.tracker, run_id, charts)
+def _publish(stage: PlannedStage, manifest: Manifest, runtime: Runtime, run_id: str, charts: bool) -> None:
+    if (publisher := stage.spec.load_publisher()) is not None:
+        publisher(manifest, runtime.tracker, run_id, charts)
 
 
 def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[str, Manifest],
@@ -129,7 +129,7 @@ def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[s
                                                      config, upstream, existing)
     try:
         # Charts live in the run that computed the artifact, unless it never finished.
-        _publish(name, existing, runtime, run_id if backfilled else existing.meta["mlflow_run_id"],
+        _publish(stage, existing, runtime, run_id if backfilled else existing.meta["mlflow_run_id"],
                  charts=backfilled)
     except BaseException:
         tracker.end(run_id, ok=False)
@@ -159,7 +159,7 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
         with _gpu_slot(stage):
             manifest, reused = runtime.store.materialize(
                 name, stage.key, _compute(stage, upstream, run_id, artifacts, meta or {}))
-        _publish(name, manifest, runtime, run_id, charts=True)
+        _publish(stage, manifest, runtime, run_id, charts=True)
         tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
         if reused:
             logger.info("%s: reused %s, computed meanwhile by another run", name, manifest.path)
@@ -197,7 +197,7 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     `overrides` are `key=value` settings applied to `config` (free-form, as on the command line)."""
     logger = get_run_logger()
     config = with_overrides(config, overrides or [])
-    home = env.configure()
+    home = env.gristmill_home()
     store = ArtifactStore(env.artifacts_root(home))
     planned = plan(config, store, until)
     for stage in planned:
@@ -219,7 +219,7 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     try:
         for stage in planned:
             status = "reuse" if stage.complete else "run"
-            upstream = {dep: manifests[dep] for dep in stage.spec.deps}
+            upstream = {name: manifests[name] for name in stage.spec.upstream}
             manifests[stage.spec.name] = run_stage.with_options(
                 task_run_name=f"{stage.spec.name} [{status}]")(stage, upstream, runtime)
             if not stage.complete and (rows := rollbacks(manifests[stage.spec.name])):

@@ -40,7 +40,8 @@ from flows.dag import plan
 from flows.pipeline import Runtime, run_stage, start_parent_run
 from infra import env
 from infra.artifacts import CORPUS, ArtifactStore
-from infra.tracking import Tracker
+from infra.tracking.corpus import log_corpus_version
+from infra.tracking.runs import Tracker
 from tasks.collect.common_crawl import CommonCrawlSource, list_files
 from tasks.collect.config import Config as CollectConfig
 from tasks.collect.config import NothingSurvived
@@ -194,7 +195,7 @@ def refresh(config: PipelineConfig, store: ArtifactStore) -> Outcome:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "prefect_flow_run_id": str(flow_run.id)})
         parent = (parent_version, store.load("collect", latest["collect_key"])) if latest else None
-        tracker.log_corpus_version(run_id, version, manifest, parent)
+        log_corpus_version(tracker, run_id, version, manifest, parent)
         union = corpus_sources(store, store.corpus_versions())
         pipeline_run, reason = trigger(config, union, version, tokens)
         tracker.set_tags(run_id, {"gristmill.refresh.pipeline": pipeline_run or "not started"})
@@ -211,7 +212,7 @@ def refresh(config: PipelineConfig, store: ArtifactStore) -> Outcome:
 def data_refresh(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     """Collect what is new in `config.collect.sources` into the next corpus version and start the
     pipeline on all versions when `config.refresh` says so."""
-    home = env.configure()
+    home = env.gristmill_home()
     store = ArtifactStore(env.artifacts_root(home))
     with store.lock(CORPUS, "refresh"):
         outcome = refresh(config, store)

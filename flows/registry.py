@@ -24,7 +24,8 @@ from typing import Mapping
 
 from core.stage import Manifest
 from flows.config import PipelineConfig
-from infra.tracking import ModelVersion, Tracker
+from infra.tracking.registry import ModelRegistry, ModelVersion
+from infra.tracking.runs import Tracker
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 KEY_TAG, METRIC_TAG = "gristmill.key.", "gristmill.metric."
@@ -117,12 +118,13 @@ def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
     name, promote_on = config.registered_model_name, config.registry.promote_on
     lineage = {stage: m.key for stage, m in manifests.items()}
     metrics = evaluation_metrics(manifests["evaluate"].path, promote_on)
-    known = next((v for v in tracker.model_versions(name) if _same_lineage(v, lineage)), None)
-    version = known or tracker.register_model(name, run_id, manifests["align"].path / "model", {
+    registry = ModelRegistry(tracker.uri)
+    known = next((v for v in registry.model_versions(name) if _same_lineage(v, lineage)), None)
+    version = known or registry.register_model(name, run_id, manifests["align"].path / "model", {
         **{KEY_TAG + stage: key for stage, key in lineage.items()},
         **{METRIC_TAG + k: repr(v) for k, v in metrics.items()}, "gristmill.pipeline_run_id": run_id})
-    tracker.set_alias(name, CANDIDATE, version.version)
-    champion = tracker.version_by_alias(name, CHAMPION)
+    registry.set_alias(name, CANDIDATE, version.version)
+    champion = registry.version_by_alias(name, CHAMPION)
     if champion is None:
         promoted, reason = True, "no champion yet"
     elif champion.version == version.version:
@@ -131,11 +133,11 @@ def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
         promoted, reason = compare(metrics, _metrics_of(champion), promote_on)
         reason = f"{reason} (champion version {champion.version})"
     if promoted:
-        tracker.set_alias(name, CHAMPION, version.version)
+        registry.set_alias(name, CHAMPION, version.version)
     decision = Decision(name, version.version, promoted, reason,
                         version.version if promoted or champion is None else champion.version)
     tracker.set_tags(run_id, {f"gristmill.registry.{key}": value for key, value in {
         "model": name, "version": version.version, "reason": reason,
         "decision": "promoted" if promoted else "candidate", "champion": decision.champion}.items()})
-    tracker.set_version_tag(name, version.version, "gristmill.promotion", reason)
+    registry.set_version_tag(name, version.version, "gristmill.promotion", reason)
     return decision

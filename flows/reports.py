@@ -3,20 +3,19 @@
 Rendered from the committed artifact (never written into it, so a re-run changes no file). The
 Prefect artifacts are made for computed and reused stages alike; the charts go to the MLflow run
 that computed the stage (a reused stage's run points at it, unless it back-fills). One publisher per
-stage that has something to show.
+stage that has something to show, named by the stage's entry in flows/stages.py.
 """
 from __future__ import annotations
 
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 from prefect.artifacts import create_markdown_artifact
 
 from core.stage import Manifest
 from infra.charts import funnel_chart, histogram_chart
-from infra.tracking import Tracker
+from infra.tracking.runs import Tracker
 
 FUNNEL = "funnel.json"
 
@@ -70,6 +69,3 @@ def publish_collect(manifest: Manifest, tracker: Tracker, run_id: str, charts: b
         f"## Collect funnel `{manifest.key}`\n\nCharts: MLflow run `{run_id}`, "
         f"`charts/funnel.png` and `charts/languages.png`.\n\n{funnel_markdown(funnel)}",
         key="collect-funnel", description="Documents and bytes after each cleaning step")
-
-
-PUBLISHERS: dict[str, Callable[[Manifest, Tracker, str, bool], None]] = {"collect": publish_collect}

@@ -1,8 +1,10 @@
-"""Process environment for a pipeline run: one root for all state, offline, no telemetry.
+"""Process environment for gristmill: one root for all state, offline, no telemetry.
 
-Must run before prefect, mlflow or ray are imported, because they read these variables at import.
-Variables the user has set are respected (`setdefault`), so `PREFECT_API_URL`,
-`MLFLOW_TRACKING_URI`, `RAY_ADDRESS` or `PREFECT_HOME` point the run at real services.
+`configure` sets it, once per process and before Prefect, MLflow or Ray is imported, because
+they read these variables at import: flows/entry.py calls it, and every process entry point
+imports that module first. Variables the user has set are respected (`setdefault`), so
+`PREFECT_API_URL`, `MLFLOW_TRACKING_URI`, `RAY_ADDRESS` or `PREFECT_HOME` point the run at real
+services.
 """
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import functools
 import hashlib
 import logging
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import MutableMapping
 
 DEFAULT_HOME = ".gristmill"
 
@@ -53,27 +55,32 @@ def keep_ray_on_loopback(environ: MutableMapping[str, str] = os.environ) -> None
 
 
 def gristmill_home() -> Path:
-    return Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
-
-
-def configure(home: Path | None = None) -> Path:
-    """Point every component's state at `home` (default $GRISTMILL_HOME or ./.gristmill)."""
-    home = Path(home).resolve() if home else gristmill_home()
+    """$GRISTMILL_HOME (default ./.gristmill), created if missing."""
+    home = Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
     home.mkdir(parents=True, exist_ok=True)
-    apply_defaults(os.environ, home)
-    # Prefect attaches its handlers to the extra loggers but leaves their level at WARNING.
-    logging.getLogger("gristmill").setLevel(logging.INFO)
     return home
 
 
-def apply_defaults(environ: MutableMapping[str, str], home: Path) -> None:
-    """The variables `configure` sets, on any mapping (the warm runner compares two processes'
-    environments this way); a value already there is kept."""
-    environ["GRISTMILL_HOME"] = str(home)
+def prefect_home(home: Path) -> Path:
+    """Prefect's state under GRISTMILL_HOME (its database is prefect.db there): a run's default
+    PREFECT_HOME and the home of the server `gristmill up` starts, so both are one history."""
+    return Path(home).resolve() / "prefect"
+
+
+def configure(home: Path | None = None) -> Path:
+    """Point every component's state at `home` (default $GRISTMILL_HOME or ./.gristmill, created
+    if missing), keep the process offline, without telemetry and with a local Ray on loopback;
+    returns the home."""
+    home = Path(home or os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
+    home.mkdir(parents=True, exist_ok=True)  # Prefect makes its home inside at import
+    os.environ["GRISTMILL_HOME"] = str(home)
     for name, value in OFFLINE_AND_QUIET.items():
-        environ.setdefault(name, value)
-    environ.setdefault("PREFECT_HOME", str(home / "prefect"))
-    keep_ray_on_loopback(environ)
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("PREFECT_HOME", str(prefect_home(home)))
+    keep_ray_on_loopback()
+    # Prefect attaches its handlers to the extra loggers but leaves their level at WARNING.
+    logging.getLogger("gristmill").setLevel(logging.INFO)
+    return home
 
 
 def short_path(path: Path, max_chars: int) -> Path:
@@ -117,7 +124,7 @@ def code_version() -> str:
         base = "unknown"
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+                                text=True, cwd=Path(__file__).parent, timeout=5, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{base}+{commit}" if commit else base

@@ -66,8 +66,8 @@ class RayEngine:
         if not items:
             return []
         if len(items) == 1 and not self._actors and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-            # One call has nothing to run beside it: starting a local Ray for it (4-20 s on 2
-            # cores, e.g. the tiny preset's one tokenize shard) costs more than the call.
+            # One call has nothing to run beside it: starting a local Ray for it (docs/benchmarks.md;
+            # e.g. the tiny preset's one tokenize shard) costs more than the call.
             return [fn(items[0])]
         self.start()
         if not self._actors:

@@ -35,8 +35,8 @@ def train_worker(args: dict[str, Any]) -> None:
     from tasks.pretrain.stage import Config, run
 
     out_dir = Path(args["out_dir"])
-    inputs = {"tokenize": Manifest.of_directory("tokenize", Path(args["tokenize_dir"]))}
-    result = run(Config(**args["config"]), inputs, out_dir, engine=SerialEngine())
+    result = run(Config(**args["config"]), out_dir, engine=SerialEngine(),
+                 tokenize=Manifest.of_directory("tokenize", Path(args["tokenize_dir"])))
     rank = dist.get_rank() if dist.is_initialized() else 0
     (out_dir / f"worker-{rank}.json").write_text(json.dumps({**result.stats, "rank": rank}) + "\n")
 

@@ -1,7 +1,7 @@
 """Migrated, empty databases for new homes.
 
-A new home's Prefect database took its server 15-20 s of alembic migrations (over a hundred of
-them) on a 2-core machine before it answered, and MLflow's store ~1.5 s more; every new
+A new home's Prefect database took its server over a hundred alembic migrations before it
+answered, and MLflow's store more (timings: docs/benchmarks.md); every new
 GRISTMILL_HOME (a test, an experiment, another project) paid that. The migrated schema is the same for every home of one
 Prefect or MLflow install, so it is built once, by the tool's own migrations, into a template
 under the user's cache (`$GRISTMILL_CACHE`, default `~/.cache/gristmill`), and copied into a home
@@ -21,9 +21,9 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import metadata, util
 from pathlib import Path
-from typing import Callable
 
 from core.files import locked
 from infra import env
@@ -57,15 +57,14 @@ def _migrate_prefect(work: Path) -> Path:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_DATABASE_", "PREFECT_PROFILES"))}
     environ.update(PREFECT_HOME=str(work), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
     proc = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
-                          env=environ, capture_output=True, text=True, timeout=600)
+                          env=environ, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"prefect server database upgrade exited {proc.returncode}: {proc.stderr[-2000:]}")
     return work / "prefect.db"
 
 
 def _migrate_mlflow(work: Path) -> Path:
-    """MLflow's table initialisation (what its SQLite store runs on a new file, before it adds
-    the Default experiment, whose artifact location belongs to the home)."""
+    """MLflow's own `mlflow db upgrade` on a new SQLite file (infra/tracking)."""
     from infra.tracking import migrate_sqlite_store
 
     db = work / "mlflow.db"

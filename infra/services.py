@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from core.files import locked
-from infra import schemas
+from infra import env, schemas
 
 LOCK = "services.lock"
 
@@ -29,10 +29,10 @@ def start_embedded_services(home: Path) -> None:
         if not os.environ.get("PREFECT_API_URL"):
             from prefect.server.api.server import SubprocessASGIServer
 
-            schemas.seed_prefect(Path(os.environ.get("PREFECT_HOME", Path(home) / "prefect")))
+            schemas.seed_prefect(Path(os.environ.get("PREFECT_HOME") or env.prefect_home(home)))
             SubprocessASGIServer().start()
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             schemas.seed_mlflow(home)
-        from infra.tracking import Tracker
+        from infra.tracking.runs import Tracker
 
         Tracker(home)

@@ -1,7 +1,5 @@
 """`gristmill up / status / down`: a standing Prefect server, MLflow tracking server and Ray head on
-this machine, bound to 127.0.0.1 unless `--host` says otherwise, all state under GRISTMILL_HOME;
-beside them the warm runner `gristmill run` forks its pipeline from (flows/runner.py, on a Unix
-socket in the home).
+this machine, bound to 127.0.0.1 unless `--host` says otherwise, all state under GRISTMILL_HOME.
 Exposed to the network, Prefect and MLflow must ask for credentials (basic auth, see
 `check_exposure`); on loopback they do when the same variables are set.
 
@@ -26,22 +24,20 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Mapping
 
 import psutil
 
 from core.files import locked
-from infra import env, warm
+from infra import env, processes
 from infra.schemas import seed_mlflow, seed_prefect
-from infra.supervisor import alive, kill_all
 
 LOOPBACK = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -54,9 +50,7 @@ RAY_TEMP_MAX_CHARS = 40
 RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min/--max-worker-port
 STACK_LOCK = "stack.lock"  # in GRISTMILL_HOME: one `up`/`down` at a time
 STOP_GRACE_S = 10.0  # a service's time to exit on SIGTERM before it is killed
-NAMES = ("prefect", "mlflow", "ray", "runner")  # the order `up` starts and reports them in
-# A new home's databases start as migrated templates (infra/schemas.py), not migrated by the server.
-SEED = {"prefect": lambda home: seed_prefect(home / "prefect"), "mlflow": seed_mlflow}
+NAMES = ("prefect", "mlflow", "ray")  # the order `up` starts and reports them in
 # Basic auth, on when these are set in `up`'s environment and required to expose a server:
 # Prefect checks every API call against "user:password" (clients send PREFECT_API_AUTH_STRING);
 # MLflow runs its basic-auth app, whose admin is created on first start with this password
@@ -66,7 +60,7 @@ MLFLOW_AUTH = "MLFLOW_AUTH_ADMIN_PASSWORD"
 MLFLOW_SECRET = "MLFLOW_FLASK_SERVER_SECRET_KEY"  # signs the auth app's CSRF tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Ports:
     """The ports `up` binds; defaults are each tool's own."""
 
@@ -89,8 +83,21 @@ class Ports:
         if len(set(given.values())) < len(given):
             raise ValueError(f"two services on one port: {given}")
 
+    @classmethod
+    def free(cls) -> Ports:
+        """Ports nothing listens on now, outside the range Ray keeps for its workers (for a stack
+        beside a user's own, in tests and benchmarks)."""
+        names, ports = [f.name for f in fields(cls)], []
+        while len(ports) < len(names):
+            with socket.socket() as probe:
+                probe.bind((LOOPBACK, 0))
+                port = probe.getsockname()[1]
+            if port not in RAY_WORKER_PORTS and port not in ports:
+                ports.append(port)
+        return cls(**dict(zip(names, ports)))
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Spec:
     """How to start one service and how to tell that it serves."""
 
@@ -102,10 +109,9 @@ class Spec:
     health_url: str  # answers 200 once the service is ready
     url: str  # what a person opens
     export: Mapping[str, str] = field(default_factory=dict)  # what clients set to use it
-    socket: str = ""  # a Unix socket answering a ping instead of a health URL (the warm runner)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class State:
     """One service as `up` or `status` found (or left) it."""
 
@@ -178,27 +184,26 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
     reach = LOOPBACK if host in WILDCARDS else host  # where clients on this machine connect
     shell = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
     base = {**shell, **env.OFFLINE_AND_QUIET, "GRISTMILL_HOME": str(home)}
+    prefect_url, mlflow_url = f"http://{reach}:{ports.prefect}", f"http://{reach}:{ports.mlflow}"
     prefect = Spec(
-        "prefect",
-        (_tool("prefect"), "server", "start", "--host", host, "--port", str(ports.prefect),
-         "--analytics-off", "--no-prompt"),
+        name="prefect", url=prefect_url, health_url=f"{prefect_url}/api/health", host=reach,
+        ports=(ports.prefect,), export={"PREFECT_API_URL": f"{prefect_url}/api"},
+        argv=(_tool("prefect"), "server", "start", "--host", host, "--port", str(ports.prefect),
+              "--analytics-off", "--no-prompt"),
         # The UI calls the API at PREFECT_UI_API_URL, which Prefect otherwise builds from the port
         # setting (4200), not from --port: on any other port the UI could not reach its server.
-        {**base, "PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-         "DO_NOT_TRACK": "1", "PREFECT_UI_API_URL": f"http://{reach}:{ports.prefect}/api"},
-        reach, (ports.prefect,), f"http://{reach}:{ports.prefect}/api/health",
-        f"http://{reach}:{ports.prefect}", {"PREFECT_API_URL": f"http://{reach}:{ports.prefect}/api"})
+        env={**base, "PREFECT_HOME": str(env.prefect_home(home)), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+             "DO_NOT_TRACK": "1", "PREFECT_UI_API_URL": f"{prefect_url}/api"})
     # Served artifacts: clients upload through the server, which stores them under the home (for
     # experiments it creates; the pipeline's experiment may already name a file: location there).
     auth_args, auth_env = _mlflow_auth(home)
     mlflow = Spec(
-        "mlflow",
-        (_tool("mlflow"), "server", "--host", host, "--port", str(ports.mlflow),
-         "--backend-store-uri", env.mlflow_store_uri(home),
-         "--artifacts-destination", env.mlflow_artifacts_root(home).as_uri(), "--workers", "2",
-         *auth_args),
-        {**base, **auth_env}, reach, (ports.mlflow,), f"http://{reach}:{ports.mlflow}/health",
-        f"http://{reach}:{ports.mlflow}", {"MLFLOW_TRACKING_URI": f"http://{reach}:{ports.mlflow}"})
+        name="mlflow", url=mlflow_url, health_url=f"{mlflow_url}/health", host=reach,
+        ports=(ports.mlflow,), export={"MLFLOW_TRACKING_URI": mlflow_url}, env={**base, **auth_env},
+        argv=(_tool("mlflow"), "server", "--host", host, "--port", str(ports.mlflow),
+              "--backend-store-uri", env.mlflow_store_uri(home),
+              "--artifacts-destination", env.mlflow_artifacts_root(home).as_uri(), "--workers", "2",
+              *auth_args))
     ray_env = dict(base)
     node_ip: tuple[str, ...] = ()
     if env.is_loopback(host):  # see env.RAY_SINGLE_MACHINE: otherwise Ray binds the network IP
@@ -206,39 +211,20 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
         node_ip = ("--node-ip-address", LOOPBACK)
     elif host not in WILDCARDS:
         node_ip = ("--node-ip-address", host)
+    dashboard_url = f"http://{reach}:{ports.ray_dashboard}"
     ray = Spec(
-        "ray",
-        (_tool("ray"), "start", "--head", "--block", "--disable-usage-stats", *node_ip,
-         "--port", str(ports.ray), "--dashboard-host", host, "--dashboard-port", str(ports.ray_dashboard),
-         "--ray-client-server-port", str(ports.ray_client),
-         "--dashboard-agent-listen-port", str(ports.ray_agent), "--temp-dir", str(ray_temp_dir(home))),
-        ray_env, reach, (ports.ray, ports.ray_dashboard, ports.ray_client, ports.ray_agent),
-        f"http://{reach}:{ports.ray_dashboard}/api/version", f"http://{reach}:{ports.ray_dashboard}",
-        {"RAY_ADDRESS": f"{reach}:{ports.ray}",
-         **({env.RAY_SINGLE_MACHINE: "0"} if env.is_loopback(host) else {})})
-    # The warm runner (flows/runner.py) sees what a shell that exported the others' variables sees,
-    # so the runs of that shell can fork from it.
-    stack_exports = {k: v for spec in (prefect, mlflow, ray) for k, v in spec.export.items()}
-    sock = str(warm.socket_path(home))
-    runner = Spec("runner", (sys.executable, "-m", "flows.runner", str(home)),
-                  {**shell, **stack_exports, "GRISTMILL_HOME": str(home)}, reach, (), "", sock, socket=sock)
-    return [prefect, mlflow, ray, runner]
+        name="ray", url=dashboard_url, health_url=f"{dashboard_url}/api/version", host=reach, env=ray_env,
+        ports=(ports.ray, ports.ray_dashboard, ports.ray_client, ports.ray_agent),
+        export={"RAY_ADDRESS": f"{reach}:{ports.ray}",
+                **({env.RAY_SINGLE_MACHINE: "0"} if env.is_loopback(host) else {})},
+        argv=(_tool("ray"), "start", "--head", "--block", "--disable-usage-stats", *node_ip,
+              "--port", str(ports.ray), "--dashboard-host", host,
+              "--dashboard-port", str(ports.ray_dashboard), "--ray-client-server-port", str(ports.ray_client),
+              "--dashboard-agent-listen-port", str(ports.ray_agent), "--temp-dir", str(ray_temp_dir(home))))
+    return [prefect, mlflow, ray]
 
 
 # --- probes ---------------------------------------------------------------------------------
-
-def free_ports(count: int) -> list[int]:
-    """Ports nothing listens on now, outside the range Ray keeps for its workers (for a stack
-    beside a user's own, in tests and benchmarks)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind((LOOPBACK, 0))
-            port = probe.getsockname()[1]
-        if port not in RAY_WORKER_PORTS and port not in ports:
-            ports.append(port)
-    return ports
-
 
 def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
     try:
@@ -260,10 +246,7 @@ def http_ok(url: str, timeout_s: float = 3.0) -> bool:
 
 
 def healthy(record: Mapping) -> bool:
-    """The service's own port accepts connections and its health URL answers 200 (the runner:
-    its socket answers a ping)."""
-    if record.get("socket"):
-        return warm.ping(record["socket"])
+    """The service's own port accepts connections and its health URL answers 200."""
     return port_open(record["host"], record["ports"][0]) and http_ok(record["health_url"])
 
 
@@ -282,62 +265,22 @@ def _forget(home: Path, name: str) -> None:
 
 
 def _leader(record: Mapping | None) -> psutil.Process | None:
-    """The recorded process if it still runs; a reused pid (other start time) is not it."""
-    if not record:
-        return None
-    try:
-        proc = psutil.Process(record["pid"])
-        if abs(proc.create_time() - record["create_time"]) < 0.01 and alive([proc]):
-            return proc
-    except psutil.Error:
-        pass
-    return None
+    """The recorded process if it still runs."""
+    return processes.recorded(record["pid"], record["create_time"]) if record else None
 
 
-def session_processes(record: Mapping) -> list[psutil.Process]:
-    """Every process of the service's session (it was started as a session leader), plus the
-    leader's descendants: what `down` stops. Created no earlier than the leader, so a process
-    in a reused session id is never taken for ours."""
-    sid, since = record["pid"], record["create_time"] - 0.01
-    leader = _leader(record)
-    if leader is None and psutil.pid_exists(sid):
-        # Linux frees a pid only once no process uses it as a session id: a live process with
-        # our leader's pid means the pid was reused and the session is someone else's.
-        return []
-    members: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter():
-        try:
-            if os.getsid(proc.pid) == sid and proc.create_time() >= since:
-                members[proc.pid] = proc
-        except (OSError, psutil.Error):  # gone meanwhile, or not ours to look at
-            continue
-    if leader is not None:
-        for child in leader.children(recursive=True):
-            members.setdefault(child.pid, child)
-    return list(members.values())
-
-
-def _stop(records: list[Mapping], grace_s: float) -> None:
-    """SIGTERM the services' whole sessions at once, SIGKILL what is left after `grace_s`."""
-    members = alive([p for record in records for p in session_processes(record)])
-    for proc in members:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, left = psutil.wait_procs(members, timeout=grace_s)
-    born = [p for record in records for p in session_processes(record)]  # children started meanwhile
-    kill_all(left + alive(born))
+def _recorded(record: Mapping, state: str, note: str = "") -> State:
+    """A service whose process `record` describes."""
+    return State(name=record["name"], state=state, pid=record["pid"], url=record["url"], note=note,
+                 export=dict(record["export"]))
 
 
 def _state(home: Path, name: str) -> State:
     record = _read(home, name)
-    leader = _leader(record)
-    if leader is None:
-        return State(name, "stopped", url=record and record["url"])
+    if _leader(record) is None:
+        return State(name=name, state="stopped", url=record and record["url"])
     ok = healthy(record)
-    return State(name, "running" if ok else "starting", leader.pid, record["url"], ok,
-                 export=dict(record["export"]))
+    return replace(_recorded(record, "running" if ok else "starting"), healthy=ok)
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -356,7 +299,7 @@ def _start(home: Path, spec: Spec) -> dict:
     record = {"name": spec.name, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
               "argv": list(spec.argv), "host": spec.host, "ports": list(spec.ports),
               "health_url": spec.health_url, "url": spec.url, "export": dict(spec.export),
-              "socket": spec.socket, "log": str(folder / f"{spec.name}.log")}
+              "log": str(folder / f"{spec.name}.log")}
     (folder / f"{spec.name}.json").write_text(json.dumps(record, indent=1))
     (folder / f"{spec.name}.pid").write_text(f"{proc.pid}\n")
     return record
@@ -375,22 +318,23 @@ def up(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), timeout_s: floa
         for spec in specs(home, host, ports):
             record = _read(home, spec.name)
             if _leader(record) is not None:
-                states[spec.name] = State(spec.name, "starting", record["pid"], record["url"],
-                                          note="already running", export=dict(record["export"]))
                 waiting[spec.name] = record
+                states[spec.name] = _recorded(record, "starting", "already running")
                 continue
             _forget(home, spec.name)  # stale: its process is gone
             busy = [p for p in spec.ports if port_open(spec.host, p)]
             if busy:
-                states[spec.name] = State(spec.name, "failed", url=spec.url, note=(
+                states[spec.name] = State(name=spec.name, state="failed", url=spec.url, note=(
                     f"port {', '.join(map(str, busy))} on {spec.host} is taken by a process gristmill "
                     f"did not start; choose others (gristmill up --help)"))
                 continue
-            SEED.get(spec.name, lambda home: None)(home)
-            record = _start(home, spec)
-            states[spec.name] = State(spec.name, "starting", record["pid"], record["url"],
-                                      note="started", export=dict(spec.export))
-            waiting[spec.name] = record
+            # A new home's databases start as migrated templates (infra/schemas.py).
+            if spec.name == "prefect":
+                seed_prefect(env.prefect_home(home))
+            if spec.name == "mlflow":
+                seed_mlflow(home)
+            waiting[spec.name] = record = _start(home, spec)
+            states[spec.name] = _recorded(record, "starting", "started")
         _wait_healthy(home, states, waiting, timeout_s)
     return list(states.values())
 
@@ -406,12 +350,13 @@ def _wait_healthy(home: Path, states: dict[str, State], waiting: dict[str, dict]
             elif _leader(record) is None:
                 state.state, state.note = "failed", f"exited; see {record['log']}"
             elif time.monotonic() > deadline:
-                state.state, state.note = "failed", f"not healthy after {timeout_s:.0f} s; see {record['log']}"
+                state.state = "failed"
+                state.note = f"not healthy after {timeout_s:.0f} s; see {record['log']}"
             else:
                 continue
             del waiting[name]
             if state.state == "failed" and ours:
-                _stop([record], grace_s=2)
+                processes.stop_sessions([(record["pid"], record["create_time"])], grace_s=2)
                 _forget(home, name)
                 state.pid = None
         time.sleep(0.5 if waiting else 0)
@@ -423,10 +368,11 @@ def down(home: Path, grace_s: float = STOP_GRACE_S) -> list[State]:
     with locked(home, STACK_LOCK) if home.is_dir() else contextlib.nullcontext():
         records = {name: _read(home, name) for name in NAMES}
         running = {name for name, record in records.items() if _leader(record) is not None}
-        _stop([r for r in records.values() if r], grace_s)  # a dead leader may have left children
+        # A dead leader may have left children: every recorded session is stopped.
+        processes.stop_sessions([(r["pid"], r["create_time"]) for r in records.values() if r], grace_s)
         for name in NAMES:
             _forget(home, name)
-    return [State(name, "stopped", url=record and record["url"],
+    return [State(name=name, state="stopped", url=record and record["url"],
                   note=("not running" if record is None else f"stopped pid {record['pid']}" if name in running
                         else "stale pid file removed"))
             for name, record in records.items()]
@@ -434,8 +380,8 @@ def down(home: Path, grace_s: float = STOP_GRACE_S) -> list[State]:
 
 def auth_note() -> str:
     """What clients need when `up` turned basic auth on (the secrets themselves are never printed)."""
-    needs = ([f"PREFECT_API_AUTH_STRING (the value of {PREFECT_AUTH})"] if os.environ.get(PREFECT_AUTH) else []) + \
-        (["MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"] if os.environ.get(MLFLOW_AUTH) else [])
+    needs = [f"PREFECT_API_AUTH_STRING (the value of {PREFECT_AUTH})"] if os.environ.get(PREFECT_AUTH) else []
+    needs += ["MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"] if os.environ.get(MLFLOW_AUTH) else []
     return f"\nbasic auth is on: clients also set {' and '.join(needs)}" if needs else ""
 
 

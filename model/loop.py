@@ -41,8 +41,8 @@ from model.checkpoint import (
     rewrite_marker,
     save_checkpoint,
 )
+from model.config import LoopConfig
 from model.schedule import lr_multiplier
-from model.settings import LoopConfig
 from model.throughput import Throughput, device_peak_tflops
 
 Batch = dict[str, torch.Tensor]

@@ -1,9 +1,10 @@
 """LoRA adapters (PEFT) for the fine-tuning stages: wrapping a model, and export.
 
-`LoraSettings` (model/settings.py) is the one typed config of low-rank adapters; a stage config
-holds `lora: LoraSettings | None` (None: full fine-tuning). `apply_lora` freezes the base model and
-adds trainable rank-`rank` matrices A, B beside each targeted linear layer W, so the layer computes
-W x + (alpha / rank) * B A x; B starts at zero, so the wrapped model starts equal to the base.
+`LoraConfig` (model/config.py; `apply_lora` builds peft's class of that name from it) is the one
+typed config of low-rank adapters; a stage config holds `lora: LoraConfig | None` (None: full
+fine-tuning). `apply_lora` freezes the base model and adds trainable rank-`rank` matrices A, B
+beside each targeted linear layer W, so the layer computes W x + (alpha / rank) * B A x; B starts
+at zero, so the wrapped model starts equal to the base.
 `export_lora` writes the adapter alone (`adapter/`, loadable with peft onto the base model) and the
 merged plain model (W + (alpha / rank) * B A folded into W), which loads with
 `AutoModelForCausalLM` and needs no peft.
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
+from model.config import LoraConfig
 from model.export import export_model
-from model.settings import LoraSettings
 
 LORA_PARAM_MARKER = "lora_"  # PEFT names the adapter matrices lora_A / lora_B
 
@@ -29,16 +30,16 @@ def _peft():
     return peft
 
 
-def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     """`model` wrapped as a PEFT model: base weights frozen, adapters trainable. Adapter A is drawn
     from torch's global RNG, so seed it first for a reproducible start."""
     peft = _peft()
-    missing = [name for name in settings.target_modules
+    missing = [name for name in cfg.target_modules
                if not any(n.split(".")[-1] == name for n, _ in model.named_modules())]
     if missing:
         raise ValueError(f"lora.target_modules {missing} name no submodule of {type(model).__name__}")
-    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                             target_modules=list(settings.target_modules), bias="none",
+    config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                             target_modules=list(cfg.target_modules), bias="none",
                              task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 

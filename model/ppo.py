@@ -45,9 +45,9 @@ from model.checkpoint import (
     read_marker,
     save_checkpoint,
 )
+from model.config import PPOConfig
 from model.export import generation_config
 from model.schedule import warmup_linear
-from model.settings import PPOSettings
 
 log = logging.getLogger("gristmill.ppo")
 
@@ -171,7 +171,7 @@ class Rollout:
 
 @torch.no_grad()
 def sample_responses(policy: Any, tokenizer: Any, prompts: Sequence[Sequence[Message]],
-                     settings: PPOSettings) -> Rollout:
+                     cfg: PPOConfig) -> Rollout:
     """One sampled response per prompt, cut after its first stop token."""
     device = next(policy.parameters()).device
     config = generation_config(tokenizer)  # the stop tokens: end of turn, end of document
@@ -179,8 +179,8 @@ def sample_responses(policy: Any, tokenizer: Any, prompts: Sequence[Sequence[Mes
     # Plain sampling: top_k=0 and top_p=1 turn off the filters generate applies by default.
     out = policy.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
                           eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-                          do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0,
-                          max_new_tokens=settings.max_new_tokens)
+                          do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                          max_new_tokens=cfg.max_new_tokens)
     prompt_len = ids.shape[1]
     response = out[:, prompt_len:]
     is_stop = torch.isin(response, torch.tensor(config.eos_token_id, device=device))
@@ -204,18 +204,18 @@ def _scores(reward_fn: RewardFn, prompts: list[list[Message]], texts: list[str])
 
 @torch.no_grad()
 def score_rollout(policy: Any, value_head: ValueHead, reference: Any, roll: Rollout, scores: torch.Tensor,
-                  settings: PPOSettings) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                  cfg: PPOConfig) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Rollout log-probs, values, advantages and returns, and the rollout's metrics."""
     tokens = roll.ids[:, roll.prompt_len:, None]
     mask = roll.mask.float()
     logprobs, values = response_logprobs(policy, roll.ids, roll.attention, roll.prompt_len,
-                                         settings.temperature, value_head)
-    ref_logprobs, _ = response_logprobs(reference, roll.ids, roll.attention, roll.prompt_len, settings.temperature)
+                                         cfg.temperature, value_head)
+    ref_logprobs, _ = response_logprobs(reference, roll.ids, roll.attention, roll.prompt_len, cfg.temperature)
     logps, ref_logps = logprobs.gather(-1, tokens).squeeze(-1), ref_logprobs.gather(-1, tokens).squeeze(-1)
-    penalised = scores.to(mask.device) - settings.missing_eos_penalty * (~roll.ended).float()
-    rewards, kl = token_rewards(logps, ref_logps, mask, penalised, settings.kl_coef)
+    penalised = scores.to(mask.device) - cfg.missing_eos_penalty * (~roll.ended).float()
+    rewards, kl = token_rewards(logps, ref_logps, mask, penalised, cfg.kl_coef)
     values = values * mask
-    advantages, returns = gae(rewards, values, mask, settings.gamma, settings.lam)
+    advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     metrics = {"ppo/score": scores.mean().item(), "ppo/kl": kl.sum(1).mean().item(),
                "ppo/reward": rewards.sum(1).mean().item(), "ppo/entropy": masked_mean(entropy, mask).item(),
@@ -225,24 +225,25 @@ def score_rollout(policy: Any, value_head: ValueHead, reference: Any, roll: Roll
 
 
 def optimise(policy: Any, value_head: ValueHead, optimizer: torch.optim.Optimizer, roll: Rollout,
-             batch: dict[str, torch.Tensor], settings: PPOSettings) -> dict[str, float]:
+             batch: dict[str, torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
     """`ppo_epochs` passes of clipped-loss updates over shuffled minibatches of one rollout."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     tokens, mask = roll.ids[:, roll.prompt_len:, None], roll.mask.float()
     sums: dict[str, float] = {}
     updates = 0
-    for _ in range(settings.ppo_epochs):
-        for mb in torch.randperm(len(mask)).split(settings.minibatch_size):
+    for _ in range(cfg.ppo_epochs):
+        for mb in torch.randperm(len(mask)).split(cfg.minibatch_size):
             logprobs, values = response_logprobs(policy, roll.ids[mb], roll.attention[mb], roll.prompt_len,
-                                                 settings.temperature, value_head)
+                                                 cfg.temperature, value_head)
             logps = logprobs.gather(-1, tokens[mb]).squeeze(-1)
             pg_loss, clip_frac, approx_kl = clipped_policy_loss(
-                logps, batch["logps"][mb], batch["advantages"][mb], mask[mb], settings.clip_range)
+                logps, batch["logps"][mb], batch["advantages"][mb], mask[mb], cfg.clip_range)
             vf_loss = clipped_value_loss(values, batch["values"][mb], batch["returns"][mb], mask[mb],
-                                         settings.value_clip_range)
+                                         cfg.value_clip_range)
             optimizer.zero_grad(set_to_none=True)
-            (pg_loss + settings.vf_coef * vf_loss).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip if settings.grad_clip > 0 else float("inf"))
+            (pg_loss + cfg.vf_coef * vf_loss).backward()
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
             row = {"policy_loss": pg_loss.item(), "value_loss": vf_loss.item(), "clip_frac": clip_frac,
                    "approx_kl": approx_kl, "grad_norm": grad_norm.item()}
@@ -263,20 +264,21 @@ def prompt_indices(step: int, batch_size: int, n_prompts: int, seed: int) -> lis
 
 
 def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, optimizer: torch.optim.Optimizer,
-             tokenizer: Any, prompts: list[list[Message]], reward_fn: RewardFn, settings: PPOSettings
+             tokenizer: Any, prompts: list[list[Message]], reward_fn: RewardFn, cfg: PPOConfig
              ) -> dict[str, float]:
     """Step `step` (0-based): a rollout, its scores, and the updates on it; returns its metrics."""
-    torch.manual_seed(settings.seed * 1_000_003 + step)  # the step's sampling and minibatch order
-    chosen = [prompts[i] for i in prompt_indices(step, settings.batch_size, len(prompts), settings.seed)]
-    roll = sample_responses(policy, tokenizer, chosen, settings)
-    batch, row = score_rollout(policy, value_head, reference, roll, _scores(reward_fn, chosen, roll.texts), settings)
+    torch.manual_seed(cfg.seed * 1_000_003 + step)  # the step's sampling and minibatch order
+    chosen = [prompts[i] for i in prompt_indices(step, cfg.batch_size, len(prompts), cfg.seed)]
+    roll = sample_responses(policy, tokenizer, chosen, cfg)
+    scores = _scores(reward_fn, chosen, roll.texts)
+    batch, row = score_rollout(policy, value_head, reference, roll, scores, cfg)
     # Warmup, then linear decay to 0 (TRL's PPO default): a pure function of the step, so resume
     # needs no scheduler state; the shrinking steps let the policy settle instead of jittering
     # around the optimum, which whitened advantages never let die down at a constant LR.
-    lr = settings.lr * warmup_linear(step, settings.max_steps, settings.warmup_frac)
+    lr = cfg.lr * warmup_linear(step, cfg.max_steps, cfg.warmup_frac)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    return {**row, **optimise(policy, value_head, optimizer, roll, batch, settings), "ppo/lr": lr}
+    return {**row, **optimise(policy, value_head, optimizer, roll, batch, cfg), "ppo/lr": lr}
 
 
 # ---------------------------------------------------------------- checkpoints and the loop
@@ -313,9 +315,9 @@ def _resume(out_dir: Path, modules: dict[str, Any]) -> dict[str, Any]:
 
 
 def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Sequence[Message]],
-              reward_fn: RewardFn, settings: PPOSettings, out_dir: Path, metrics: MetricsLog, *,
+              reward_fn: RewardFn, cfg: PPOConfig, out_dir: Path, metrics: MetricsLog, *,
               metrics_step_offset: int = 0) -> dict[str, Any]:
-    """Train `policy` in place with PPO for `settings.max_steps` steps, resuming from the last
+    """Train `policy` in place with PPO for `cfg.max_steps` steps, resuming from the last
     checkpoint in `out_dir/checkpoints` (the caller exports the policy, then may delete them with
     model.checkpoint.remove_checkpoints). `reference` is the frozen policy before training, on the same
     device. Step s is logged to `metrics` as step s + metrics_step_offset (to follow, e.g., the
@@ -332,21 +334,21 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
     policy.eval()  # no dropout: rollout and update log-probs must agree (see module docstring)
     reference.to(device).eval().requires_grad_(False)
     value_head = ValueHead(policy.config.get_text_config().hidden_size).to(device)
-    optimizer = torch.optim.AdamW([*policy.parameters(), *value_head.parameters()], lr=settings.lr,
-                                  betas=(settings.beta1, settings.beta2), eps=1e-5,
-                                  weight_decay=settings.weight_decay)
+    optimizer = torch.optim.AdamW([*policy.parameters(), *value_head.parameters()], lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2), eps=1e-5,
+                                  weight_decay=cfg.weight_decay)
     modules = {"policy": policy, "value_head": value_head, "optimizer": optimizer}
     state = _resume(out_dir, modules)
     resumed_from = state["step"]
     metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
-    while state["step"] < settings.max_steps:
+    while state["step"] < cfg.max_steps:
         step = state["step"]
-        row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, settings)
+        row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, cfg)
         state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
                  "kls": state["kls"] + [row["ppo/kl"]]}
         metrics.log(metrics_step_offset + step + 1, **row)
-        if state["step"] % settings.checkpoint_every == 0 or state["step"] == settings.max_steps:
-            _save(out_dir, state, modules, settings.keep_checkpoints)
+        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
+            _save(out_dir, state, modules, cfg.keep_checkpoints)
     recent = slice(-FINAL_WINDOW, None)
     return {"ppo_steps": state["step"], "ppo_resumed_from_step": resumed_from,
             "ppo_score_initial": state["scores"][0],

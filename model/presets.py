@@ -1,5 +1,5 @@
 """Model presets: named Llama-style shapes from a CPU toy to ~7B, their analytic parameter
-counts, and a stock `LlamaForCausalLM` built from a config (`ModelConfig`, model/settings.py).
+counts, and a stock `LlamaForCausalLM` built from a config (`ModelConfig`, model/config.py).
 
 Stock architectures only, so every exported model loads with `AutoModelForCausalLM` and no
 `trust_remote_code`. Seeding the initialisation is the caller's job (`torch.manual_seed` first).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.settings import ModelConfig
+from model.config import ModelConfig
 
 
 def build_model(cfg: ModelConfig, tokenizer: Any) -> Any:

@@ -2,8 +2,10 @@
 
     collect ─► tokenize ─► pretrain ─► sft ─► align ─► evaluate
 
-Every package exposes the stage contract of `core.stage`: `Config` (its typed settings), `VERSION`
-(bumped when outputs change for the same config), `fingerprint(config)` (digest of the external
-data it reads, or None) and `run(config, inputs, out_dir, *, engine) -> StageResult`. Stages import
-neither Prefect, MLflow nor Ray; `flows/` wraps them with the artifact store and tracking.
+Every package follows the stage contract of `core.stage`: `config.py` holds `Config` (its typed
+config), `VERSION` (bumped when outputs change for the same config) and `fingerprint(config)`
+(digest of the external data it reads, or None); `stage.py` holds
+`run(config, out_dir, *, engine, **upstream) -> StageResult`. Each stage is one entry of the
+stage table, flows/stages.py. Stages import neither Prefect, MLflow nor Ray; `flows/` wraps them
+with the artifact store and tracking.
 """

@@ -16,9 +16,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from pipeline_helpers import FAST, REPO, cli_env
 
@@ -92,7 +93,7 @@ def serving(root: Path) -> Iterator[Served]:
     """The stack and `gristmill serve configs/tiny.yaml *FAST` for `root`, stopped on exit."""
     home = root / "home"
     home.mkdir()
-    states = stack.up(home, ports=stack.Ports(*stack.free_ports(6)))
+    states = stack.up(home, ports=stack.Ports.free())
     process = None
     try:
         exports = {k: v for s in states for k, v in s.export.items()}

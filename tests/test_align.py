@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 from pathlib import Path
+from typing import Literal, get_args
 
 import pytest
 import torch
@@ -15,9 +16,8 @@ from pydantic import Field, ValidationError
 
 import tasks.align.stage as align
 from core.stage import StageConfig, read_metrics
-from tasks.align.dpo import DPOSettings
-from tasks.align.grpo import GRPOSettings
-from tasks.align.method import AlignJob, Method
+from tasks.align.config import DPOConfig, GRPOConfig
+from tasks.align.method import AlignJob
 from tasks.align.preferences import (
     detect_format,
     load_preference_pairs,
@@ -139,47 +139,61 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValidationError, match="method"):
         align.Config(method="rlhf")
     assert "checkpoint_every" not in align.Config().hashed_dict()
-    for model in (align.Config, DPOSettings, GRPOSettings):
+    for model in (align.Config, DPOConfig, GRPOConfig):
         assert all(f.description for f in model.model_fields.values())
 
 
-def test_only_the_chosen_methods_settings_are_hashed():
+def test_only_the_chosen_methods_section_is_hashed():
     dpo, grpo = align.Config(), align.Config(method="grpo")
     assert "dpo" in dpo.hashed_dict() and "grpo" not in dpo.hashed_dict()
     assert "grpo" in grpo.hashed_dict() and "dpo" not in grpo.hashed_dict()
     assert align.Config(grpo={"kl_beta": 0.5}).hashed_dict() == dpo.hashed_dict()
     assert align.Config(method="grpo", grpo={"kl_beta": 0.5}).hashed_dict() != grpo.hashed_dict()
-    assert {"dpo", "grpo", "ppo"} <= set(align.METHODS) <= set(align.Config.model_fields)
+
+
+def test_the_registry_and_the_config_name_the_same_methods():
+    """A method registered without its section (or a section without its registry entry or its
+    name among `method`'s choices) fails here, not when someone picks it."""
+    choices = set(get_args(align.Config.model_fields["method"].annotation))
+    sections = set(align.Config.model_fields) - {"method", "lora"}
+    assert set(align.METHODS) == choices == sections and {"dpo", "grpo", "ppo"} <= sections
+    for name in sections:
+        section = align.Config.model_fields[name].default_factory()
+        assert isinstance(section.sources(), list), name
 
 
 def test_registered_methods_name_modules_with_a_train_function():
     """The registry names each shipped method's module, imported only when the method runs (so the
     config needs no torch): each is an align module whose `train` the stage calls."""
     for name, method in align.METHODS.items():
-        assert isinstance(method.train, str) and method.train == f"tasks.align.{name}", name
-        assert align.train_function(method).__module__ == method.train, name
+        assert method == f"tasks.align.{name}", name
+        assert align.train_function(method).__module__ == method, name
 
 
-def test_a_new_method_is_one_module_and_one_registry_entry(tmp_path, tiny_model_dir, monkeypatch):
-    """What a method module provides (settings with sources(), train(settings, job)) plus one
-    METHODS entry is all the stage needs: config section, hashing, dispatch and export follow."""
+def test_a_new_method_is_a_section_a_train_function_and_a_registry_entry(tmp_path, tiny_model_dir,
+                                                                         monkeypatch):
+    """What a method provides (a config section with sources(), train(config, job)) plus its
+    METHODS entry is all the stage needs: hashing, dispatch and export follow."""
 
-    class ScaleSettings(StageConfig):
+    class ScaleConfig(StageConfig):
         factor: float = Field(1.0, gt=0, description="Multiplies the output embedding.")
 
         def sources(self) -> list[str]:
             return []
 
-    def train(settings: ScaleSettings, job: AlignJob):
-        with torch.no_grad():
-            job.model.lm_head.weight.mul_(settings.factor)
-        return job.model, {"scaled_by": settings.factor}
+    class Config(align.Config):
+        method: Literal["dpo", "grpo", "ppo", "scale"] = "dpo"
+        scale: ScaleConfig = Field(default_factory=ScaleConfig, description="Settings of the test method.")
 
-    methods = {**align.METHODS, "scale": Method(ScaleSettings, train, "Settings of the test method.")}
-    monkeypatch.setattr(align, "METHODS", methods)
-    config = align.config_class(methods)(method="scale", scale={"factor": 2.0})
+    def train(config: ScaleConfig, job: AlignJob):
+        with torch.no_grad():
+            job.model.lm_head.weight.mul_(config.factor)
+        return job.model, {"scaled_by": config.factor}
+
+    monkeypatch.setattr(align, "METHODS", {**align.METHODS, "scale": train})
+    config = Config(method="scale", scale={"factor": 2.0})
     assert config.hashed_dict() == {"lora": None, "method": "scale", "scale": {"factor": 2.0}}
-    assert align.fingerprint(config) == align.fingerprint(align.config_class(methods)(method="scale"))
+    assert align.fingerprint(config) == align.fingerprint(Config(method="scale"))
     s = run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["method"] == "scale" and s["scaled_by"] == 2.0
     before, after = weights(tiny_model_dir), weights(tmp_path / "out" / "model")

@@ -54,7 +54,7 @@ def _read_docs(out_dir: Path) -> list[dict]:
 def _run(tmp_path: Path, name: str, engine=None, **config) -> tuple[collect.StageResult, Path]:
     out = tmp_path / name
     out.mkdir()
-    result = collect.run(collect.Config(**config), {}, out, engine=engine or SerialEngine())
+    result = collect.run(collect.Config(**config), out, engine=engine or SerialEngine())
     return result, out
 
 
@@ -418,4 +418,4 @@ def test_missing_extractor_dependency_fails_loudly(shared_data, tmp_path, monkey
     monkeypatch.setattr(collect, "extract_text", broken)
     config = collect.Config(sources=[str(shared_data / "warc" / "warcio_examples")])
     with pytest.raises(ImportError, match="lxml_html_clean"):
-        collect.run(config, {}, tmp_path / "out", engine=SerialEngine())
+        collect.run(config, tmp_path / "out", engine=SerialEngine())

@@ -23,7 +23,7 @@ DOLMA = Path("jsonl") / "dolma_cc"
 
 def _run(out: Path, engine=None, **config) -> collect.StageResult:
     out.mkdir(parents=True, exist_ok=True)
-    return collect.run(collect.Config(**config), {}, out, engine=engine or SerialEngine())
+    return collect.run(collect.Config(**config), out, engine=engine or SerialEngine())
 
 
 def _docs(out: Path) -> list[dict]:

@@ -38,7 +38,7 @@ def _traced_peak(config: collect.Config, out: Path, engine: WorkerProcess) -> tu
     what the corpus-level steps hold."""
     tracemalloc.start()
     try:
-        result = collect.run(config, {}, out, engine=engine)
+        result = collect.run(config, out, engine=engine)
         return tracemalloc.get_traced_memory()[1], result.stats
     finally:
         tracemalloc.stop()

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from flows.config import ConfigError, PipelineConfig, load_config
-from flows.dag import STAGE_NAMES, plan, stages_until
+from flows.dag import plan
+from flows.stages import STAGE_NAMES, stages_until
 from infra.artifacts import ArtifactStore
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

@@ -41,7 +41,7 @@ def test_items_found_in_crawl_or_sft_data_are_marked_and_no_others(tmp_path, sha
               "sft": _manifest("sft", tmp_path, {"data": [str(sft_file)], "lr": 1e-3}),
               "align": _manifest("align", tmp_path, {"method": "grpo",
                                                      "grpo": {"prompts": ["demo:arithmetic"]}})}
-    found = contaminated_items({"hellaswag": hellaswag, "gsm8k": gsm8k}, training_texts(inputs))
+    found = contaminated_items({"hellaswag": hellaswag, "gsm8k": gsm8k}, training_texts(inputs.values()))
     assert found == {"hellaswag": {"7"}, "gsm8k": {"12"}}
     # without the lineage's data nothing is marked: the marks come from the training text
     assert contaminated_items({"hellaswag": hellaswag, "gsm8k": gsm8k},

@@ -119,7 +119,7 @@ def stage_run(tmp_path_factory, tiny_model_dir, shared_data):
     inputs["collect"] = _crawl_quoting_arc_easy_item(root / "collect", shared_data, LEAKED_ITEM)
     config = _config(shared_data)
     out = root / "out"
-    result = evaluate.run(config, inputs, out, engine=SerialEngine())
+    result = evaluate.run(config, out, engine=SerialEngine(), **inputs)
     return result, out, inputs
 
 
@@ -236,7 +236,7 @@ def test_a_killed_run_resumes_per_model_and_per_task(stage_run, shared_data, mon
     calls = []
     real = evaluate.evaluate_task
     monkeypatch.setattr(evaluate, "evaluate_task", lambda *a, **k: calls.append(a[2].name) or real(*a, **k))
-    again = evaluate.run(_config(shared_data), inputs, out, engine=SerialEngine())
+    again = evaluate.run(_config(shared_data), out, engine=SerialEngine(), **inputs)
     assert calls == ["lambada_openai_part1"]
     assert again.stats == pytest.approx(before)
     rows = (out / "per_model" / "sft" / "tasks" / "lambada_openai_part1.items.jsonl").read_text().splitlines()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import bench.fuzz as fuzz
 import tasks.collect.readers as readers
-from tasks.collect import Config
+from tasks.collect.config import Config
 from tasks.collect.readers import (
     FILE_LEVEL_ERRORS,
     SUPPORTED_SUFFIXES,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, cli_env, committed_files, gristmill
 
-from infra.supervisor import alive, process_tree
+from infra.processes import alive, process_tree
 
 pytestmark = pytest.mark.slow
 

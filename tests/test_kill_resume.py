@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, gristmill
 
-from infra.supervisor import alive, process_tree
+from infra.processes import alive, process_tree
 
 pytestmark = pytest.mark.slow
 ARGS = ["run", "configs/tiny.yaml", "--until", "pretrain", "pretrain.max_steps=80",

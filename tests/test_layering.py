@@ -77,10 +77,14 @@ def import_graph() -> dict[str, set[str]]:
 
 def _imported_by_registered_name() -> dict[str, set[str]]:
     """Imports whose module name is data, which the parser above cannot see: the align stage
-    imports each registered method's module (`METHODS`) when that method runs."""
+    imports each registered method's module (`METHODS`) when that method runs, the stage table
+    each stage's code and publisher when the stage computes."""
+    from flows.stages import STAGES
     from tasks.align.config import METHODS
 
-    return {"tasks.align.stage": {m.train for m in METHODS.values() if isinstance(m.train, str)}}
+    named = [spec.run for spec in STAGES] + [spec.publisher for spec in STAGES if spec.publisher]
+    return {"tasks.align.stage": {m for m in METHODS.values() if isinstance(m, str)},
+            "flows.stages": {name.rpartition(".")[0] for name in named}}
 
 
 def _layer(module: str) -> str:
@@ -106,7 +110,9 @@ def test_model_does_not_import_tasks_even_inside_functions():
 
 
 def test_the_graph_sees_modules_imported_by_registered_name():
-    assert {"tasks.align.dpo", "tasks.align.grpo", "tasks.align.ppo"} <= import_graph()["tasks.align.stage"]
+    graph = import_graph()
+    assert {"tasks.align.dpo", "tasks.align.grpo", "tasks.align.ppo"} <= graph["tasks.align.stage"]
+    assert {"tasks.collect.stage", "tasks.evaluate.stage", "flows.reports"} <= graph["flows.stages"]
 
 
 def test_stage_packages_do_not_import_each_other():
@@ -150,22 +156,28 @@ def test_the_checker_sees_cycles_and_importlib(tmp_path, monkeypatch):
 
 
 def test_each_stage_package_exposes_the_contract():
-    """Config, VERSION and fingerprint are the package's own names; `run` may be exported lazily
-    (a module `__getattr__`, so that planning a run imports no torch) but is the stage's run."""
+    """Each stage of the table is the package `tasks/<stage>`: its entry names config.py's Config,
+    VERSION and fingerprint and stage.py's run; the package's `__init__` is only its docstring."""
     import importlib
 
-    for stage in ("collect", "tokenize", "pretrain", "sft", "align", "evaluate"):
-        package = importlib.import_module(f"tasks.{stage}")
-        assert {"Config", "VERSION", "fingerprint"} <= set(vars(package)), stage
-        assert {"Config", "VERSION", "fingerprint", "run"} <= set(package.__all__), stage
-        assert package.run is importlib.import_module(f"tasks.{stage}.stage").run, stage
-        assert isinstance(package.VERSION, int) and callable(package.run) and callable(package.fingerprint)
+    from flows.stages import STAGES
+
+    assert [p.name for p in sorted((REPO / "tasks").iterdir()) if (p / "__init__.py").is_file()] == sorted(
+        spec.name for spec in STAGES)
+    for spec in STAGES:
+        contract = importlib.import_module(f"tasks.{spec.name}.config")
+        assert (spec.config, spec.version, spec.fingerprint) == (
+            contract.Config, contract.VERSION, contract.fingerprint), spec.name
+        assert spec.run == f"tasks.{spec.name}.stage.run" and isinstance(spec.version, int)
+        init = ast.parse((REPO / "tasks" / spec.name / "__init__.py").read_text())
+        assert len(init.body) == 1 and ast.get_docstring(init), spec.name
 
 
 def test_mlflow_is_imported_only_by_infra_tracking():
-    users = {str(p.relative_to(REPO)) for p in _sources("core", "tasks", "model", "infra", "flows", "bench")
+    """The package infra/tracking/ is the only code of ours that imports mlflow."""
+    users = {p.relative_to(REPO) for p in _sources("core", "tasks", "model", "infra", "flows", "bench")
              if any(n.split(".")[0] == "mlflow" for n in _imported_names(p))}
-    assert users == {"infra/tracking.py"}
+    assert {str(p.parent) for p in users} == {"infra/tracking"}
 
 
 def test_stages_and_models_import_no_orchestration_tracking_or_cluster():

@@ -21,15 +21,15 @@ PROMPT = [{"role": "user", "content": "Say a word."}]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-# ---------------------------------------------------------------- settings and arithmetic
+# ---------------------------------------------------------------- config and arithmetic
 
 def test_settings_validate_and_describe_every_field():
     with pytest.raises(ValidationError, match="batch_size .16. must be divisible by minibatch_size .5."):
-        ppo.PPOSettings(batch_size=16, minibatch_size=5)
+        ppo.PPOConfig(batch_size=16, minibatch_size=5)
     with pytest.raises(ValidationError, match="temperature"):
-        ppo.PPOSettings(temperature=0)
-    assert all(f.description for f in ppo.PPOSettings.model_fields.values())
-    assert "checkpoint_every" not in ppo.PPOSettings().hashed_dict()
+        ppo.PPOConfig(temperature=0)
+    assert all(f.description for f in ppo.PPOConfig.model_fields.values())
+    assert "checkpoint_every" not in ppo.PPOConfig().hashed_dict()
 
 
 def test_gae_matches_hand_computation():
@@ -134,7 +134,7 @@ def test_ppo_reaches_the_kl_regularised_optimum(bandit, tmp_path):
     base, tokenizer, arms, texts = bandit
     policy, reference = copy.deepcopy(base), copy.deepcopy(base)
     rewarded = set(texts[:2])
-    settings = ppo.PPOSettings(**BANDIT)
+    config = ppo.PPOConfig(**BANDIT)
 
     def reward_fn(prompts, responses):
         assert all(p == PROMPT for p in prompts)
@@ -143,17 +143,17 @@ def test_ppo_reaches_the_kl_regularised_optimum(bandit, tmp_path):
     pi_ref = _next_token_probs(reference, tokenizer)
     reward = torch.zeros_like(pi_ref)
     reward[arms[:2]] = 1.0
-    pi_star = pi_ref * torch.exp(reward / settings.kl_coef)
+    pi_star = pi_ref * torch.exp(reward / config.kl_coef)
     pi_star /= pi_star.sum()
 
     def tv(p: torch.Tensor, q: torch.Tensor) -> float:
         return 0.5 * (p - q).abs().sum().item()
 
     assert pi_ref[arms].sum() > 0.95 and tv(pi_ref, pi_star) == pytest.approx(0.46, abs=0.01)
-    lower_beta = pi_ref * torch.exp(reward / (0.8 * settings.kl_coef))
+    lower_beta = pi_ref * torch.exp(reward / (0.8 * config.kl_coef))
     assert tv(pi_star, lower_beta / lower_beta.sum()) > 0.08  # the bound below tells them apart
 
-    stats = ppo.ppo_train(policy, reference, tokenizer, [PROMPT], reward_fn, settings, tmp_path, MetricsLog(tmp_path))
+    stats = ppo.ppo_train(policy, reference, tokenizer, [PROMPT], reward_fn, config, tmp_path, MetricsLog(tmp_path))
     pi = _next_token_probs(policy, tokenizer)
     assert tv(pi, pi_star) < 0.04
     assert tv(pi, pi_ref) > 0.4
@@ -187,7 +187,7 @@ def _train(tiny_model_dir, out, reward_fn=_length_reward, offset=0):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    stats = ppo.ppo_train(policy, copy.deepcopy(policy), tokenizer, PROMPTS, reward_fn, ppo.PPOSettings(**RESUME),
+    stats = ppo.ppo_train(policy, copy.deepcopy(policy), tokenizer, PROMPTS, reward_fn, ppo.PPOConfig(**RESUME),
                           out, MetricsLog(out), metrics_step_offset=offset)
     return policy, stats
 

@@ -34,7 +34,7 @@ def test_a_local_ray_listens_on_loopback_only():
     on 127.0.0.1: without the single-machine switch they listen on every interface."""
     import psutil
 
-    from infra.supervisor import process_tree
+    from infra.processes import process_tree
 
     engine = RayEngine(num_workers=2)
     try:

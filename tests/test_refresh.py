@@ -118,9 +118,12 @@ def test_the_deployments_served_include_data_refresh_on_its_cron(tmp_path):
 def test_serve_refresh_cron_sets_the_schedule(monkeypatch):
     import flows.cli as cli
     import flows.serve
+    from flows import supervised
+    from infra import supervisor
 
     served = []
-    monkeypatch.setattr(cli.env, "configure", lambda home=None: None)  # leave this process's env alone
+    # the supervised child (`python -m flows.supervised serve ARGUMENTS`), run in this process
+    monkeypatch.setattr(supervisor, "supervise", lambda argv, **_: supervised.main(list(argv[3:])))
     monkeypatch.setattr(flows.serve, "serve", served.append)
     assert cli.main(["serve", TINY, "--refresh-cron", "0 4 * * 2", "sft.lr=1e-3"]) == 0
     assert served[0].refresh.cron == "0 4 * * 2" and served[0].sft.lr == 1e-3
@@ -194,5 +197,5 @@ def test_new_common_crawl_files_are_collected_from_their_urls(server, tmp_path):
     assert list(first.values()) == [refresh.CC_STAMP]
     new = refresh.new_inputs(inputs(2), [{"version": 1, "inputs": first}])
     assert [url.rsplit("/", 1)[1] for url in new] == ["sample-0000.warc.gz"]
-    result = collect.run(collect.Config(sources=list(new)), {}, tmp_path, engine=SerialEngine())
+    result = collect.run(collect.Config(sources=list(new)), tmp_path, engine=SerialEngine())
     assert result.stats["records_read"] == 48 and result.stats["docs_out"] > 0  # SOURCES.md: 48 records

@@ -41,8 +41,10 @@ def _manifests(root: Path, run: int, arith_acc: float, val_ppl: float) -> dict[s
 @pytest.fixture
 def tracker(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from infra.tracking import Tracker
+    from infra import schemas
+    from infra.tracking.runs import Tracker
 
+    schemas.seed_mlflow(tmp_path)  # a migrated store, as a run's new home gets
     return Tracker(tmp_path)
 
 

@@ -10,10 +10,11 @@ from pydantic import ValidationError
 
 import tasks.align.reward_model as rm
 from core.stage import MetricsLog, read_metrics
+from tasks.align.config import RewardModelConfig
 from tasks.align.preferences import load_preference_pairs
 
-SETTINGS = {"lr": 3e-3, "max_steps": 12, "batch_size": 8, "max_seq_len": 64, "warmup_frac": 0.1,
-            "seed": 0, "device": "cpu", "checkpoint_every": 6, "weight_decay": 0.0, "beta2": 0.999}
+RM_CONFIG = {"lr": 3e-3, "max_steps": 12, "batch_size": 8, "max_seq_len": 64, "warmup_frac": 0.1,
+             "seed": 0, "device": "cpu", "checkpoint_every": 6, "weight_decay": 0.0, "beta2": 0.999}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,8 +30,8 @@ def courtesy_pairs(n: int) -> list[dict]:
 def _train(tiny_model_dir: Path, out: Path, **overrides):
     pairs = courtesy_pairs(48)
     out.mkdir(exist_ok=True)
-    settings = rm.RewardModelSettings(**{**SETTINGS, **overrides})
-    return rm.train_reward_model(tiny_model_dir, pairs[:36], pairs[36:], settings, out, MetricsLog(out))
+    config = RewardModelConfig(**{**RM_CONFIG, **overrides})
+    return rm.train_reward_model(tiny_model_dir, pairs[:36], pairs[36:], config, out, MetricsLog(out))
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +44,11 @@ def trained(tmp_path_factory, tiny_model_dir):
 
 def test_settings_validate_and_describe_every_field():
     with pytest.raises(ValidationError, match="lr"):
-        rm.RewardModelSettings(lr=0)
+        RewardModelConfig(lr=0)
     with pytest.raises(ValidationError, match="max_seq_len"):
-        rm.RewardModelSettings(max_seq_len=2)
-    assert all(f.description for f in rm.RewardModelSettings.model_fields.values())
-    assert "checkpoint_every" not in rm.RewardModelSettings().hashed_dict()
+        RewardModelConfig(max_seq_len=2)
+    assert all(f.description for f in RewardModelConfig.model_fields.values())
+    assert "checkpoint_every" not in RewardModelConfig().hashed_dict()
 
 
 def test_pair_stats_counts_ties_as_wrong():

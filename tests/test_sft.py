@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import tasks.sft.stage as sft
 from core.chat import render_with_mask
 from core.stage import Manifest, SerialEngine, read_metrics
+from model.config import LoraConfig
 from model.loop import IGNORE_INDEX, causal_lm_loss, token_loss_sum
-from model.lora import LoraSettings, apply_lora
+from model.lora import apply_lora
 from model.packing import collate_packed, pack_examples, packed_logits
 from tasks.sft.conversations import drop_reason, load_conversations, oasst_threads
 
@@ -251,12 +252,12 @@ def test_empty_source_is_an_error_naming_it(tmp_path, tiny_tokenizer_dir):
 
 def test_lora_trains_only_adapters(tiny_model_dir):
     torch.manual_seed(0)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraSettings(rank=4))
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(rank=4))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     # 2 layers x 7 linear modules x (A, B)
     assert len(trainable) == 28 and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     with pytest.raises(ValueError, match="nope"):
-        apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraSettings(target_modules=["nope"]))
+        apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(target_modules=["nope"]))
 
 
 # --- the stage --------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def test_sft_lowers_heldout_assistant_loss(pretrain_manifest, tokenize_manifest,
                         checkpoint_every=15, device="cpu")
     out = tmp_path / "sft"
     inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
-    result = sft.run(config, inputs, out, engine=SerialEngine())
+    result = sft.run(config, out, engine=SerialEngine(), **inputs)
     stats = result.stats
     assert stats["examples_heldout"] == 20 and stats["examples_train"] == 180
     assert stats["heldout_loss_after"] < 0.5 * stats["heldout_loss_before"]
@@ -343,7 +344,7 @@ def test_pretraining_text_keeps_the_models_language(pretrain_manifest, tokenize_
     for mix in (0.0, 0.5):
         config = sft.Config(data=["demo:arithmetic"], max_examples=200, max_steps=30, batch_size=8, lr=3e-3,
                             max_seq_len=64, pretrain_mix=mix, eval_every=0, checkpoint_every=100, device="cpu")
-        stats[mix] = sft.run(config, inputs, tmp_path / str(mix), engine=SerialEngine()).stats
+        stats[mix] = sft.run(config, tmp_path / str(mix), engine=SerialEngine(), **inputs).stats
     assert stats[0.0]["val_text_loss_before"] == stats[0.5]["val_text_loss_before"]
     assert stats[0.5]["val_text_loss_after"] < stats[0.5]["val_text_loss_before"]
     assert stats[0.5]["val_text_loss_after"] < stats[0.0]["val_text_loss_after"] - 0.5  # nats
@@ -353,8 +354,8 @@ def test_pretraining_text_keeps_the_models_language(pretrain_manifest, tokenize_
 
 def test_mixing_text_needs_the_tokenize_artifact(pretrain_manifest, tmp_path):
     with pytest.raises(ValueError, match="pretrain_mix=0.25 .* 'tokenize'"):
-        sft.run(sft.Config(max_examples=20, max_steps=1, device="cpu"), {"pretrain": pretrain_manifest},
-                tmp_path / "out", engine=SerialEngine())
+        sft.run(sft.Config(max_examples=20, max_steps=1, device="cpu"), tmp_path / "out",
+                engine=SerialEngine(), pretrain=pretrain_manifest)
     with pytest.raises(ValueError, match="pretrain_windows \\(3\\) must be a multiple"):
         sft.Config(pretrain_windows=3, batch_size=4, grad_accum_steps=2)
     sft.Config(pretrain_windows=3, batch_size=4, grad_accum_steps=2, pretrain_mix=0)  # nothing mixed in
@@ -362,7 +363,7 @@ def test_mixing_text_needs_the_tokenize_artifact(pretrain_manifest, tmp_path):
 
 def _lora_config(**overrides) -> sft.Config:
     values = dict(data=["demo:arithmetic"], max_examples=200, max_steps=30, batch_size=4, lr=1e-2,
-                  packing=True, max_seq_len=128, lora=LoraSettings(rank=8, alpha=16, dropout=0.1),
+                  packing=True, max_seq_len=128, lora=LoraConfig(rank=8, alpha=16, dropout=0.1),
                   heldout_fraction=0.1, eval_every=0, checkpoint_every=10, device="cpu")
     return sft.Config(**{**values, **overrides})
 
@@ -371,8 +372,8 @@ def test_lora_with_packing_exports_merged_model_and_adapter(pretrain_manifest, t
     from peft import PeftModel
 
     out = tmp_path / "sft"
-    stats = sft.run(_lora_config(pretrain_mix=0), {"pretrain": pretrain_manifest}, out,
-                    engine=SerialEngine()).stats
+    stats = sft.run(_lora_config(pretrain_mix=0), out, engine=SerialEngine(),
+                    pretrain=pretrain_manifest).stats
     assert stats["heldout_loss_after"] < stats["heldout_loss_before"] - 0.5  # nats; base embeddings stay frozen
     assert stats["packed_rows"] < stats["examples_train"] and 0.8 < stats["packed_fill"] <= 1
     assert stats["params_trainable"] < 0.2 * stats["params_total"]
@@ -381,7 +382,7 @@ def test_lora_with_packing_exports_merged_model_and_adapter(pretrain_manifest, t
     base_dir = pretrain_manifest.path / "model"
     base, merged = load_file(base_dir / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
-    assert changed and all(k.split(".")[-2] in LoraSettings().target_modules for k in changed)
+    assert changed and all(k.split(".")[-2] in LoraConfig().target_modules for k in changed)
     # The merged export computes what base + adapter computes.
     ids = torch.tensor([sft.sft_example(*render_with_mask(AutoTokenizer.from_pretrained(base_dir), [
         {"role": "user", "content": "What is 7 + 8?"}, {"role": "assistant", "content": "15"}]))[0]])
@@ -397,7 +398,7 @@ def test_lora_resume_after_crash_is_exact(pretrain_manifest, tokenize_manifest, 
     """With pretraining text mixed in (the default), so its windows resume exactly too."""
     config = _lora_config(max_steps=6, checkpoint_every=2, eval_every=3, max_examples=60)
     inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
-    sft.run(config, inputs, tmp_path / "straight", engine=SerialEngine())
+    sft.run(config, tmp_path / "straight", engine=SerialEngine(), **inputs)
 
     real_indices = sft.epoch_indices
 
@@ -408,10 +409,10 @@ def test_lora_resume_after_crash_is_exact(pretrain_manifest, tokenize_manifest, 
 
     monkeypatch.setattr(sft, "epoch_indices", crashing_indices)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        sft.run(config, inputs, tmp_path / "resumed", engine=SerialEngine())
+        sft.run(config, tmp_path / "resumed", engine=SerialEngine(), **inputs)
     monkeypatch.setattr(sft, "epoch_indices", real_indices)
     with caplog.at_level(logging.INFO, logger="gristmill.sft"):
-        stats = sft.run(config, inputs, tmp_path / "resumed", engine=SerialEngine()).stats
+        stats = sft.run(config, tmp_path / "resumed", engine=SerialEngine(), **inputs).stats
 
     assert "resuming from step 2" in caplog.text and stats["resumed_from_step"] == 2
     untimed = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
@@ -427,14 +428,14 @@ def test_tokens_per_step_needs_packing(pretrain_manifest, tmp_path):
     config = sft.Config(max_examples=20, max_steps=1, tokens_per_step=1024, batch_size=2, device="cpu",
                         pretrain_mix=0)
     with pytest.raises(ValueError, match="tokens_per_step needs packing"):
-        sft.run(config, {"pretrain": pretrain_manifest}, tmp_path / "out", engine=SerialEngine())
+        sft.run(config, tmp_path / "out", engine=SerialEngine(), pretrain=pretrain_manifest)
 
 
 def test_lora_and_packing_from_pipeline_overrides():
     from flows.config import load_config
 
     cfg = load_config(None, ["sft.lora.rank=4", "sft.packing=true"]).sft
-    assert cfg.packing and cfg.lora == LoraSettings(rank=4) and cfg.lora.alpha == 16
+    assert cfg.packing and cfg.lora == LoraConfig(rank=4) and cfg.lora.alpha == 16
     assert load_config(None, []).sft.lora is None
     assert cfg.hashed_dict()["lora"]["rank"] == 4  # adapter shape is part of the artifact hash
 

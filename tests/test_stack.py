@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from flows import cli
-from infra import stack
-from infra.supervisor import alive
+from infra import processes, stack
+from infra.processes import alive
 
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
@@ -42,7 +42,7 @@ def _dead_record(home: Path, name: str) -> None:
 
 def _listening(record: dict) -> set[tuple[str, int]]:
     addresses = set()
-    for proc in stack.session_processes(record):
+    for proc in processes.session(record["pid"], record["create_time"]):
         try:
             addresses |= {(c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
                           if c.status == psutil.CONN_LISTEN}
@@ -84,14 +84,14 @@ def test_ports_that_cannot_work_are_refused_before_anything_starts():
 
 
 def test_a_taken_port_fails_that_service_without_starting_it(tmp_path):
-    ports = stack.Ports(*stack.free_ports(6))
+    ports = stack.Ports.free()
     taken = [socket.create_server(("127.0.0.1", port)) for port in (ports.prefect, ports.mlflow, ports.ray)]
     try:
-        states = [s for s in stack.up(tmp_path, ports=ports, timeout_s=5) if s.name != "runner"]
+        states = stack.up(tmp_path, ports=ports, timeout_s=5)
     finally:
         for sock in taken:
             sock.close()
-        stack.down(tmp_path)  # the warm runner binds no port: it may have started
+        stack.down(tmp_path)
     assert [(s.name, s.state) for s in states] == [("prefect", "failed"), ("mlflow", "failed"), ("ray", "failed")]
     assert all("taken by a process gristmill did not start" in s.note for s in states)
     assert not list(stack.services_dir(tmp_path).glob("*.pid"))
@@ -100,8 +100,8 @@ def test_a_taken_port_fails_that_service_without_starting_it(tmp_path):
 def test_stale_pid_files_read_as_stopped_and_down_removes_them(tmp_path):
     for name in stack.NAMES:
         _dead_record(tmp_path, name)
-    assert [s.state for s in stack.status(tmp_path)] == ["stopped"] * 4
-    assert [s.note for s in stack.down(tmp_path)] == ["stale pid file removed"] * 4
+    assert [s.state for s in stack.status(tmp_path)] == ["stopped"] * 3
+    assert [s.note for s in stack.down(tmp_path)] == ["stale pid file removed"] * 3
     assert not list(stack.services_dir(tmp_path).iterdir())
 
 
@@ -111,13 +111,15 @@ def test_a_reused_pid_is_never_stopped(tmp_path):
     record_file = stack.services_dir(tmp_path) / "ray.json"
     record = json.loads(record_file.read_text())
     record_file.write_text(json.dumps({**record, "pid": os.getpid()}))
-    assert stack.session_processes({**record, "pid": os.getpid()}) == []
+    assert processes.session(os.getpid(), record["create_time"]) == []
     assert [s.note for s in stack.down(tmp_path)][2] == "stale pid file removed"  # and we still run
 
 
 def test_a_service_that_exits_is_reported_with_its_log_and_forgotten(tmp_path, monkeypatch):
-    crash = stack.Spec("prefect", (sys.executable, "-c", "print('no database'); raise SystemExit(3)"),
-                       dict(os.environ), "127.0.0.1", (stack.free_ports(1)[0],), "http://127.0.0.1:1/", "http://127.0.0.1:1")
+    crash = stack.Spec(name="prefect", env=dict(os.environ),
+                       argv=(sys.executable, "-c", "print('no database'); raise SystemExit(3)"),
+                       host="127.0.0.1", ports=(stack.Ports.free().prefect,),
+                       health_url="http://127.0.0.1:1/", url="http://127.0.0.1:1")
     monkeypatch.setattr(stack, "specs", lambda *args: [crash])
     [state] = stack.up(tmp_path, timeout_s=30)
     assert state.state == "failed" and state.note.startswith("exited; see ") and state.pid is None
@@ -159,7 +161,7 @@ def test_ray_temp_dir_stays_short_enough_for_its_sockets(tmp_path):
 
 @pytest.fixture
 def restored_environ():
-    """The CLI points os.environ at its home (env.configure); later tests must not inherit it."""
+    """env.configure points os.environ at its home; later tests must not inherit it."""
     saved = dict(os.environ)
     yield
     os.environ.clear()
@@ -176,11 +178,11 @@ def test_a_run_pointed_at_a_loopback_ray_keeps_it_loopback(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ):
+def test_up_status_down(tmp_path_factory, monkeypatch, capsys):
     home = tmp_path_factory.mktemp("stack")
     monkeypatch.setenv("GRISTMILL_HOME", str(home))
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # where a careless ./mlruns would land
-    ports = stack.Ports(*stack.free_ports(6))
+    ports = stack.Ports.free()
     _dead_record(home, "ray")  # a stale pid file: replaced, not trusted
     secrets = {stack.PREFECT_AUTH: "team:prefect-Secret-4411", stack.MLFLOW_AUTH: "mlflow-Secret-9923xy"}
     for name, value in {**secrets, "MLFLOW_TRACKING_USERNAME": "admin",
@@ -191,20 +193,17 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
         assert "basic auth is on" in capsys.readouterr().out
         first = {s.name: s for s in stack.status(home)}
         assert {n: (s.state, s.healthy) for n, s in first.items()} == {
-            n: ("running", True) for n in ("prefect", "mlflow", "ray", "runner")}
+            n: ("running", True) for n in ("prefect", "mlflow", "ray")}
         records = {n: json.loads((home / "services" / f"{n}.json").read_text()) for n in first}
         assert int((home / "services" / "ray.pid").read_text()) == first["ray"].pid
 
         # Loopback only: every listening socket of every process of the three sessions.
         for name, record in records.items():
             listening = _listening(record)
-            if name == "runner":  # a Unix socket, only this user's: nothing on the network
-                assert not listening and stack.healthy(record), listening
-                continue
             assert {ip for ip, _ in listening} <= LOOPBACK_IPS, (name, listening)
             assert record["ports"][0] in {port for _, port in listening}, (name, listening)
-        processes = [p for r in records.values() for p in stack.session_processes(r)]
-        assert len(processes) > 3  # the servers' workers, Ray's GCS and raylet: all tracked
+        started = [p for r in records.values() for p in processes.session(r["pid"], r["create_time"])]
+        assert len(started) > 3  # the servers' workers, Ray's GCS and raylet: all tracked
 
         # Basic auth: an API call without credentials is refused, with them it is served.
         prefect_api = f"http://127.0.0.1:{ports.prefect}/api/flows/filter"
@@ -220,7 +219,7 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
         assert out.strip() == (f"export PREFECT_API_URL=http://127.0.0.1:{ports.prefect}/api "
                                f"MLFLOW_TRACKING_URI=http://127.0.0.1:{ports.mlflow} "
                                f"RAY_ADDRESS=127.0.0.1:{ports.ray} RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
-        assert err.count("already running") == 4
+        assert err.count("already running") == 3
         assert {s.name: s.pid for s in stack.status(home)} == {n: s.pid for n, s in first.items()}
 
         # MLflow: the SQLite store and the served artifacts are under GRISTMILL_HOME.
@@ -234,13 +233,13 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys, restored_environ)
         assert not Path("mlruns").exists() and not Path("mlartifacts").exists()
         assert (home / "mlflow.db").is_file() and (home / "prefect" / "prefect.db").is_file()
         # The secrets are in no record, log or command line `up` left behind.
-        for path in filter(Path.is_file, (home / "services").iterdir()):  # not the runner's socket
+        for path in (home / "services").iterdir():
             assert not any(v in path.read_text(errors="replace") for v in secrets.values()), path
     finally:
         capsys.readouterr()
         assert cli.main(["down"]) == 0
     assert "stopped pid" in capsys.readouterr().out
-    assert alive(processes) == []
+    assert alive(started) == []
     assert not list((home / "services").glob("*.pid"))
     assert cli.main(["status"]) == 3
-    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["stopped"] * 4
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["stopped"] * 3

@@ -211,7 +211,7 @@ def stage_run(tmp_path_factory, shared_data):
     collect, texts = _fake_collect(root / "collect", shared_data)
     reference = str(shared_data / "tokenizer" / "gpt2.tiktoken")
     config = tokenize.Config(**CONFIG, reference_vocab=reference)
-    result = tokenize.run(config, {"collect": collect}, root / "out", engine=SerialEngine())
+    result = tokenize.run(config, root / "out", engine=SerialEngine(), collect=collect)
     return collect, texts, config, result, root / "out"
 
 
@@ -302,7 +302,7 @@ def test_fingerprint_follows_the_reference_file(tmp_path, shared_data):
 
 def test_output_does_not_depend_on_worker_order(stage_run, tmp_path):
     collect, texts, config, result, out = stage_run
-    tokenize.run(config, {"collect": collect}, tmp_path, engine=ReversedEngine())
+    tokenize.run(config, tmp_path, engine=ReversedEngine(), collect=collect)
     for rel in OUTPUTS:
         assert (out / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
 
@@ -314,7 +314,7 @@ def test_ray_workers_write_the_same_shards(stage_run, tmp_path):
     collect, texts, config, result, out = stage_run
     engine = RayEngine(num_workers=2)
     try:
-        tokenize.run(config, {"collect": collect}, tmp_path, engine=engine)
+        tokenize.run(config, tmp_path, engine=engine, collect=collect)
     finally:
         engine.shutdown()
     for rel in OUTPUTS:
@@ -324,12 +324,12 @@ def test_ray_workers_write_the_same_shards(stage_run, tmp_path):
 def test_killed_run_redoes_only_unfinished_shards(stage_run, tmp_path, caplog):
     collect, texts, config, result, out = stage_run
     with pytest.raises(KeyboardInterrupt):
-        tokenize.run(config, {"collect": collect}, tmp_path, engine=CrashingEngine(k=2))
+        tokenize.run(config, tmp_path, engine=CrashingEngine(k=2), collect=collect)
     assert sorted(p.name for p in (tmp_path / "parts").glob("*.counts.json")) == ["00000.counts.json",
                                                                                "00001.counts.json"]
     engine = RecordingEngine()
     with caplog.at_level(logging.INFO, logger="gristmill.tokenize"):
-        resumed = tokenize.run(config, {"collect": collect}, tmp_path, engine=engine)
+        resumed = tokenize.run(config, tmp_path, engine=engine, collect=collect)
     assert [item["stem"] for item in engine.items] == ["00002"]
     assert "reusing the tokenizer" in caplog.text
     assert resumed.stats == result.stats

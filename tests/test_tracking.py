@@ -1,8 +1,11 @@
-"""Stage runs in MLflow (infra/tracking.py) against a real SQLite store: what a computed and a
-reused stage's run records, the back-fill of a run that never finished, and MLflow's batch limits."""
+"""Tracking (infra/tracking/) against a real SQLite store: what a computed and a reused stage's
+run records, the back-fill of a run that never finished, MLflow's batch limits, a corpus version's
+lineage; and a server that does not answer, told apart from MLflow's other errors by type."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -13,13 +16,15 @@ from core.stage import METRICS_FILE, Manifest
 @pytest.fixture
 def tracker(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from infra.tracking import Tracker
+    from infra import schemas
+    from infra.tracking.runs import Tracker
 
+    schemas.seed_mlflow(tmp_path / "home")  # a migrated store, as a run's new home gets
     return Tracker(tmp_path / "home")
 
 
 class Calls:
-    """Counts the MLflow client calls a tracker makes (its guarded client, wrapped)."""
+    """Counts the MLflow client calls a tracker makes (its client, wrapped)."""
 
     def __init__(self, tracker):
         self.names: list[str] = []
@@ -53,7 +58,7 @@ def _computed(tracker, tmp_path, stage: str, key: str, upstream=None, steps: int
     return manifest
 
 
-def test_a_reused_stage_is_recorded_in_four_calls_pointing_at_the_run_that_computed_it(tracker, tmp_path):
+def test_a_reused_stage_is_recorded_in_five_calls_pointing_at_the_run_that_computed_it(tracker, tmp_path):
     collect = _computed(tracker, tmp_path, "collect", "c1")
     tokenize = _computed(tracker, tmp_path, "tokenize", "t1", {"collect": collect})
     parent = tracker.start_pipeline("again", {}, {})
@@ -62,8 +67,8 @@ def test_a_reused_stage_is_recorded_in_four_calls_pointing_at_the_run_that_compu
                                                      {"collect": collect}, tokenize)
     tracker.end(run_id, ok=True)
     assert not backfilled
-    # four calls to record the stage: that the computing run finished, the home's ledger says
-    assert calls.names == ["create_run", "log_batch", "log_inputs", "set_terminated"]
+    # one to ask whether the computing run finished, four to record the stage
+    assert calls.names == ["get_run", "create_run", "log_batch", "log_inputs", "set_terminated"]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracker.uri)
@@ -83,17 +88,16 @@ def test_a_reused_stage_is_recorded_in_four_calls_pointing_at_the_run_that_compu
     assert client.list_artifacts(run_id) == []
 
 
-def test_a_run_that_finished_elsewhere_is_asked_about_once(tracker, tmp_path):
-    """A run ended by another home (or before the ledger existed) is looked up in MLflow once,
-    then known; one that never finished is asked about again each time."""
+def test_whether_a_run_finished_is_one_get_run(tracker, tmp_path):
+    """Finished, cut short, unknown to this store (another store's id): one `get_run` each; no
+    run id asks nothing."""
     collect = _computed(tracker, tmp_path, "collect", "c1")
-    tracker.ledger.unlink()
     parent = tracker.start_pipeline("lost", {}, {})
     cut_short = tracker.start_stage(parent, "pretrain", "p1", {}, {})
     calls = Calls(tracker)
-    assert [tracker.finished(collect.meta["mlflow_run_id"]) for _ in range(2)] == [True, True]
-    assert [tracker.finished(cut_short) for _ in range(2)] == [False, False]
-    assert calls.names == ["get_run", "get_run", "get_run"]
+    asked = [tracker.finished(r) for r in (collect.meta["mlflow_run_id"], cut_short, "0" * 32, None)]
+    assert asked == [True, False, False, False]
+    assert calls.names == ["get_run"] * 3
 
 
 def test_a_reused_stage_whose_computing_run_never_finished_backfills_it(tracker, tmp_path):
@@ -134,7 +138,7 @@ def test_lineage_survives_another_run_logging_the_same_dataset_at_once(tracker, 
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import Tracker
+    from infra.tracking.runs import Tracker
 
     collect = _computed(tracker, tmp_path, "collect", "c1")
     other = Tracker(tmp_path / "home")
@@ -155,3 +159,93 @@ def test_lineage_survives_another_run_logging_the_same_dataset_at_once(tracker, 
     client = MlflowClient(tracker.uri)
     names = {i.dataset.name for r in (run_id, raced[0]) for i in client.get_run(r).inputs.dataset_inputs}
     assert names == {"collect-c1"}
+
+
+def test_a_corpus_version_is_a_dataset_of_its_run_next_to_the_version_it_extends(tracker, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking.corpus import log_corpus_version
+
+    v1, v2 = (_manifest(tmp_path / "store", "collect", key, None) for key in ("c1", "c2"))
+    run_id = tracker.start_pipeline("refresh v2", {}, {"gristmill.kind": "refresh"})
+    log_corpus_version(tracker, run_id, 2, v2, (1, v1))
+    run = MlflowClient(tracker.uri).get_run(run_id)
+    datasets = {(i.dataset.name, i.dataset.digest, i.dataset.source, i.tags[0].value)
+                for i in run.inputs.dataset_inputs}
+    assert datasets == {("corpus-v2", "c2", v2.path.resolve().as_uri(), "corpus-version"),
+                        ("corpus-v1", "c1", v1.path.resolve().as_uri(), "parent-corpus-version")}
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("gristmill.corpus.")} == {
+        "gristmill.corpus.version": "2", "gristmill.corpus.key": "c2", "gristmill.corpus.parent_version": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def impatient(monkeypatch):
+    """MLflow's HTTP client without retries and with a one-second timeout."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+
+
+def _unavailable(tmp_path, monkeypatch, uri: str) -> Exception:
+    """What opening a tracker on `uri` raises, within a few seconds."""
+    from infra.tracking import TrackingUnavailable
+    from infra.tracking.runs import Tracker
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    started = time.monotonic()
+    with pytest.raises(TrackingUnavailable) as raised:
+        Tracker(tmp_path / "home")
+    assert time.monotonic() - started < 15
+    return raised.value
+
+
+def test_a_port_nobody_listens_on_is_tracking_unavailable(tmp_path, monkeypatch, impatient):
+    from mlflow.exceptions import MlflowException
+
+    uri = f"http://127.0.0.1:{_free_port()}"
+    error = _unavailable(tmp_path, monkeypatch, uri)
+    assert str(error).startswith(f"MLflow at {uri} is not answering (get_experiment_by_name)")
+    assert isinstance(error.__cause__, MlflowException)
+
+
+def test_a_server_that_never_replies_is_tracking_unavailable(tmp_path, monkeypatch, impatient):
+    with socket.socket() as silent:  # connections are accepted (by the kernel), never answered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        assert "not answering" in str(_unavailable(tmp_path, monkeypatch, uri))
+
+
+def test_only_a_request_left_unanswered_counts_as_unavailable(tracker):
+    """By the error's type, not its words: MLflow's own errors pass through unchanged, whatever
+    they say; one raised from or while handling a connection error, timeout or exhausted retries
+    is a server that did not answer."""
+    from mlflow.exceptions import MlflowException
+    from requests import exceptions as http_errors
+
+    from infra.tracking import unanswered
+
+    with pytest.raises(MlflowException, match="not found"):
+        tracker.client.get_run("0" * 32)
+    assert not unanswered(MlflowException("API request to http://x failed with error code 404 != 200"))
+
+    def raised(inner: Exception, cause: bool) -> MlflowException:
+        """MLflow's error raised from `inner` (its cause), or while handling it (its context)."""
+        try:
+            try:
+                raise inner
+            except Exception as error:
+                if cause:
+                    raise MlflowException("API request to http://x failed") from error
+                raise MlflowException("API request to http://x failed")  # as MLflow does
+        except MlflowException as outer:
+            return outer
+
+    for inner in (http_errors.ConnectionError(), http_errors.ReadTimeout(), http_errors.RetryError()):
+        assert unanswered(raised(inner, cause=True)) and unanswered(raised(inner, cause=False))
+    assert not unanswered(raised(ValueError("bad value"), cause=True))

@@ -17,9 +17,9 @@ import torch
 
 from core.stage import MetricsLog
 from model.checkpoint import CHECKPOINTS_DIR
+from tasks.align.config import DPOConfig
 from tasks.align.method import AlignJob
 from tasks.align.preferences import Pair, load_pairs, split_heldout
-from tasks.align.settings import DPOSettings
 from tasks.align.trl_common import train_resumably, trainer_args, with_lora
 
 log = logging.getLogger("gristmill.align")
@@ -66,49 +66,49 @@ def preference_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float)
             "logp_margin": (policy[:, 0] - policy[:, 1]).mean().item()}
 
 
-def build_trainer(settings: DPOSettings, job: AlignJob, train: list[Pair], heldout: list[Pair]) -> Any:
+def build_trainer(config: DPOConfig, job: AlignJob, train: list[Pair], heldout: list[Pair]) -> Any:
+    import trl  # module-qualified: its DPOConfig is the trainer's, ours is the stage section
     from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
 
-    losses = {"sigmoid": 1.0, **({"sft": settings.sft_weight} if settings.sft_weight else {})}
-    args = DPOConfig(**trainer_args(settings, job.out_dir / CHECKPOINTS_DIR),
-                     per_device_train_batch_size=settings.batch_size, beta=settings.beta,
-                     loss_type=list(losses), loss_weights=list(losses.values()),
-                     max_length=settings.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
+    losses = {"sigmoid": 1.0, **({"sft": config.sft_weight} if config.sft_weight else {})}
+    args = trl.DPOConfig(**trainer_args(config, job.out_dir / CHECKPOINTS_DIR),
+                         per_device_train_batch_size=config.batch_size, beta=config.beta,
+                         loss_type=list(losses), loss_weights=list(losses.values()),
+                         max_length=config.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
     # The frozen SFT model is the reference; with LoRA, TRL switches the adapters off instead.
     reference = None if job.lora else copy.deepcopy(job.model).eval().requires_grad_(False)
-    return DPOTrainer(model=with_lora(job.model, job.lora, settings.seed), ref_model=reference, args=args,
-                      processing_class=job.tokenizer, train_dataset=Dataset.from_list(to_trl_rows(train)),
-                      eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
+    return trl.DPOTrainer(model=with_lora(job.model, job.lora, config.seed), ref_model=reference, args=args,
+                          processing_class=job.tokenizer, train_dataset=Dataset.from_list(to_trl_rows(train)),
+                          eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
 
 
-def train(settings: DPOSettings, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
-    pairs, drops = load_pairs(settings.data, settings.max_pairs, settings.seed)
-    train_pairs, heldout = split_heldout(pairs, settings.heldout_fraction, settings.seed)
-    trainer = build_trainer(settings, job, train_pairs, heldout)
+def train(config: DPOConfig, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
+    pairs, drops = load_pairs(config.data, config.max_pairs, config.seed)
+    train_pairs, heldout = split_heldout(pairs, config.heldout_fraction, config.seed)
+    trainer = build_trainer(config, job, train_pairs, heldout)
     n_train, n_heldout = len(trainer.train_dataset), len(trainer.eval_dataset)
     drops["prompt_too_long"] = len(pairs) - n_train - n_heldout
     if not n_train or not n_heldout:
-        raise ValueError(f"max_seq_len={settings.max_seq_len} leaves {n_train} training and {n_heldout} "
-                         f"held-out pairs of {settings.data} (prompts that fill it are dropped)")
+        raise ValueError(f"max_seq_len={config.max_seq_len} leaves {n_train} training and {n_heldout} "
+                         f"held-out pairs of {config.data} (prompts that fill it are dropped)")
 
     def heldout_logps() -> torch.Tensor:
         return response_logps(trainer.model, trainer.eval_dataset, trainer.data_collator,
-                              settings.batch_size, trainer.accelerator.device)
+                              config.batch_size, trainer.accelerator.device)
 
     # Before training the policy is the reference (a copy, or LoRA's zero-initialised adapters):
     # its implicit rewards are 0 by definition, its log-prob accuracy is the SFT model's. A resume
     # loads trained weights only inside train().
     ref_logps = heldout_logps()
-    before = preference_stats(ref_logps, ref_logps, settings.beta)
-    summary, resumed_step = train_resumably(trainer, settings, MetricsLog(job.out_dir))
-    after = preference_stats(heldout_logps(), ref_logps, settings.beta)
+    before = preference_stats(ref_logps, ref_logps, config.beta)
+    summary, resumed_step = train_resumably(trainer, config, MetricsLog(job.out_dir))
+    after = preference_stats(heldout_logps(), ref_logps, config.beta)
     log.info("held-out log-prob preference accuracy %.3f -> %.3f, implicit-reward margin %.4f -> %.4f",
              before["logp_acc"], after["logp_acc"], before["margin"], after["margin"])
     return trainer.model, {
         "pairs_train": n_train, "pairs_heldout": n_heldout, "steps": trainer.state.global_step,
         "resumed_from_step": resumed_step, "train_loss": summary.training_loss,
-        "truncated_too_long": count_truncated(trainer.train_dataset, settings.max_seq_len),
+        "truncated_too_long": count_truncated(trainer.train_dataset, config.max_seq_len),
         **{f"heldout_{k}_before": v for k, v in before.items()},
         **{f"heldout_{k}_after": v for k, v in after.items()},
         **{f"dropped_{reason}": n for reason, n in sorted(drops.items())},

@@ -23,6 +23,7 @@ from core.chat import prompt_ids
 from core.stage import MetricsLog, read_metrics
 from model.checkpoint import CHECKPOINTS_DIR
 from model.generate import generate_greedy
+from tasks.align.config import GRPOConfig
 from tasks.align.method import AlignJob
 from tasks.align.rewards import (
     MathPrompt,
@@ -30,35 +31,35 @@ from tasks.align.rewards import (
     load_math_prompts,
     numeric_match_reward,
 )
-from tasks.align.settings import GRPOSettings
 from tasks.align.trl_common import train_resumably, trainer_args, with_lora
 
 log = logging.getLogger("gristmill.align")
 
-REWARD_FUNCS = [numeric_match_reward, format_reward]  # weights: 1 and settings.format_weight
+REWARD_FUNCS = [numeric_match_reward, format_reward]  # weights: 1 and config.format_weight
 EVAL_BATCH = 32  # prompts per greedy generation batch in the held-out evaluation
 REWARD_WINDOW_FRAC = 0.1  # share of the steps averaged for the start/end training reward
 
 
-def load_prompts(settings: GRPOSettings, tokenizer: Any) -> tuple[list[MathPrompt], list[MathPrompt], dict[str, int]]:
+def load_prompts(config: GRPOConfig,
+                 tokenizer: Any) -> tuple[list[MathPrompt], list[MathPrompt], dict[str, int]]:
     """(train, held-out) prompts and drop counts: prompts that leave no room for
     `max_completion_len` tokens within `max_seq_len` are dropped as `prompt_too_long`."""
     drops = {"prompt_too_long": 0}
     train: list[MathPrompt] = []
     heldout: list[MathPrompt] = []
-    for source in settings.prompts:
-        prompts, dropped = load_math_prompts(source, None, seed=settings.seed)
+    for source in config.prompts:
+        prompts, dropped = load_math_prompts(source, None, seed=config.seed)
         for reason, n in dropped.items():
             drops[reason] = drops.get(reason, 0) + n
         for p in prompts:
-            if len(prompt_ids(tokenizer, p["prompt"])) + settings.max_completion_len > settings.max_seq_len:
+            if len(prompt_ids(tokenizer, p["prompt"])) + config.max_completion_len > config.max_seq_len:
                 drops["prompt_too_long"] += 1
             else:
                 (heldout if arithmetic.split_of(p["prompt"][-1]["content"]) == "test" else train).append(p)
-    train, heldout = train[: settings.max_prompts], heldout[: settings.heldout_prompts]
+    train, heldout = train[: config.max_prompts], heldout[: config.heldout_prompts]
     if not train or not heldout:
-        raise ValueError(f"{settings.prompts} give {len(train)} training and {len(heldout)} held-out prompts "
-                         f"within max_seq_len={settings.max_seq_len} (dropped: {drops})")
+        raise ValueError(f"{config.prompts} give {len(train)} training and {len(heldout)} held-out prompts "
+                         f"within max_seq_len={config.max_seq_len} (dropped: {drops})")
     return train, heldout, drops
 
 
@@ -75,20 +76,20 @@ def heldout_scores(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Mat
     return {"accuracy": sum(accuracy) / len(prompts), "format": sum(formatted) / len(prompts)}
 
 
-def build_trainer(settings: GRPOSettings, job: AlignJob, train: list[MathPrompt]) -> Any:
+def build_trainer(config: GRPOConfig, job: AlignJob, train: list[MathPrompt]) -> Any:
+    import trl  # module-qualified: its GRPOConfig is the trainer's, ours is the stage section
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
-    s = settings
-    args = GRPOConfig(**trainer_args(s, job.out_dir / CHECKPOINTS_DIR),
-                      per_device_train_batch_size=s.batch_size * s.num_generations,
-                      num_generations=s.num_generations, max_completion_length=s.max_completion_len,
-                      temperature=s.temperature, beta=s.kl_beta, reward_weights=[1.0, s.format_weight],
-                      scale_rewards=s.scale_rewards,
-                      # a fresh group per step (no reuse of stale samples), rewards kept per function
-                      num_iterations=1, log_completions=False)
-    return GRPOTrainer(model=with_lora(job.model, job.lora, s.seed), reward_funcs=REWARD_FUNCS, args=args,
-                       processing_class=job.tokenizer, train_dataset=Dataset.from_list(train))
+    s = config
+    args = trl.GRPOConfig(**trainer_args(s, job.out_dir / CHECKPOINTS_DIR),
+                          per_device_train_batch_size=s.batch_size * s.num_generations,
+                          num_generations=s.num_generations, max_completion_length=s.max_completion_len,
+                          temperature=s.temperature, beta=s.kl_beta, reward_weights=[1.0, s.format_weight],
+                          scale_rewards=s.scale_rewards,
+                          # a fresh group per step (no reuse of stale samples), rewards kept per function
+                          num_iterations=1, log_completions=False)
+    return trl.GRPOTrainer(model=with_lora(job.model, job.lora, s.seed), reward_funcs=REWARD_FUNCS,
+                           args=args, processing_class=job.tokenizer, train_dataset=Dataset.from_list(train))
 
 
 def reward_trend(metrics_path: Path, steps: int) -> dict[str, float]:
@@ -101,13 +102,13 @@ def reward_trend(metrics_path: Path, steps: int) -> dict[str, float]:
             "train_reward_end": sum(rewards[-window:]) / len(rewards[-window:])}
 
 
-def train(settings: GRPOSettings, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
-    train_prompts, heldout, drops = load_prompts(settings, job.tokenizer)
-    trainer = build_trainer(settings, job, train_prompts)
-    device, max_new = trainer.accelerator.device, settings.max_completion_len
+def train(config: GRPOConfig, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
+    train_prompts, heldout, drops = load_prompts(config, job.tokenizer)
+    trainer = build_trainer(config, job, train_prompts)
+    device, max_new = trainer.accelerator.device, config.max_completion_len
     # A resume loads the trained weights only inside train(): this is still the SFT model.
     before = heldout_scores(trainer.model, job.tokenizer, heldout, max_new, device)
-    summary, resumed_step = train_resumably(trainer, settings, MetricsLog(job.out_dir))
+    summary, resumed_step = train_resumably(trainer, config, MetricsLog(job.out_dir))
     after = heldout_scores(trainer.model, job.tokenizer, heldout, max_new, device)
     log.info("held-out accuracy %.3f -> %.3f, format %.3f -> %.3f (%d prompts)",
              before["accuracy"], after["accuracy"], before["format"], after["format"], len(heldout))

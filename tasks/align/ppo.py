@@ -28,6 +28,7 @@ from model.checkpoint import CHECKPOINTS_DIR
 from model.generate import generate_greedy
 from model.loop import resolve_device
 from model.ppo import ppo_train
+from tasks.align.config import PPOMethodConfig
 from tasks.align.method import AlignJob
 from tasks.align.preferences import load_pairs, split_heldout
 from tasks.align.reward_model import (
@@ -35,7 +36,6 @@ from tasks.align.reward_model import (
     RewardScorer,
     train_reward_model,
 )
-from tasks.align.settings import PPOMethodSettings
 
 log = logging.getLogger("gristmill.align")
 EVAL_BATCH = 32  # prompts per greedy generation batch
@@ -51,27 +51,27 @@ def greedy_score(policy: Any, tokenizer: Any, prompts: Sequence[list[Message]], 
     return float(scorer(list(prompts), texts).mean())
 
 
-def train(settings: PPOMethodSettings, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
+def train(config: PPOMethodConfig, job: AlignJob) -> tuple[torch.nn.Module, dict[str, Any]]:
     if job.lora is not None:
         raise ValueError("lora is not supported with method 'ppo' (its value head shares the "
                          "policy's trunk); use dpo or grpo, or set lora: null")
-    split_seed = settings.reward_model.seed
-    pairs, drops = load_pairs(settings.data, settings.max_pairs, split_seed)
-    train_pairs, heldout = split_heldout(pairs, settings.heldout_fraction, split_seed)
+    split_seed = config.reward_model.seed
+    pairs, drops = load_pairs(config.data, config.max_pairs, split_seed)
+    train_pairs, heldout = split_heldout(pairs, config.heldout_fraction, split_seed)
     metrics = MetricsLog(job.out_dir)
     model = job.model
-    rm_dir, rm_stats = train_reward_model(Path(model.name_or_path), train_pairs, heldout, settings.reward_model,
+    rm_dir, rm_stats = train_reward_model(Path(model.name_or_path), train_pairs, heldout, config.reward_model,
                                           job.out_dir, metrics)
     shutil.rmtree(job.out_dir / RM_CHECKPOINT_DIR, ignore_errors=True)
-    device = resolve_device(settings.policy.device)
+    device = resolve_device(config.policy.device)
     model.to(device)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     scorer = RewardScorer(rm_dir, device=str(device))
     heldout_prompts = [p["prompt"] for p in heldout]
-    max_new = settings.policy.max_new_tokens
+    max_new = config.policy.max_new_tokens
     before = greedy_score(reference, job.tokenizer, heldout_prompts, scorer, max_new)
     ppo_stats = ppo_train(model, reference, job.tokenizer, [p["prompt"] for p in train_pairs], scorer,
-                          settings.policy, job.out_dir / CHECKPOINTS_DIR / "ppo", metrics,
+                          config.policy, job.out_dir / CHECKPOINTS_DIR / "ppo", metrics,
                           metrics_step_offset=rm_stats["rm_steps"])
     after = greedy_score(model, job.tokenizer, heldout_prompts, scorer, max_new)
     log.info("held-out reward-model score of greedy responses %.3f -> %.3f", before, after)

@@ -28,8 +28,8 @@ import torch
 
 from core.chat import Message, render_with_mask
 from core.stage import MetricsLog
+from tasks.align.config import RewardModelConfig
 from tasks.align.preferences import Pair
-from tasks.align.settings import RewardModelSettings
 from tasks.align.trl_common import train_resumably, trainer_args
 
 log = logging.getLogger("gristmill.reward_model")
@@ -139,19 +139,19 @@ class RewardScorer:
 
 # ---------------------------------------------------------------- training
 
-def _build_trainer(model: Any, tokenizer: Any, rows: list[dict], settings: RewardModelSettings,
+def _build_trainer(model: Any, tokenizer: Any, rows: list[dict], config: RewardModelConfig,
                    ckpt_dir: Path) -> Any:
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    args = RewardConfig(**trainer_args(settings, ckpt_dir), per_device_train_batch_size=settings.batch_size,
-                        center_rewards_coefficient=settings.center_rewards_coef or None, max_length=None,
+    args = RewardConfig(**trainer_args(config, ckpt_dir), per_device_train_batch_size=config.batch_size,
+                        center_rewards_coefficient=config.center_rewards_coef or None, max_length=None,
                         dataset_num_proc=None)
     return RewardTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=Dataset.from_list(rows))
 
 
 def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs: Sequence[Pair],
-                       settings: RewardModelSettings, out_dir: Path,
+                       config: RewardModelConfig, out_dir: Path,
                        metrics: MetricsLog) -> tuple[Path, dict[str, Any]]:
     """Train a reward model from the SFT model in `sft_dir` and export it to `out_dir/reward_model`.
 
@@ -171,25 +171,25 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
         return rm_dir, json.loads((rm_dir / STATS_FILE).read_text())
 
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    train_rows, dropped_train = tokenize_pairs(tokenizer, train_pairs, settings.max_seq_len)
-    heldout_rows, dropped_heldout = tokenize_pairs(tokenizer, heldout_pairs, settings.max_seq_len)
+    train_rows, dropped_train = tokenize_pairs(tokenizer, train_pairs, config.max_seq_len)
+    heldout_rows, dropped_heldout = tokenize_pairs(tokenizer, heldout_pairs, config.max_seq_len)
     if not train_rows or not heldout_rows:
-        raise ValueError(f"max_seq_len={settings.max_seq_len} leaves {len(train_rows)} training and "
+        raise ValueError(f"max_seq_len={config.max_seq_len} leaves {len(train_rows)} training and "
                          f"{len(heldout_rows)} held-out reward-model pairs")
-    torch.manual_seed(settings.seed)  # the score head is initialised randomly at load
+    torch.manual_seed(config.seed)  # the score head is initialised randomly at load
     model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
 
     ckpt_dir = out_dir / RM_CHECKPOINT_DIR
-    trainer = _build_trainer(model, tokenizer, train_rows, settings, ckpt_dir)
+    trainer = _build_trainer(model, tokenizer, train_rows, config, ckpt_dir)
     device, pad_id = trainer.accelerator.device, tokenizer.pad_token_id
-    before = _heldout_stats(trainer.model, heldout_rows, pad_id, settings.batch_size, device)
-    untrained_mean = untrained_head_accuracy(trainer.model, heldout_rows, pad_id, settings.batch_size, device,
-                                             seed=settings.seed)
+    before = _heldout_stats(trainer.model, heldout_rows, pad_id, config.batch_size, device)
+    untrained_mean = untrained_head_accuracy(trainer.model, heldout_rows, pad_id, config.batch_size, device,
+                                             seed=config.seed)
 
-    summary, resumed_step = train_resumably(trainer, settings, metrics, prefix="rm/")
+    summary, resumed_step = train_resumably(trainer, config, metrics, prefix="rm/")
 
-    after = _heldout_stats(trainer.model, heldout_rows, pad_id, settings.batch_size, device)
+    after = _heldout_stats(trainer.model, heldout_rows, pad_id, config.batch_size, device)
     log.info("reward model held-out accuracy %.3f -> %.3f, margin %.3f -> %.3f",
              before["accuracy"], after["accuracy"], before["margin"], after["margin"])
     stats = {"rm_pairs_train": len(train_rows), "rm_pairs_heldout": len(heldout_rows),

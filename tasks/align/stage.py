@@ -1,7 +1,7 @@
 """Align stage: tune the SFT model with one of the registered methods and export it as `model/`.
 
-Reads `inputs["sft"].path / "model"` (HF model dir with the chat-template tokenizer). `method`
-names an entry of `METHODS`; its settings are the config section of the same name (`align.dpo`,
+Reads the sft stage's `model/` (HF model dir with the chat-template tokenizer). `method`
+names an entry of `METHODS`; its config is the section of the same name (`align.dpo`,
 `align.grpo`, `align.ppo`) and only that section is hashed into the artifact key. The methods:
 
 - dpo  (dpo.py): preference pairs, TRL's DPOTrainer against the frozen SFT model;
@@ -13,7 +13,7 @@ With `lora:` set, only low-rank adapters train (model/lora.py); the export merge
 again on the same `out_dir` after a crash resumes from the last one; they are deleted once the
 model is exported.
 
-Adding a method: its settings class in settings.py, a module with `train(settings, job)` (see
+Adding a method: its section in config.py's `Config`, a module with `train(config, job)` (see
 method.py), and one entry in `METHODS` (config.py), which names the module: it is imported only
 when the method runs, so planning a run needs neither torch nor TRL.
 """
@@ -23,7 +23,6 @@ import importlib
 import logging
 import shutil
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -32,35 +31,33 @@ from model.checkpoint import CHECKPOINTS_DIR
 from tasks.align.config import (  # noqa: F401 (the contract and the registry, re-exported)
     METHODS,
     VERSION,
-    AlignConfigBase,
     Config,
-    config_class,
     fingerprint,
 )
-from tasks.align.method import AlignJob, Method, TrainFn
+from tasks.align.method import AlignJob, TrainFn
 
 log = logging.getLogger("gristmill.align")
 
 
-def train_function(method: Method) -> TrainFn:
+def train_function(method: str | TrainFn) -> TrainFn:
     """The method's `train`: a registered module name is imported here, when the method runs."""
-    if isinstance(method.train, str):
-        return importlib.import_module(method.train).train
-    return method.train
+    if isinstance(method, str):
+        return importlib.import_module(method).train
+    return method
 
 
-def run(config: AlignConfigBase, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> StageResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from model.export import export_model
     from model.lora import export_lora, trainable_parameters
 
-    out_dir, sft_dir = Path(out_dir), Path(inputs["sft"].path) / "model"
+    out_dir, sft_dir = Path(out_dir), Path(sft.path) / "model"
     log.info("aligning %s with %s", sft_dir, config.method)
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32)
     job = AlignJob(model=model, tokenizer=tokenizer, out_dir=out_dir, lora=config.lora)
-    trained, stats = train_function(METHODS[config.method])(config.method_settings(), job)
+    trained, stats = train_function(METHODS[config.method])(config.method_config(), job)
     params = trainable_parameters(trained)
     artifacts = ["metrics.jsonl"]
     if config.lora is not None:

@@ -1,5 +1,5 @@
 """The plumbing every TRL-trained method shares (DPO, GRPO, the reward model): trainer arguments
-from the shared training settings (their `TrlSettings` are in settings.py), metrics into
+from the shared training config (their `TrlConfig` is in config.py), metrics into
 metrics.jsonl, and resume from the last Trainer checkpoint."""
 from __future__ import annotations
 
@@ -9,27 +9,27 @@ from typing import Any
 
 import torch
 
-from core.settings import TrainSettings
 from core.stage import MetricsLog
+from core.train_config import TrainConfig
+from model.config import LoraConfig
 from model.loop import resolve_device
-from model.settings import LoraSettings
 
 log = logging.getLogger("gristmill.align")
 
 
-def trainer_args(settings: TrainSettings, ckpt_dir: Path) -> dict[str, Any]:
-    """transformers/TRL TrainingArguments from the shared training settings: AdamW with linear
+def trainer_args(config: TrainConfig, ckpt_dir: Path) -> dict[str, Any]:
+    """transformers/TRL TrainingArguments from the shared training config: AdamW with linear
     warmup and linear decay, clipping, seeds, device, checkpoints every `checkpoint_every` steps."""
-    use_cpu = resolve_device(settings.device).type == "cpu"
+    use_cpu = resolve_device(config.device).type == "cpu"
     return dict(
-        output_dir=str(ckpt_dir), max_steps=settings.max_steps, learning_rate=settings.lr,
-        lr_scheduler_type="linear", warmup_steps=settings.warmup_frac, weight_decay=settings.weight_decay,
-        adam_beta1=settings.beta1, adam_beta2=settings.beta2, max_grad_norm=settings.grad_clip,
-        seed=settings.seed, data_seed=settings.seed, use_cpu=use_cpu,
+        output_dir=str(ckpt_dir), max_steps=config.max_steps, learning_rate=config.lr,
+        lr_scheduler_type="linear", warmup_steps=config.warmup_frac, weight_decay=config.weight_decay,
+        adam_beta1=config.beta1, adam_beta2=config.beta2, max_grad_norm=config.grad_clip,
+        seed=config.seed, data_seed=config.seed, use_cpu=use_cpu,
         # TRL turns bf16 autocast and gradient checkpointing on by default; on CPU bf16 only adds
         # noise, and the models this stage sees on one device fit without checkpointing.
         bf16=not use_cpu and torch.cuda.is_bf16_supported(), gradient_checkpointing=False,
-        save_strategy="steps", save_steps=settings.checkpoint_every, save_total_limit=settings.keep_checkpoints,
+        save_strategy="steps", save_steps=config.checkpoint_every, save_total_limit=config.keep_checkpoints,
         logging_steps=1, report_to="none", disable_tqdm=True, dataloader_num_workers=0,
     )
 
@@ -61,7 +61,8 @@ def last_checkpoint(ckpt_dir: Path) -> tuple[str | None, int]:
     return last, int(Path(last).name.split("-")[-1]) if last else 0
 
 
-def train_resumably(trainer: Any, settings: TrainSettings, metrics: MetricsLog, prefix: str = "") -> tuple[Any, int]:
+def train_resumably(trainer: Any, config: TrainConfig, metrics: MetricsLog,
+                    prefix: str = "") -> tuple[Any, int]:
     """Train from the last checkpoint in the trainer's output_dir if there is one; (train summary,
     resumed step). Step metrics go to metrics.jsonl as <prefix><name>, not to stdout."""
     from transformers import PrinterCallback
@@ -71,11 +72,11 @@ def train_resumably(trainer: Any, settings: TrainSettings, metrics: MetricsLog, 
     if resume_from:
         log.info("resuming from %s", resume_from)
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(_metrics_callback(metrics, prefix, settings.log_every))
+    trainer.add_callback(_metrics_callback(metrics, prefix, config.log_every))
     return trainer.train(resume_from_checkpoint=resume_from), resumed_step
 
 
-def with_lora(model: torch.nn.Module, lora: LoraSettings | None, seed: int) -> torch.nn.Module:
+def with_lora(model: torch.nn.Module, lora: LoraConfig | None, seed: int) -> torch.nn.Module:
     """The model to train: itself, or wrapped with LoRA adapters (seeded) when `lora` is set."""
     if lora is None:
         return model

@@ -7,17 +7,6 @@ Modules, in the order a document meets them: `readers` (+ `warc`, `tables`, `com
 `demo_crawl`), `cleaning` (+ `filters`, `langid`, `pii`), `quality_model`, `dedup`, `decontam`,
 `mixing`, `funnel`; `stage` runs them over work units on the injected engine.
 
-`Config`, `VERSION` and `fingerprint` come from `config` (light, so planning a run stays fast);
-`run` is imported from `stage` on first use."""
-from typing import Any
-
-from tasks.collect.config import VERSION, Config, fingerprint
-
-__all__ = ["Config", "VERSION", "fingerprint", "run"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "run":  # the stage imports its heavy dependencies: only when it is used
-        from tasks.collect.stage import run
-        return run
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+`config` holds the stage's `Config`, `VERSION` and `fingerprint` (light, so planning a run
+stays fast); `stage` its `run`, imported only when the stage computes. The stage's entry in
+flows/stages.py names both."""

@@ -4,15 +4,14 @@ Order (the first filter that rejects a document decides its reason, so each drop
 
     URL block list → language ID → Gopher quality → Gopher repetition → FineWeb → C4 → PII scrub
 
-Cheapest and most selective first (costs per document measured on the shared WARC/JSONL pages
-plus the demo's package docs, 8 kB on average, one core). The URL check reads the URL only
-(~0.02 ms) and a blocked site goes whatever its text says. Language ID is one fastText call on
-a 4000-character prefix (~1 ms) and on a multilingual crawl removes most documents before any
+Cheapest and most selective first (costs per document: docs/benchmarks.md). The URL check reads
+the URL only and a blocked site goes whatever its text says. Language ID is one fastText call on
+a 4000-character prefix and on a multilingual crawl removes most documents before any
 tokenization. The four quality filters share one rules.Page: its spaCy
 words and its lines are computed once, by the first filter that needs them (Gopher quality,
 which drops the most), and reused by the others. C4 tokenizes lines to count sentences, only
 until it has enough, and drops the fewest documents once the others have run, so it comes last.
-PII is scrubbed only in kept documents (~2.5 ms): it changes text, never the verdict.
+PII is scrubbed only in kept documents: it changes text, never the verdict.
 
 `CleaningConfig` (config.py) holds every threshold of the chain; the collect stage's Config
 inherits it.

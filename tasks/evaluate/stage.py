@@ -1,6 +1,6 @@
 """Evaluate stage: a report card comparing the base, SFT and aligned models.
 
-For each model (inputs "pretrain", "sft", "align", labelled base / sft / aligned):
+For each model (the upstream stages pretrain, sft and align, labelled base / sft / aligned):
 
 1. held-out perplexity and bits per byte on the tokenize stage's `tokens/val.bin`;
 2. accuracy on generated arithmetic test problems (greedy chat generation, `core.arithmetic`);
@@ -44,10 +44,6 @@ from tasks.evaluate.engine import (
 from tasks.evaluate.formats import load_task
 
 log = logging.getLogger("gristmill.evaluate")
-
-# Report label -> upstream stage whose `model/` is evaluated, in report column order.
-MODELS = {"base": "pretrain", "sft": "sft", "aligned": "align"}
-
 
 # --- perplexity and bits per byte ---------------------------------------------------------------
 
@@ -204,34 +200,38 @@ def alignment_summary(align_stats: Mapping[str, Any]) -> dict[str, Any]:
 
 # --- stage --------------------------------------------------------------------------------------
 
-def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest, tokenize: Manifest,
+        pretrain: Manifest, sft: Manifest, align: Manifest) -> StageResult:
+    """Evaluate the models of pretrain, sft and align on tokenize's held-out tokens and the
+    benchmark files, each item marked when its model's training data (from collect on) holds it."""
     from model.loop import resolve_device
 
     out_dir = Path(out_dir)
     device = resolve_device(config.device).type
-    tokenize_dir = Path(inputs["tokenize"].path)
+    tokenize_dir = Path(tokenize.path)
     per_model = out_dir / "per_model"
     per_model.mkdir(parents=True, exist_ok=True)
     contamination = out_dir / "contamination.json"
     if not contamination.exists():  # the benchmark items each model's training data holds
-        marks = mark_items(list(config.tasks), config.limit, inputs) if config.tasks else {}
+        marks = mark_items(list(config.tasks), config.limit, [collect, sft, align]) if config.tasks else {}
         contamination.write_text(json.dumps(marks, indent=2, sort_keys=True) + "\n")
     marks = json.loads(contamination.read_text())
     results: dict[str, dict[str, Any]] = {}
-    for label, stage in MODELS.items():
+    models = {"base": pretrain, "sft": sft, "aligned": align}  # report label -> model, in column order
+    for label, trained in models.items():
         done = per_model / f"{label}.json"
         if done.exists():  # finished before a crash; same config, so the same result
             results[label] = json.loads(done.read_text())
             continue
-        log.info("evaluating %s (%s) on %s", label, inputs[stage].key, device)
-        results[label] = evaluate_model(Path(inputs[stage].path) / "model", tokenize_dir, config, device,
+        log.info("evaluating %s (%s) on %s", label, trained.key, device)
+        results[label] = evaluate_model(Path(trained.path) / "model", tokenize_dir, config, device,
                                         per_model / label, marks.get(label, {}))
         done.write_text(json.dumps(results[label], indent=2, sort_keys=True))
         log.info("%s: ppl %.2f bpb %.4f arith %.3f", label, results[label]["val_ppl"],
                  results[label]["val_bpb"], results[label]["arith_acc"])
 
-    upstream = {name: inputs[name].key for name in ("tokenize", *MODELS.values())}
-    alignment = alignment_summary(inputs["align"].stats)
+    upstream = {"tokenize": tokenize.key, "pretrain": pretrain.key, "sft": sft.key, "align": align.key}
+    alignment = alignment_summary(align.stats)
     payload = {"models": results, "alignment": alignment, "upstream": upstream, "device": device}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     stats = flat_stats(results)

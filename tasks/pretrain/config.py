@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from model.settings import LoopConfig, ModelConfig
+from model.config import LoopConfig, ModelConfig
 
 VERSION = 1
 

@@ -18,7 +18,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -69,9 +69,9 @@ def val_batches(data: np.ndarray, config: Config) -> list[Batch]:
     return spaced_batches(data, config.seq_len, config.val_windows, config.batch_size)
 
 
-def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) -> StageResult:
     config = config.with_seq_len(config.seq_len)  # tokens_per_step -> batch_size, grad_accum_steps
-    tok_root = Path(inputs["tokenize"].path)
+    tok_root = Path(tokenize.path)
     tokenizer = AutoTokenizer.from_pretrained(tok_root / "tokenizer")
     train_data = load_tokens(tok_root / "tokens", "train", config.seq_len)
     val_set = val_batches(load_tokens(tok_root / "tokens", "val", config.seq_len), config)
@@ -127,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = Config(**json.loads(args.config))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    inputs = {"tokenize": Manifest.of_directory("tokenize", args.tokenize_dir)}
-    result = run(config, inputs, args.out_dir, engine=SerialEngine())
+    result = run(config, args.out_dir, engine=SerialEngine(),
+                 tokenize=Manifest.of_directory("tokenize", args.tokenize_dir))
     if result.stats["world_size"] == 1 or torch.distributed.get_rank() == 0:
         (args.out_dir / "summary.json").write_text(json.dumps(result.stats, indent=1) + "\n")
     return 0

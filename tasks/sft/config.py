@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from core.sources import JSONL_SUFFIXES, fingerprint_sources
-from model.settings import LoopConfig, LoraSettings
+from model.config import LoopConfig, LoraConfig
 
 VERSION = 4  # 3: pretraining text mixed into the batches (pretrain_mix); 4: logits only at scored
             # positions (the same loss, summed in another order: weights differ in the last bits)
@@ -41,8 +41,8 @@ class Config(LoopConfig):
     pretrain_windows: int = Field(
         2, gt=0, description="Pretraining windows of max_seq_len tokens per step when pretrain_mix > 0 "
                              "(a multiple of grad_accum_steps), in a seeded order over the train tokens.")
-    lora: LoraSettings | None = Field(None, description="Train LoRA adapters on a frozen base model "
-                                                        "(None: full fine-tuning). The export merges them.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters on a frozen base model "
+                                                      "(None: full fine-tuning). The export merges them.")
 
     @model_validator(mode="after")
     def _windows_split_evenly(self) -> "Config":

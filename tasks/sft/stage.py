@@ -12,8 +12,8 @@ Pretraining text keeps the model's language: with `pretrain_mix` > 0 every step 
 `pretrain_windows` windows of the tokenize stage's train tokens (the windows pretraining reads, in
 an order seeded like its batches) and its loss is (1 - pretrain_mix) * assistant-token loss +
 pretrain_mix * next-token loss on those windows. Fine-tuning a small model on narrow conversations
-alone overwrites its general next-token ability (the tiny preset: validation perplexity 282 ->
-1.3M; with pretrain_mix 0.25: -> 187). Next-token loss on evenly spaced val windows is measured before and after
+alone overwrites its general next-token ability (the tiny preset's perplexities:
+docs/benchmarks.md). Next-token loss on evenly spaced val windows is measured before and after
 (`val_text_loss_*`) whenever the tokenize artifact is an input.
 
 Full fine-tuning, or LoRA (`lora:`, model/lora.py) with the adapter saved to `adapter/` and merged
@@ -34,7 +34,7 @@ import hashlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,15 +155,15 @@ def load_examples(config: Config, tokenizer: Any) -> tuple[list[Example], list[s
     return examples, groups, dict(counts)
 
 
-def text_tokens(config: Config, inputs: Mapping[str, Manifest]) -> tuple[np.ndarray, np.ndarray] | None:
+def text_tokens(config: Config, tokenize: Manifest | None) -> tuple[np.ndarray, np.ndarray] | None:
     """The tokenize stage's (train, val) token streams; None without that input, which only a
     run that mixes in no text may lack."""
-    if "tokenize" not in inputs:
+    if tokenize is None:
         if config.pretrain_mix > 0:
             raise ValueError(f"sft.pretrain_mix={config.pretrain_mix} mixes in pretraining text, so the stage "
                              "needs the tokenize artifact as input 'tokenize' (or set pretrain_mix=0)")
         return None
-    tokens_dir = Path(inputs["tokenize"].path) / "tokens"
+    tokens_dir = Path(tokenize.path) / "tokens"
     return load_tokens(tokens_dir, "train", config.max_seq_len), load_tokens(tokens_dir, "val", config.max_seq_len)
 
 
@@ -222,15 +222,17 @@ def load_base(model_dir: Path, config: Config):
     return tokenizer, model
 
 
-def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
+        tokenize: Manifest | None = None) -> StageResult:
+    """Fine-tune the pretrain stage's model; `tokenize` is needed only to mix in its text."""
     out_dir = Path(out_dir)
     torch.manual_seed(config.seed)  # LoRA's initial A matrices and adapter dropout
-    tokenizer, model = load_base(Path(inputs["pretrain"].path) / "model", config)
+    tokenizer, model = load_base(Path(pretrain.path) / "model", config)
     examples, groups, counts = load_examples(config, tokenizer)
     train_idx, heldout_idx = split_heldout(groups, config.heldout_fraction, config.seed)
     train_set, heldout = [examples[i] for i in train_idx], [examples[i] for i in heldout_idx]
     pad_id = tokenizer.pad_token_id
-    text = text_tokens(config, inputs)
+    text = text_tokens(config, tokenize)
     # Held-out loss always runs unpacked: equal to the packed loss (tested), and comparable across runs.
     measured = {"heldout_loss": [collate(heldout[i : i + config.batch_size], pad_id)
                                  for i in range(0, len(heldout), config.batch_size)],

@@ -29,7 +29,7 @@ import logging
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -287,11 +287,11 @@ def _compression_stats(totals: dict[str, int], with_reference: bool) -> dict[str
 
 # --- stage --------------------------------------------------------------------------------------
 
-def run(config: Config, inputs: Mapping[str, Manifest], out_dir: Path, *, engine: Engine) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest) -> StageResult:
     from tokenizers import Tokenizer
 
     out_dir = Path(out_dir)
-    paths = doc_paths(inputs["collect"].path)
+    paths = doc_paths(collect.path)
     tokens_dir, parts_dir = out_dir / "tokens", out_dir / "parts"
     tokens_dir.mkdir(parents=True, exist_ok=True)
     parts_dir.mkdir(parents=True, exist_ok=True)

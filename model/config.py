@@ -1,4 +1,4 @@
-"""The typed settings of the model code, apart from the code that needs torch.
+"""The typed configs of the model code, apart from the code that needs torch.
 
 Stage configs hold these (`pretrain.model`, the loop knobs of pretrain and SFT, `lora`, the PPO
 policy section of align), so planning a run (`gristmill run ... --dry-run`, a config mistake)
@@ -11,8 +11,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from core.settings import TrainSettings
 from core.stage import StageConfig
+from core.train_config import TrainConfig
 
 # Every linear layer of a Llama block: attention projections and the SwiGLU MLP. Adapting all of
 # them (not only q/v) is what QLoRA found to match full fine-tuning.
@@ -31,7 +31,7 @@ class ModelConfig(StageConfig):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
 
     @model_validator(mode="after")
-    def _check_shape(self) -> "ModelConfig":
+    def _check_shape(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
                              f"num_heads ({self.num_heads})")
@@ -41,11 +41,12 @@ class ModelConfig(StageConfig):
         return self
 
 
-class LoopConfig(TrainSettings):
-    """The shared training settings (core.settings) plus the knobs only this loop has: gradient
+class LoopConfig(TrainConfig):
+    """The shared training config (core.train_config) plus the knobs only this loop has: gradient
     accumulation, the LR schedule's shape, evaluation cadence, compilation, MFU and spike rollback."""
 
-    unhashed_fields: ClassVar[frozenset[str]] = TrainSettings.unhashed_fields | {"eval_every", "compile", "peak_tflops"}
+    unhashed_fields: ClassVar[frozenset[str]] = (
+        TrainConfig.unhashed_fields | {"eval_every", "compile", "peak_tflops"})
 
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches each step's batch is split into "
                                                        "(a memory knob; batch_size must divide evenly).")
@@ -73,7 +74,7 @@ class LoopConfig(TrainSettings):
                                                     "the run stops with an error; 0: stop at the first.")
 
     @model_validator(mode="after")
-    def _check_accumulation(self) -> "LoopConfig":
+    def _check_accumulation(self) -> LoopConfig:
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by "
                              f"grad_accum_steps ({self.grad_accum_steps})")
@@ -82,7 +83,7 @@ class LoopConfig(TrainSettings):
                              f"(tokens_per_step={self.tokens_per_step}, grad_accum_steps={self.grad_accum_steps})")
         return self
 
-    def with_seq_len(self, seq_len: int) -> "LoopConfig":
+    def with_seq_len(self, seq_len: int) -> LoopConfig:
         """For fixed-length sequences: a copy with tokens_per_step resolved into batch_size (sequences
         per step) and grad_accum_steps (micro-batches of the configured batch_size)."""
         if self.tokens_per_step is None:
@@ -96,8 +97,8 @@ class LoopConfig(TrainSettings):
                                        "batch_size": self.batch_size * accum})
 
 
-class LoraSettings(StageConfig):
-    """Low-rank adapter shape and regularisation (PEFT's LoraConfig, the knobs that matter)."""
+class LoraConfig(StageConfig):
+    """Low-rank adapter shape and regularisation (the knobs of PEFT's LoraConfig that matter)."""
 
     rank: int = Field(8, gt=0, description="Rank r of each adapter (A is r x in, B is out x r).")
     alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
@@ -107,8 +108,8 @@ class LoraSettings(StageConfig):
         description="Names of the linear submodules that get adapters (Llama: q/k/v/o_proj, gate/up/down_proj).")
 
 
-class PPOSettings(TrainSettings):
-    """PPO hyperparameters beside the shared training settings (core.settings: lr, max_steps,
+class PPOConfig(TrainConfig):
+    """PPO hyperparameters beside the shared training config (core.train_config: lr, max_steps,
     batch_size = prompts sampled per PPO step, warmup_frac, AdamW, grad_clip per update, seed,
     checkpoints). Clip ranges, vf_coef, kl_coef, gamma and lam default to TRL 0.x's PPOConfig."""
 
@@ -127,7 +128,7 @@ class PPOSettings(TrainSettings):
         "Subtracted from the score of a response cut at max_new_tokens before it ended its turn; 0: none."))
 
     @model_validator(mode="after")
-    def _minibatches_fit(self) -> PPOSettings:
+    def _minibatches_fit(self) -> PPOConfig:
         if self.batch_size % self.minibatch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by "
                              f"minibatch_size ({self.minibatch_size})")

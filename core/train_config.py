@@ -1,8 +1,8 @@
-"""The optimisation and checkpointing settings every trainer shares, declared once.
+"""The optimisation and checkpointing config every trainer shares, declared once.
 
 Pretraining and SFT (model/loop.py), the reward model, DPO and GRPO (TRL trainers) and PPO
 (model/ppo.py) all take their optimiser, schedule length, seed, device and checkpoint cadence
-from this one type: one name, one default and one description per knob. A trainer's own settings
+from this one type: one name, one default and one description per knob. A trainer's own config
 class subclasses it and adds only what is particular to it; presets (configs/*.yaml) set the
 values each stage wants.
 """
@@ -15,7 +15,7 @@ from pydantic import Field
 from core.stage import StageConfig
 
 
-class TrainSettings(StageConfig):
+class TrainConfig(StageConfig):
     """Optimiser (AdamW), run length, seed, device and checkpoint cadence of one training run."""
 
     # Operational: they change when and what is written or logged, never the trained weights.

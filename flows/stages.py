@@ -1,0 +1,122 @@
+"""The stage table: every stage of the pipeline, in DAG order, each in one entry.
+
+An entry names the stage's code (`run`, imported only when the stage computes, so planning a run
+imports no torch), its config type (the pipeline config gets one section per entry: flows/config.py),
+its version and input fingerprint (both part of the artifact key), the upstream stages whose
+manifests `run` receives as keyword arguments of the same names, and how the flow runs it. Adding a
+stage is a package in `tasks/` plus one entry here.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from core.stage import StageConfig, StageResult
+from tasks.align import config as align
+from tasks.collect import config as collect
+from tasks.evaluate import config as evaluate
+from tasks.pretrain import config as pretrain
+from tasks.sft import config as sft
+from tasks.tokenize import config as tokenize
+
+
+def reads_no_external_data(config: StageConfig) -> None:
+    """The fingerprint of a stage that reads nothing but its upstream artifacts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """One stage: `run(config, out_dir, *, engine, **upstream) -> StageResult` at the dotted name
+    `run`, taking a `config` instance and one keyword argument per name in `upstream`."""
+
+    name: str  # its config section, artifact directory and MLflow run are named after it
+    run: str  # "module.function" of the stage's code
+    config: type[StageConfig]
+    description: str  # of its config section
+    version: int  # bump when outputs change for the same config
+    fingerprint: Callable[[Any], str | None] = reads_no_external_data  # digest of external data read
+    upstream: tuple[str, ...] = ()
+    uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
+    uses_gpu: bool = False  # computed under the `gpu` concurrency limit (flows/pipeline.py)
+    # "module.function" called as f(manifest, tracker, mlflow_run_id, charts) once the stage is
+    # done or reused, to show it in MLflow and Prefect (flows/reports.py); None: nothing to show
+    publisher: str | None = None
+
+    def load_run(self) -> Callable[..., StageResult]:
+        """The stage's `run`, imported now; its upstream parameters must be this entry's."""
+        run = load(self.run)
+        if (taken := upstream_parameters(run)) != set(self.upstream):
+            raise TypeError(f"stage {self.name!r}: {self.run} takes upstream {sorted(taken)}, "
+                            f"the stage table gives it {sorted(self.upstream)}")
+        return run
+
+    def load_publisher(self) -> Callable[..., None] | None:
+        return None if self.publisher is None else load(self.publisher)
+
+
+def load(dotted: str) -> Any:
+    """The object at "module.name", importing the module."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def upstream_parameters(run: Callable[..., Any]) -> set[str]:
+    """The upstream stages a `run` takes: its keyword-only parameters besides `engine`."""
+    return {p.name for p in inspect.signature(run).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.name != "engine"}
+
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec(name="collect", run="tasks.collect.stage.run", config=collect.Config,
+              description="Collect and clean raw documents.",
+              version=collect.VERSION, fingerprint=collect.fingerprint,
+              uses_ray=True, publisher="flows.reports.publish_collect"),
+    StageSpec(name="tokenize", run="tasks.tokenize.stage.run", config=tokenize.Config,
+              description="Train the tokenizer, write token shards.",
+              version=tokenize.VERSION, fingerprint=tokenize.fingerprint,
+              upstream=("collect",), uses_ray=True),
+    StageSpec(name="pretrain", run="tasks.pretrain.stage.run", config=pretrain.Config,
+              description="Next-token pretraining.",
+              version=pretrain.VERSION, fingerprint=pretrain.fingerprint,
+              upstream=("tokenize",), uses_gpu=True),
+    # tokenize: the pretraining text SFT mixes in (sft.pretrain_mix)
+    StageSpec(name="sft", run="tasks.sft.stage.run", config=sft.Config,
+              description="Supervised fine-tuning on conversations.",
+              version=sft.VERSION, fingerprint=sft.fingerprint,
+              upstream=("tokenize", "pretrain"), uses_gpu=True),
+    StageSpec(name="align", run="tasks.align.stage.run", config=align.Config,
+              description="Preference alignment.",
+              version=align.VERSION, fingerprint=align.fingerprint,
+              upstream=("sft",), uses_gpu=True),
+    # collect: the training text benchmark items are checked against (contamination)
+    StageSpec(name="evaluate", run="tasks.evaluate.stage.run", config=evaluate.Config,
+              description="Evaluation and report.",
+              version=evaluate.VERSION, fingerprint=evaluate.fingerprint,
+              upstream=("collect", "tokenize", "pretrain", "sft", "align"), uses_gpu=True),
+)
+STAGE_NAMES = tuple(spec.name for spec in STAGES)
+
+
+def checked(stages: Sequence[StageSpec]) -> tuple[StageSpec, ...]:
+    """`stages` as a table, once each name is unique and every upstream comes before its stage."""
+    seen: set[str] = set()
+    for spec in stages:
+        if spec.name in seen:
+            raise ValueError(f"stage {spec.name!r} is in the table twice")
+        if missing := [name for name in spec.upstream if name not in seen]:
+            raise ValueError(f"stage {spec.name!r}: upstream {missing} must come before it in the table")
+        seen.add(spec.name)
+    return tuple(stages)
+
+
+def stages_until(until: str | None, stages: Sequence[StageSpec] = STAGES) -> tuple[StageSpec, ...]:
+    """The stages up to and including `until` (all of them when None); tables are in DAG order."""
+    names = [spec.name for spec in stages]
+    if until is None:
+        return tuple(stages)
+    if until not in names:
+        raise ValueError(f"--until {until!r} is not a stage; choose one of {', '.join(names)}")
+    return tuple(stages[: names.index(until) + 1])

@@ -1,0 +1,122 @@
+"""The supervised child of `gristmill run`, `serve` and `refresh` (infra/supervisor.py):
+
+    python -m flows.supervised COMMAND 'ARGUMENTS AS JSON'
+
+The CLI (flows/cli.py) starts it in a session of its own with the command's parsed arguments;
+it configures the process first (flows/entry.py), watches its supervisor, checks the config (a
+bad one: one line on stderr, exit 2, passed on by the supervisor) and does the work.
+`gristmill run --in-process` calls `run` here in the CLI's own process instead.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from infra import env
+
+if TYPE_CHECKING:
+    from flows.config import PipelineConfig
+
+
+def _fail(error: object) -> int:
+    print(f"gristmill: {error}", file=sys.stderr)
+    return 2
+
+
+def _load(config: str, overrides: list[str]) -> PipelineConfig:
+    """The config file with its overrides applied (ConfigError names a bad key or value)."""
+    from flows.config import load_config
+
+    return load_config(Path(config), overrides)
+
+
+def run(config: str, overrides: list[str], until: str | None = None) -> int:
+    """Plan the run, start the embedded services a run needs and run the pipeline flow."""
+    from flows.config import ConfigError
+    from flows.dag import plan
+    from infra.artifacts import ArtifactStore
+
+    home = env.gristmill_home()
+    try:
+        pipeline_config = _load(config, overrides)
+        # Planning digests every input (core.sources): a missing or empty source is found here,
+        # before any service starts.
+        plan(pipeline_config, ArtifactStore(env.artifacts_root(home)), until)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        return _fail(error)
+    from core.files import DiskSpaceError
+    from flows.pipeline import pipeline
+    from infra.services import start_embedded_services
+    from infra.tracking import TrackingUnavailable, is_server, tracking_uri
+
+    try:
+        start_embedded_services(home)
+        outputs = pipeline(config=pipeline_config, until=until)
+    except KeyboardInterrupt:  # Ctrl-C relayed by the supervisor, which reports it in one line
+        return 130
+    except (TrackingUnavailable, DiskSpaceError) as error:  # after the log's traceback, one line
+        cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
+        print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
+        return 1
+    for stage, path in outputs.items():
+        print(f"{stage:<9} {path}")
+    uri = tracking_uri(home)
+    print(f"MLflow: {uri}" if is_server(uri) else f"MLflow: mlflow ui --backend-store-uri {uri}")
+    return 0
+
+
+def serve(config: str, overrides: list[str]) -> int:
+    """Serve the deployments (flows/serve.py) until stopped."""
+    from flows.config import ConfigError
+    from flows.serve import serve as serve_deployments
+
+    try:
+        serve_deployments(_load(config, overrides))
+    except (ConfigError, ValueError) as error:
+        return _fail(error)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def refresh(config: str, overrides: list[str]) -> int:
+    """Collect what is new in collect.sources into the next corpus version, once (flows/refresh.py)."""
+    from flows.config import ConfigError
+
+    try:
+        pipeline_config = _load(config, overrides)
+    except ConfigError as error:
+        return _fail(error)
+    from flows.refresh import data_refresh
+    from infra.services import start_embedded_services
+
+    try:
+        start_embedded_services(env.gristmill_home())
+        outcome = data_refresh(config=pipeline_config)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as error:  # a missing or empty source, named
+        return _fail(error)
+    print(outcome["reason"] if not outcome["published"] else
+          f"corpus v{outcome['version']}: {outcome['collect_dir']}\n{outcome['reason']}")
+    return 0
+
+
+COMMANDS = {"run": run, "serve": serve, "refresh": refresh}
+
+
+def main(argv: list[str]) -> int:
+    """`COMMAND 'ARGUMENTS AS JSON'`, as flows/cli.py starts it."""
+    from infra.supervisor import die_with_supervisor
+
+    command, arguments = argv
+    die_with_supervisor()
+    return COMMANDS[command](**json.loads(arguments))
+
+
+if __name__ == "__main__":
+    import flows.entry  # noqa: F401  first: configures the process before the command imports anything
+
+    sys.exit(main(sys.argv[1:]))

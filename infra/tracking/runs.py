@@ -1,0 +1,272 @@
+"""Pipeline and stage runs in MLflow, their metrics and lineage, and reading them back.
+
+One parent run per pipeline run and one child run per stage (also for reused stages, tagged
+`gristmill.reused=true` and pointing at the run that computed the artifact). A stage run carries
+its resolved config as params, its stats and step-wise metrics, small artifacts, and its lineage:
+each upstream artifact as an MLflow dataset input (digest = artifact key, source = its directory)
+plus a tag naming the upstream stage's run. A reused stage whose computing run never finished
+(MLflow was lost mid-stage) logs that stage's metrics and files into its own run instead
+(tagged `gristmill.backfilled`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import (
+    Dataset,
+    DatasetInput,
+    InputTag,
+    Metric,
+    Param,
+    RunStatus,
+    RunTag,
+)
+from mlflow.exceptions import MlflowException
+
+from core.stage import METRICS_FILE, Manifest, read_metrics
+from infra import env
+from infra.artifacts import CONFIG, MANIFEST
+from infra.tracking import Client, tracking_uri
+
+EXPERIMENT = "gristmill"
+MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
+BATCH = 900  # MLflow accepts at most 1000 values (metrics + params + tags) per log_batch
+PARAMS_PER_BATCH = 100  # and at most 100 params (and 100 tags) of them
+FINISHED = RunStatus.to_string(RunStatus.FINISHED)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: how nested configs become MLflow params."""
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _params(config: Mapping[str, Any]) -> list[Param]:
+    return [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
+
+
+def _stage_metrics(manifest: Manifest, with_steps: bool) -> list[Metric]:
+    """The manifest's numeric stats (step 0) and, when `with_steps`, its metrics.jsonl rows."""
+    stamp = _now_ms()
+    metrics = [Metric(k, v, stamp, 0) for k, v in _numeric(manifest.stats).items()]
+    if with_steps:
+        for row in read_metrics(manifest.path / METRICS_FILE):
+            step = int(row["step"])
+            metrics += [Metric(k, v, stamp, step) for k, v in _numeric(row).items() if k != "step"]
+    return metrics
+
+
+def _numeric(stats: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in stats.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def artifact_input(name: str, manifest: Manifest, source_type: str, context: str) -> DatasetInput:
+    """An artifact as an MLflow dataset input: digest = its key, source = its directory."""
+    dataset = Dataset(name=name, digest=manifest.key, source_type=source_type,
+                      source=manifest.path.resolve().as_uri())
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
+
+
+_EXPERIMENT_IDS: dict[str, str] = {}  # tracking URI -> the pipeline experiment's id, per process
+
+
+def _experiment_id(client: Client, home: Path) -> str:
+    """The pipeline experiment's id, looked up (or created) once per process and store."""
+    if client.uri not in _EXPERIMENT_IDS:
+        experiment = client.get_experiment_by_name(EXPERIMENT)
+        if experiment is None:
+            # With the default SQLite store, keep artifacts under GRISTMILL_HOME, not the cwd.
+            location = None if os.environ.get("MLFLOW_TRACKING_URI") else \
+                env.mlflow_artifacts_root(home).as_uri()
+            _EXPERIMENT_IDS[client.uri] = client.create_experiment(EXPERIMENT, artifact_location=location)
+        else:
+            _EXPERIMENT_IDS[client.uri] = experiment.experiment_id
+    return _EXPERIMENT_IDS[client.uri]
+
+
+class Tracker:
+    """Parent and stage runs of one pipeline run, addressed by explicit run ids (thread-safe)."""
+
+    def __init__(self, home: Path):
+        self.uri = tracking_uri(home)
+        self.client = Client(self.uri)
+        self.experiment_id = _experiment_id(self.client, home)
+
+    def start_pipeline(self, run_name: str, config: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=run_name,
+                                     tags={"gristmill.kind": "pipeline", **tags})  # tags may set the kind
+        self._log_batches(run.info.run_id, params=_params(config))
+        return run.info.run_id
+
+    def start_stage(self, parent_id: str, stage: str, key: str, config: Mapping[str, Any],
+                    upstream: Mapping[str, Manifest]) -> str:
+        """The run of a stage about to compute: tags, params and lineage logged now, so that the
+        UI shows them while it runs."""
+        run_id = self._create_stage_run(parent_id, stage, key, upstream, None, {})
+        self._log_batches(run_id, params=_params(config))
+        self._log_lineage(run_id, upstream)
+        return run_id
+
+    def finish_stage(self, run_id: str, manifest: Manifest, artifacts: Iterable[str],
+                     replay_metrics: bool) -> None:
+        """Log stats, step metrics (when the stage ran here) and small artifacts; close the run."""
+        self._log_batches(run_id, metrics=_stage_metrics(manifest, replay_metrics),
+                          tags=[RunTag("gristmill.artifact_dir", str(manifest.path))])
+        self._log_files(run_id, manifest, artifacts)
+        self.end(run_id, ok=True)
+
+    def record_reused_stage(self, parent_id: str, stage: str, key: str, config: Mapping[str, Any],
+                            upstream: Mapping[str, Manifest], manifest: Manifest) -> tuple[str, bool]:
+        """The run of a reused stage, in five MLflow calls: `get_run` asks whether the run that
+        computed the artifact finished; `create_run` (with its tags), one `log_batch` (params and
+        stats), `log_inputs` (lineage; none without upstreams) and `end` record it. It points at
+        the computing run, which holds the step metrics, manifest, config and charts; when that
+        run never finished (MLflow was lost mid-stage) this run back-fills them and is tagged
+        `gristmill.backfilled`. Returns (run id, whether it back-filled); the run is left open
+        for the stage's publisher, closed by `end`."""
+        backfill = not self.finished(manifest.meta.get("mlflow_run_id"))
+        extra = {"gristmill.artifact_dir": str(manifest.path),
+                 **({"gristmill.backfilled": "true"} if backfill else {})}
+        run_id = self._create_stage_run(parent_id, stage, key, upstream, manifest, extra)
+        self._log_batches(run_id, params=_params(config), metrics=_stage_metrics(manifest, backfill))
+        self._log_lineage(run_id, upstream)
+        if backfill:
+            self._log_files(run_id, manifest, [])
+        return run_id, backfill
+
+    def finished(self, run_id: str | None) -> bool:
+        """Whether `run_id` exists and ended as FINISHED (a stage whose logging was cut short
+        does not): one `get_run`."""
+        if not run_id:
+            return False
+        try:
+            return self.client.get_run(run_id).info.status == FINISHED
+        except MlflowException:  # no such run: a different tracking store, or a deleted run
+            return False
+
+    def end(self, run_id: str, ok: bool) -> None:
+        status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+        self.client.set_terminated(run_id, status=status)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        self._log_batches(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        self.client.log_text(run_id, text, name)
+
+    def log_file(self, run_id: str, path: Path, folder: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), folder)
+
+    def log_inputs(self, run_id: str, inputs: list[DatasetInput], attempts: int = 3) -> None:
+        """`log_inputs`, tried again when it fails. MLflow looks a dataset up and inserts it when
+        missing in two steps, so two runs logging the same dataset at once (two runs of one config,
+        the second reusing what the first computed) can both insert, and the later one fails on the
+        unique (experiment, name, digest) constraint. The failed transaction changed nothing, and
+        the next try finds the row the other run inserted."""
+        for attempt in range(attempts):
+            try:
+                self.client.log_inputs(run_id, datasets=inputs)
+                return
+            except MlflowException:  # TrackingUnavailable (no answer) is not one: it propagates
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+
+    def _create_stage_run(self, parent_id: str, stage: str, key: str, upstream: Mapping[str, Manifest],
+                          reused_from: Manifest | None, extra: Mapping[str, str]) -> str:
+        tags = {"mlflow.parentRunId": parent_id, "gristmill.kind": "stage",
+                "gristmill.stage": stage, "gristmill.key": key,
+                "gristmill.reused": str(reused_from is not None).lower(), **extra}
+        if reused_from is not None and reused_from.meta.get("mlflow_run_id"):
+            tags["gristmill.source_run_id"] = reused_from.meta["mlflow_run_id"]
+        for name, manifest in upstream.items():
+            tags[f"gristmill.upstream.{name}.key"] = manifest.key
+            if manifest.meta.get("mlflow_run_id"):
+                tags[f"gristmill.upstream.{name}.run_id"] = manifest.meta["mlflow_run_id"]
+        return self.client.create_run(self.experiment_id, run_name=stage, tags=tags).info.run_id
+
+    def _log_lineage(self, run_id: str, upstream: Mapping[str, Manifest]) -> None:
+        inputs = [artifact_input(f"{name}-{m.key}", m, "gristmill-artifact", f"upstream:{name}")
+                  for name, m in upstream.items()]
+        if inputs:
+            self.log_inputs(run_id, inputs)
+
+    def _log_files(self, run_id: str, manifest: Manifest, artifacts: Iterable[str]) -> None:
+        for rel in [MANIFEST, CONFIG, *artifacts]:
+            if (manifest.path / rel).is_file():
+                self.client.log_artifact(run_id, str(manifest.path / rel))
+
+    def _log_batches(self, run_id: str, params: Sequence[Param] = (), metrics: Sequence[Metric] = (),
+                     tags: Sequence[RunTag] = ()) -> None:
+        """Params, metrics and tags in as few log_batch calls as MLflow's limits allow (at most
+        100 params and 1000 values in all per call)."""
+        params, metrics, tags = list(params), list(metrics), list(tags)
+        while params or metrics or tags:
+            batch_params, params = params[:PARAMS_PER_BATCH], params[PARAMS_PER_BATCH:]
+            batch_tags, tags = tags[:PARAMS_PER_BATCH], tags[PARAMS_PER_BATCH:]
+            room = BATCH - len(batch_params) - len(batch_tags)
+            batch_metrics, metrics = metrics[:room], metrics[room:]
+            self.client.log_batch(run_id, metrics=batch_metrics, params=batch_params, tags=batch_tags)
+
+
+class RunRecord(dict):
+    """A finished run as plain data: run_id, name, start_time (ms), status, params, metrics
+    (latest value of each), tags."""
+
+
+def _record(run: Any) -> RunRecord:
+    return RunRecord(run_id=run.info.run_id, name=run.info.run_name, start_time=run.info.start_time,
+                     status=run.info.status, params=dict(run.data.params),
+                     metrics=dict(run.data.metrics), tags=dict(run.data.tags))
+
+
+def pipeline_run(tracker: Tracker, run: str | None = None) -> RunRecord:
+    """A pipeline's parent run by id or by name, or the latest one when `run` is None;
+    LookupError naming what was asked when there is none."""
+    kind = "tags.`gristmill.kind` = 'pipeline'"
+    if run is None:
+        found = tracker.client.search_runs([tracker.experiment_id], kind, max_results=1,
+                                           order_by=["attributes.start_time DESC"])
+    else:
+        try:
+            return _record(tracker.client.get_run(run))
+        except MlflowException:  # not a run id: a run name
+            escaped = run.replace("'", "\\'")
+            found = tracker.client.search_runs([tracker.experiment_id],
+                                               f"{kind} and attributes.run_name = '{escaped}'",
+                                               max_results=1, order_by=["attributes.start_time DESC"])
+    if not found:
+        raise LookupError(f"no pipeline run {run!r} in {tracker.uri}" if run else
+                          f"no pipeline run in {tracker.uri} yet; run `gristmill run CONFIG` first")
+    return _record(found[0])
+
+
+def stage_runs_of(tracker: Tracker, parent_id: str) -> list[RunRecord]:
+    """The stage runs of one pipeline run, in the order they started."""
+    runs = tracker.client.search_runs([tracker.experiment_id],
+                                      f"tags.`mlflow.parentRunId` = '{parent_id}'",
+                                      order_by=["attributes.start_time ASC"])
+    return [_record(r) for r in runs]
+
+
+def stage_runs(uri: str, stage: str) -> list:
+    """Every MLflow run of one stage, newest first (for checks and tools)."""
+    client = Client(uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    return client.search_runs([experiment.experiment_id], f"tags.`gristmill.stage` = '{stage}'") \
+        if experiment else []

@@ -37,9 +37,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -50,7 +50,7 @@ CYCLE = ["kill9", "sigint", "concurrent", "fuzz", "ray_worker", "kill9", "commit
          "kill9", "mlflow_down", "kill9", "prefect_restart"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trial:
     fault: str
     stage: str
@@ -63,7 +63,7 @@ class Trial:
 class Run:
     """One `gristmill run` of the suite's config in `home`, started in a session of its own."""
 
-    def __init__(self, bench: "Suite", home: Path, until: str, env: dict[str, str] | None = None,
+    def __init__(self, bench: Suite, home: Path, until: str, env: dict[str, str] | None = None,
                  tag: str = "run"):
         self.home, self.log = home, self.log_of(home, tag)
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -151,21 +151,25 @@ class Suite:
         """Documents the reference kept that this home's collect output lacks (collect only)."""
         if stage != "collect":
             return 0
-        kept = lambda h: json.loads((committed_dir(h, "collect") / "funnel.json").read_text())  # noqa: E731
+        def funnel(h: Path) -> dict:
+            return json.loads((committed_dir(h, "collect") / "funnel.json").read_text())
+
         try:
-            return max(0, _kept(kept(self.reference)) - _kept(kept(home)))
+            return max(0, _kept(funnel(self.reference)) - _kept(funnel(home)))
         except StopIteration:
-            return _kept(kept(self.reference))
+            return _kept(funnel(self.reference))
 
     def finish(self, fault: str, stage: str, home: Path, note: str, ok: bool = True,
                tag: str = "rerun", env: dict[str, str] | None = None) -> Trial:
         """Run the same command again; the trial survives when it succeeds with the same output."""
         rerun = Run(self, home, stage, env=env, tag=tag)
         if rerun.wait() != 0:
-            return Trial(fault, stage, False, False, self.docs_lost(home, stage),
-                         f"{note}; the re-run failed: {rerun.output()[-300:]!r}")
+            return Trial(fault=fault, stage=stage, survived=False, identical=False,
+                         docs_lost=self.docs_lost(home, stage),
+                         note=f"{note}; the re-run failed: {rerun.output()[-300:]!r}")
         same = self.same_as_reference(home, stage)
-        return Trial(fault, stage, ok and same, same, self.docs_lost(home, stage), note)
+        return Trial(fault=fault, stage=stage, survived=ok and same, identical=same,
+                     docs_lost=self.docs_lost(home, stage), note=note)
 
 
 def _kept(funnel: dict) -> int:
@@ -214,8 +218,9 @@ def fuzz(suite: Suite, name: str, stage: str) -> Trial:
 
     logging.getLogger("gristmill").setLevel(logging.ERROR)  # each quarantined file says so
     result = run_fuzz(25, suite.rng.randrange(1 << 30), suite.work / name)
-    return Trial("fuzz", "collect", result["survived"] == result["trials"], None,
-                 int(result["docs_lost"]), f"{result['survived']}/{result['trials']} input sets")
+    return Trial(fault="fuzz", stage="collect", survived=result["survived"] == result["trials"],
+                 identical=None, docs_lost=int(result["docs_lost"]),
+                 note=f"{result['survived']}/{result['trials']} input sets")
 
 
 def ray_worker(suite: Suite, name: str, stage: str) -> Trial:
@@ -224,9 +229,9 @@ def ray_worker(suite: Suite, name: str, stage: str) -> Trial:
 
     def worker() -> psutil.Process | None:
         for proc in psutil.process_iter(["cmdline"]):
-            if any("ray::_Worker" in part for part in proc.info["cmdline"] or []):
-                if proc.pid in {p.pid for p in run.tree()}:
-                    return proc
+            is_worker = any("ray::_Worker" in part for part in proc.info["cmdline"] or [])
+            if is_worker and proc.pid in {p.pid for p in run.tree()}:
+                return proc
         return None
 
     found: list[psutil.Process] = []
@@ -242,8 +247,9 @@ def ray_worker(suite: Suite, name: str, stage: str) -> Trial:
         kill_all(found)
     rc = run.wait()
     same = rc == 0 and suite.same_as_reference(home, "collect")
-    return Trial("ray_worker", "collect", same, same, suite.docs_lost(home, "collect"),
-                 f"worker {found[0].pid} killed, run exit {rc}" if found else "no worker seen")
+    return Trial(fault="ray_worker", stage="collect", survived=same, identical=same,
+                 docs_lost=suite.docs_lost(home, "collect"),
+                 note=f"worker {found[0].pid} killed, run exit {rc}" if found else "no worker seen")
 
 
 def commit(suite: Suite, name: str, stage: str) -> Trial:
@@ -266,8 +272,8 @@ def disk_full(suite: Suite, name: str, stage: str) -> Trial:
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
-        return Trial("disk_full", stage, False, None, 0,
-                     f"not run: cannot mount a small filesystem ({mounted.stderr.strip()[:80]})")
+        return Trial(fault="disk_full", stage=stage, survived=False, identical=None, docs_lost=0,
+                     note=f"not run: cannot mount a small filesystem ({mounted.stderr.strip()[:80]})")
     try:
         rc = Run(suite, home, stage).wait()
         said = _said(Run.log_of(home, "run"))
@@ -288,9 +294,9 @@ def concurrent(suite: Suite, name: str, stage: str) -> Trial:
     same = all(suite.same_as_reference(home, s) for s in ("collect", "tokenize"))
     failed = " | ".join(f"run{i}: {_tail(r.log)}" for i, (r, code) in enumerate(zip(runs, codes))
                         if code != 0)
-    return Trial("concurrent", "collect+tokenize", codes == [0, 0] and once and same, same,
-                 suite.docs_lost(home, "collect"),
-                 f"exits {codes}, each stage computed once: {once}" + (f"; {failed}" if failed else ""))
+    return Trial(fault="concurrent", stage="collect+tokenize", survived=codes == [0, 0] and once and same,
+                 identical=same, docs_lost=suite.docs_lost(home, "collect"),
+                 note=f"exits {codes}, each stage computed once: {once}" + (f"; {failed}" if failed else ""))
 
 
 def _server(cmd: list[str], port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -358,8 +364,10 @@ def prefect_restart(suite: Suite, name: str, stage: str) -> Trial:
         rc = run.wait()
         if rc == 0:
             same = suite.same_as_reference(home, stage)
-            return Trial("prefect_restart", stage, same, same, suite.docs_lost(home, stage),
-                         "the run had ended before the restart" if early else "the run rode out the restart")
+            return Trial(fault="prefect_restart", stage=stage, survived=same, identical=same,
+                         docs_lost=suite.docs_lost(home, stage),
+                         note="the run had ended before the restart" if early
+                         else "the run rode out the restart")
         return suite.finish("prefect_restart", stage, home, f"the run failed (exit {rc}); re-run",
                             env=run_env)
     finally:

@@ -40,16 +40,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import tasks.collect.stage as collect
 from tasks.collect.cleaning import CleanOutcome, clean_documents
@@ -82,7 +84,7 @@ def load_docs(n_docs: int) -> tuple[list[Doc], int]:
 
 def chunked(docs: list[Doc], n_chunks: int) -> list[list[Doc]]:
     bounds = [len(docs) * i // n_chunks for i in range(n_chunks + 1)]
-    return [docs[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [docs[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def run_ours(chunks: list[list[Doc]], cfg: collect.Config) -> list[CleanOutcome]:
@@ -195,7 +197,7 @@ def compare_verdicts(docs: list[Doc], ours: list[CleanOutcome], datatrove_kept: 
     return {"distinct_docs": n_unique, "distinct_differ": len(differ)}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Measurements:
     seconds: dict[str, list[float]] = field(
         default_factory=lambda: {m: [] for m in ("ours", "ours-cold", "datatrove", "ray-1",

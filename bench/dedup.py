@@ -111,7 +111,10 @@ def run_datatrove(path: Path, cfg, work: Path, stage_seconds: dict[str, list[flo
                        hashes_per_bucket=rows or cfg.rows, seed=cfg.seed,
                        hash_config=HashConfig(precision=64, hash_fc="xxhash"))
     sigs, buckets, clusters = work / "sigs", work / "buckets", work / "clusters"
-    reader = lambda: JsonlReader(str(path.parent), glob_pattern=path.name)
+
+    def reader() -> JsonlReader:
+        return JsonlReader(str(path.parent), glob_pattern=path.name)
+
     stages = {
         "signature": ([reader(), MinhashDedupSignature(str(sigs), config=mh)], 1),
         "buckets": ([MinhashDedupBuckets(str(sigs), str(buckets), config=mh)], mh.num_buckets),

@@ -7,8 +7,9 @@ Without --model, a random Llama (hidden 256, 4 layers, a 4k BPE trained on tinys
 built in a temp dir. Both sides run in this process on one loaded copy of the tasks: ours via
 `evaluate_task`, lm-eval via `simple_evaluate` with HFLM on the same directory and our YAMLs
 (tasks/evaluate/lm_eval_tasks). lm-eval runs at its default batch size (1) and at ours. Timings
-are medians over interleaved rounds, side by side, on one torch thread by default; the last line is JSON with `ratio_vs_lmeval` (loglik,
-ours over lm-eval at its default), the same at equal batch size, the generation ratio, and `items`.
+are medians over interleaved rounds, side by side, on one torch thread by default; the last line
+is JSON with `ratio_vs_lmeval` (loglik, ours over lm-eval at its default), the same at equal batch
+size, the generation ratio, and `items`.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 LOGLIK = {"hellaswag/hellaswag_val_part1.jsonl": "gristmill_hellaswag",
@@ -104,9 +106,9 @@ def main(argv: list[str]) -> int:
     for kind, files, limit in (("loglik", LOGLIK, args.items), ("generate", GENERATE, args.gen_items)):
         items = limit * len(files)
         ours(files, limit)  # warm-up: first-call allocations and kernel choice
-        medians = _interleaved_medians({"ours": lambda: ours(files, limit),
-                                        "lm1": lambda: theirs(files, limit, 1),
-                                        "lmb": lambda: theirs(files, limit, args.batch_size)}, args.repeats)
+        medians = _interleaved_medians({"ours": partial(ours, files, limit),
+                                        "lm1": partial(theirs, files, limit, 1),
+                                        "lmb": partial(theirs, files, limit, args.batch_size)}, args.repeats)
         t_ours, t_lm1, t_lmb = medians["ours"], medians["lm1"], medians["lmb"]
         figures[kind] = {"items": items, "ours_items_per_s": items / t_ours, "lmeval_items_per_s": items / t_lm1,
                          "lmeval_same_batch_items_per_s": items / t_lmb}
@@ -118,11 +120,13 @@ def main(argv: list[str]) -> int:
         print(f"{kind:<9}{items:>6}{a:>16.1f}{b:>14.1f}{c:>15.1f}")
     ll, gen = figures["loglik"], figures["generate"]
     print(json.dumps({
-        "bench": "evaluate", "device": args.device, "threads": args.threads, "items": ll["items"], "gen_items": gen["items"],
+        "bench": "evaluate", "device": args.device, "threads": args.threads,
+        "items": ll["items"], "gen_items": gen["items"],
         "ratio_vs_lmeval": round(ll["ours_items_per_s"] / ll["lmeval_items_per_s"], 2),
         "ratio_vs_lmeval_same_batch": round(ll["ours_items_per_s"] / ll["lmeval_same_batch_items_per_s"], 2),
         "generation_ratio_vs_lmeval": round(gen["ours_items_per_s"] / gen["lmeval_items_per_s"], 2),
-        "generation_ratio_vs_lmeval_same_batch": round(gen["ours_items_per_s"] / gen["lmeval_same_batch_items_per_s"], 2),
+        "generation_ratio_vs_lmeval_same_batch":
+            round(gen["ours_items_per_s"] / gen["lmeval_same_batch_items_per_s"], 2),
         **{f"{kind}_{k}": round(v, 2) for kind, f in figures.items() for k, v in f.items() if k != "items"},
     }))
     return 0

@@ -35,9 +35,10 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 MAX_DOC_BYTES = 1_000_000  # the trials' max_doc_bytes: huge lines straddle it without 10 MB each
 BOM = b"\xef\xbb\xbf"
@@ -82,7 +83,7 @@ PROSE = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FuzzFile:
     """One generated input file."""
 
@@ -239,16 +240,16 @@ def random_bytes(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
     suffix = rng.choice(SUFFIXES)
     data = rng.choice(MAGICS) + rng.randbytes(rng.choice((1, 10, 100, 1000, 10_000, 100_000)))
     records = 1 if suffix == ".txt" else count_jsonl_records(data) if suffix == ".jsonl" else None
-    return FuzzFile("random_bytes", f"random{suffix}", data, records)
+    return FuzzFile(kind="random_bytes", name=f"random{suffix}", data=data, records=records)
 
 
 def empty(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
     """A 0-byte file of any format, or an empty stream inside intact compression."""
     suffix = rng.choice(SUFFIXES)
     if rng.random() < 0.5 or not suffix.endswith((".gz", ".zst", ".zstd")):
-        return FuzzFile("empty", f"empty{suffix}", b"", 0)
+        return FuzzFile(kind="empty", name=f"empty{suffix}", data=b"", records=0)
     records = 1 if suffix.startswith(".txt") else 0 if "json" in suffix else None
-    return FuzzFile("empty", f"empty{suffix}", _compress(b"", suffix), records)
+    return FuzzFile(kind="empty", name=f"empty{suffix}", data=_compress(b"", suffix), records=records)
 
 
 def jsonl_lines(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
@@ -282,8 +283,8 @@ def jsonl_lines(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
     data = (BOM if rng.random() < 0.2 else b"") + b"\n".join(lines) \
         + (b"\n" if rng.random() < 0.7 else b"")
     suffix = rng.choice((".jsonl", ".jsonl.gz", ".json.gz", ".jsonl.zst"))
-    return FuzzFile("jsonl_lines", f"lines{suffix}", _compress(data, suffix),
-                    count_jsonl_records(data))
+    return FuzzFile(kind="jsonl_lines", name=f"lines{suffix}", data=_compress(data, suffix),
+                    records=count_jsonl_records(data))
 
 
 ENCODINGS = ("utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32", "latin-1", "cp1252",
@@ -303,11 +304,11 @@ def encodings(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
 
     if rng.random() < 0.5:
         suffix = rng.choice((".txt", ".txt.gz", ".txt.zst"))
-        return FuzzFile("encodings", f"text{suffix}", _compress(encoded(), suffix), 1)
+        return FuzzFile(kind="encodings", name=f"text{suffix}", data=_compress(encoded(), suffix), records=1)
     lines = [b'{"text": "' + encoded().replace(b"\n", b" ").replace(b"\\", b"/") + b'"}'
              for _ in range(rng.randint(1, 5))]
     data = b"\n".join(lines) + b"\n"
-    return FuzzFile("encodings", "text.jsonl", data, count_jsonl_records(data))
+    return FuzzFile(kind="encodings", name="text.jsonl", data=data, records=count_jsonl_records(data))
 
 
 def huge_line(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
@@ -321,19 +322,20 @@ def huge_line(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
                  jsonl(rng, texts[-1:])]
         data = b"".join(lines[:rng.randint(2, 3)])
         suffix = rng.choice((".jsonl", ".jsonl.gz", ".jsonl.zst"))
-        return FuzzFile("huge_line", f"huge{suffix}", _compress(data, suffix),
-                        count_jsonl_records(data))
+        return FuzzFile(kind="huge_line", name=f"huge{suffix}", data=_compress(data, suffix),
+                        records=count_jsonl_records(data))
     if how == "jsonl_junk":  # not JSON at all, no newline anywhere
         size = rng.choice((size, rng.randint(MAX_DOC_BYTES // 2, MAX_DOC_BYTES)))
         data = rng.randbytes(64).replace(b"\n", b" ") * (size // 64)
-        return FuzzFile("huge_line", "junk.jsonl", data, count_jsonl_records(data))
+        return FuzzFile(kind="huge_line", name="junk.jsonl", data=data, records=count_jsonl_records(data))
     if how == "txt":
         suffix = rng.choice((".txt", ".txt.gz", ".txt.zst"))
-        return FuzzFile("huge_line", f"huge{suffix}", _compress(b"word " * (size // 5 + 1), suffix), 1)
+        return FuzzFile(kind="huge_line", name=f"huge{suffix}",
+                        data=_compress(b"word " * (size // 5 + 1), suffix), records=1)
     records = warc_records(rng, texts)
     i = rng.randrange(len(records))
     records[i] = records[i].replace(b"\r\n", b"\r\nX-Huge: " + b"h" * size + b"\r\n", 1)
-    return FuzzFile("huge_line", "huge.warc", b"".join(records), len(records))
+    return FuzzFile(kind="huge_line", name="huge.warc", data=b"".join(records), records=len(records))
 
 
 def broken_gzip(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
@@ -346,7 +348,7 @@ def broken_gzip(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
         plain = jsonl(rng, texts) if how == "jsonl" else rng.choice(texts).encode()
         data = _gzip(plain) if rng.random() < 0.7 else _gzip(plain[:100]) + _gzip(plain[100:])
         name = rng.choice(("broken.jsonl.gz", "broken.json.gz")) if how == "jsonl" else "broken.txt.gz"
-    return FuzzFile("broken_gzip", name, _damage(rng, data), None)
+    return FuzzFile(kind="broken_gzip", name=name, data=_damage(rng, data), records=None)
 
 
 def broken_zstd(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
@@ -355,7 +357,7 @@ def broken_zstd(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
     data = _zstd(plain) if rng.random() < 0.6 else _zstd(plain[:100]) + _zstd(plain[100:])
     name = rng.choice(("broken.jsonl.zst", "broken.jsonl.zstd", "broken.json.zst")) \
         if plain.startswith(b"{") else "broken.txt.zst"
-    return FuzzFile("broken_zstd", name, _damage(rng, data), None)
+    return FuzzFile(kind="broken_zstd", name=name, data=_damage(rng, data), records=None)
 
 
 def broken_warc(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
@@ -374,7 +376,7 @@ def broken_warc(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
     if not intact and rng.random() < 0.3:
         data = data[:rng.randrange(1, len(data))]
     name = rng.choice(("broken.warc", "broken.wet")) + (".gz" if gzipped else "")
-    return FuzzFile("broken_warc", name, data, len(records) if intact else None)
+    return FuzzFile(kind="broken_warc", name=name, data=data, records=len(records) if intact else None)
 
 
 def table_garbage(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
@@ -418,7 +420,8 @@ def table_garbage(rng: random.Random, texts: Sequence[str]) -> FuzzFile:
     damaged = rng.random() < 0.5
     name = "table.parquet" if fmt == "parquet" else "table.arrow"
     records = None if damaged else 0 if how == "no_text" else n
-    return FuzzFile("table_garbage", name, _damage(rng, data) if damaged else data, records)
+    return FuzzFile(kind="table_garbage", name=name, data=_damage(rng, data) if damaged else data,
+                    records=records)
 
 
 FAULTS: dict[str, Callable[[random.Random, Sequence[str]], FuzzFile]] = {
@@ -430,7 +433,7 @@ FAULTS: dict[str, Callable[[random.Random, Sequence[str]], FuzzFile]] = {
 
 # ---------------------------------------------------------------- trials
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Trial:
     """What one trial found."""
 
@@ -452,7 +455,8 @@ def run_trial(files: Sequence[FuzzFile], workdir: Path, texts: Sequence[str] = P
     inputs, out = workdir / "in", workdir / "out"
     inputs.mkdir(parents=True)
     out.mkdir()
-    anchor = FuzzFile("anchor", "anchor.jsonl", jsonl(random.Random(0), texts), len(texts))
+    anchor = FuzzFile(kind="anchor", name="anchor.jsonl", data=jsonl(random.Random(0), texts),
+                      records=len(texts))
     paths = []
     for i, f in enumerate([anchor, *files]):
         paths.append(inputs / f"{i:02d}-{f.name}")
@@ -463,11 +467,11 @@ def run_trial(files: Sequence[FuzzFile], workdir: Path, texts: Sequence[str] = P
     failure = None
     try:
         run(config, out, engine=SerialEngine())
-    except Exception as exc:  # noqa: BLE001 (what escaped is the finding)
+    except Exception as exc:  # what escaped is the finding
         failure = f"{type(exc).__name__}: {str(exc)[:500]}"
     funnel_path = out / "funnel.json"
     if not funnel_path.is_file():
-        return Trial(False, 0, 0, failure or "no funnel.json")
+        return Trial(survived=False, docs_lost=0, records_unread=0, failure=failure or "no funnel.json")
     accounting = json.loads(funnel_path.read_text())["accounting"]
     per_source = accounting["per_source"]
     docs_lost = sum(abs(b["unaccounted"]) for b in per_source.values())
@@ -478,7 +482,7 @@ def run_trial(files: Sequence[FuzzFile], workdir: Path, texts: Sequence[str] = P
     if failure is None and (docs_lost or unread or wrong_kept or not accounting["balanced"]):
         failure = (f"accounting: {accounting['summary']}, docs_lost {docs_lost}, records_unread "
                    f"{unread}, kept (funnel, shards) {wrong_kept}")
-    return Trial(failure is None, docs_lost, unread, failure)
+    return Trial(survived=failure is None, docs_lost=docs_lost, records_unread=unread, failure=failure)
 
 
 def _shard_docs(out: Path) -> list[dict[str, Any]]:

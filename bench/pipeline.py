@@ -62,7 +62,7 @@ def pipeline_times(repeats: int, overrides: list[str]) -> dict[str, list[float]]
     times: dict[str, list[float]] = {"cold": [], "reused": [], "dry_run": []}
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
-        for repeat in range(repeats):
+        for _ in range(repeats):
             shutil.rmtree(home, ignore_errors=True)
             times["cold"].append(_cli_seconds(home, overrides))
             times["reused"].append(_cli_seconds(home, overrides))

@@ -5,7 +5,8 @@ Defined here once; the tokenize stage saves it into the tokenizer directory, and
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 DOC_SEPARATOR = "<|endoftext|>"  # between pretraining documents; also BOS
 PAD = "<|pad|>"

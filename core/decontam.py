@@ -25,10 +25,11 @@ import json
 import re
 import unicodedata
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -107,7 +108,7 @@ def all_strings(value: Any) -> Iterator[str]:
             yield from all_strings(v)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Shape:
     """A record shape of an evaluation file and the text of its items."""
 
@@ -121,14 +122,14 @@ class Shape:
 # joined to their question: quiz pages print them together, and a lone choice ("a marsh")
 # proves nothing.
 SHAPES: list[Shape] = [
-    Shape("question_choices", ("question", "choices")),  # MMLU, HF ARC ({text, label} choices)
-    Shape("gsm8k", ("question", "answer")),
-    Shape("icl_multiple_choice", ("query", "choices")),  # MosaicML ICL: ARC, BoolQ, COPA, OBQA
-    Shape("hellaswag", ("ctx", "endings")),
+    Shape(name="question_choices", fields=("question", "choices")),  # MMLU, HF ARC ({text, label} choices)
+    Shape(name="gsm8k", fields=("question", "answer")),
+    Shape(name="icl_multiple_choice", fields=("query", "choices")),  # MosaicML ICL: ARC, BoolQ, COPA, OBQA
+    Shape(name="hellaswag", fields=("ctx", "endings")),
     # both fillings of the blank, each a whole sentence
-    Shape("winogrande", ("context_options", "continuation"), one_text_per="context_options"),
-    Shape("lambada", ("context", "continuation")),
-    Shape("piqa", ("goal", "sol1", "sol2")),
+    Shape(name="winogrande", fields=("context_options", "continuation"), one_text_per="context_options"),
+    Shape(name="lambada", fields=("context", "continuation")),
+    Shape(name="piqa", fields=("goal", "sol1", "sol2")),
 ]
 # A shape we have no entry for is still protected: indexing every string field over-flags (ids,
 # labels add a few extra n-grams) rather than silently missing contamination.
@@ -164,7 +165,7 @@ def _read_records(path: Path) -> Iterator[dict]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"eval set file {path}, line {line_no}: bad JSON ({err})")
+                    raise ValueError(f"eval set file {path}, line {line_no}: bad JSON ({err})") from err
                 if not isinstance(record, dict):
                     raise ValueError(f"eval set file {path}, line {line_no}: not a JSON object")
                 yield record

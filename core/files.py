@@ -8,8 +8,9 @@ import fcntl
 import hashlib
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 
 @contextlib.contextmanager

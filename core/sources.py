@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Literal, Mapping, TypeVar
+from typing import Literal, TypeVar
 
 from core.files import file_digest
 

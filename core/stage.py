@@ -21,9 +21,10 @@ wraps them with the artifact store and tracking.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol, Sequence, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -48,7 +49,7 @@ class StageConfig(BaseModel):
         return self.model_dump(mode="json", exclude=set(self.unhashed_fields))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     """The committed record of one stage output; `path` is the artifact directory."""
 
@@ -68,11 +69,11 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], path: Path) -> "Manifest":
+    def from_json(cls, data: dict[str, Any], path: Path) -> Manifest:
         return cls(path=path, **data)
 
     @classmethod
-    def of_directory(cls, stage: str, path: Path) -> "Manifest":
+    def of_directory(cls, stage: str, path: Path) -> Manifest:
         """A stand-in for a stage output found outside the artifact store (a directory given on a
         command line): stages read only `path` from their inputs' manifests."""
         return cls(stage=stage, key="external", path=Path(path), config={}, upstream={}, files={}, stats={})

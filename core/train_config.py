@@ -35,7 +35,8 @@ class TrainConfig(StageConfig):
     seed: int = Field(0, description="Seed of initialisation, data order, held-out splits and sampling.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA when available, else CPU. bf16 autocast is used on CUDA only.")
-    checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps (and after the last).")
+    checkpoint_every: int = Field(
+        50, gt=0, description="Save a resumable checkpoint every N steps (and after the last).")
     keep_checkpoints: int = Field(2, gt=0, description="Most recent complete checkpoints kept on disk while training.")
     log_every: int = Field(10, gt=0, description="Log a one-line progress summary every N steps "
                                                   "(metrics.jsonl gets every step).")

@@ -8,8 +8,8 @@ it used; the artifact store holds the manifests, so a report card can be rebuilt
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from core.stage import Manifest
 from flows import report_card
@@ -56,7 +56,7 @@ def report(home: Path, run: str | None = None) -> tuple[Path, Path, list[str]]:
     if not manifests:
         raise LookupError(f"run {parent['run_id']}: none of its stage artifacts is in "
                           f"{env.artifacts_root(home)} any more")
-    notes = [report_card.Section("Missing artifacts", notes=[
+    notes = [report_card.Section(title="Missing artifacts", notes=[
         "Deleted from the artifact store since the run: " + ", ".join(missing)])] if missing else []
     if decision := Decision.from_tags(parent["tags"]):
         notes.append(report_card.registry_section(decision.markdown()))
@@ -90,8 +90,13 @@ def compare(home: Path, run_a: str, run_b: str) -> str:
     stages_a, stages_b = _stage_rows(stage_runs_of(tracker, a["run_id"])), \
         _stage_rows(stage_runs_of(tracker, b["run_id"]))
     lines += ["", "## Stages", "", "| stage | A | B | same artifact |", "|---|---|---|---|"]
-    status = lambda r: "—" if r is None else \
-        f"{r['tags'].get('gristmill.key')} {'reused' if r['tags'].get('gristmill.reused') == 'true' else 'computed'}"  # noqa: E731
+
+    def status(run: RunRecord | None) -> str:
+        if run is None:
+            return "—"
+        reused = run["tags"].get("gristmill.reused") == "true"
+        return f"{run['tags'].get('gristmill.key')} {'reused' if reused else 'computed'}"
+
     for stage in dict.fromkeys([*stages_a, *stages_b]):
         ra, rb = stages_a.get(stage), stages_b.get(stage)
         same = ra is not None and rb is not None and \

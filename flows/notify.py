@@ -77,7 +77,7 @@ def notify(config: NotifyConfig, event: str, run: dict[str, str], payload: dict[
                           ("webhook", lambda: (url := webhook_url(config)) and _post(url, message))):
         try:
             send()
-        except Exception as error:  # noqa: BLE001 - a lost notification must not fail the run
+        except Exception as error:  # a lost notification must not fail the run
             # an HTTP error's text may hold the URL, a secret: name only its type then
             log.warning("%s %s not delivered: %s", channel, message["event"],
                         type(error).__name__ if "://" in str(error) else error)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from core.stage import Manifest
 from flows.config import PipelineConfig
@@ -33,7 +33,7 @@ RESULTS = "results.json"  # the evaluate stage's per-model metrics: {"models": {
 LOWER_IS_BETTER = ("loss", "ppl", "perplexity", "bpb")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     model: str
     version: str
@@ -42,14 +42,14 @@ class Decision:
     champion: str  # the champion's version after the decision
 
     @classmethod
-    def from_tags(cls, tags: dict[str, str]) -> "Decision | None":
+    def from_tags(cls, tags: dict[str, str]) -> Decision | None:
         """The decision recorded on a pipeline run (`gristmill.registry.*` tags), if any."""
         got = {k.removeprefix("gristmill.registry."): v for k, v in tags.items()
                if k.startswith("gristmill.registry.")}
         if not {"model", "version", "decision", "reason", "champion"} <= got.keys():
             return None
-        return cls(got["model"], got["version"], got["decision"] == "promoted", got["reason"],
-                   got["champion"])
+        return cls(model=got["model"], version=got["version"], promoted=got["decision"] == "promoted",
+                   reason=got["reason"], champion=got["champion"])
 
     def markdown(self) -> str:
         verdict = ("`candidate`, promoted to `champion`" if self.promoted else
@@ -134,8 +134,8 @@ def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
         reason = f"{reason} (champion version {champion.version})"
     if promoted:
         registry.set_alias(name, CHAMPION, version.version)
-    decision = Decision(name, version.version, promoted, reason,
-                        version.version if promoted or champion is None else champion.version)
+    decision = Decision(model=name, version=version.version, promoted=promoted, reason=reason,
+                        champion=version.version if promoted or champion is None else champion.version)
     tracker.set_tags(run_id, {f"gristmill.registry.{key}": value for key, value in {
         "model": name, "version": version.version, "reason": reason,
         "decision": "promoted" if promoted else "candidate", "champion": decision.champion}.items()})

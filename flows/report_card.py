@@ -14,9 +14,10 @@ import base64
 import html
 import json
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from core.stage import Manifest, read_metrics
 from flows.registry import lower_is_better
@@ -29,7 +30,7 @@ CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss"),
           "align": ("reward", "kl", "margin", "loss")}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Section:
     title: str
     rows: list[list[str]] = field(default_factory=list)  # the first row is the header
@@ -66,8 +67,8 @@ def _scores_section(evaluate: Manifest) -> Section:
         change = f"{last - first:+.4g}" if first is not None and last is not None else ""
         rows.append([metric + arrow, *[_fmt(values[label]) if label in values else "—"
                                         for label in labels], change])
-    return Section("Scores: base → SFT → aligned", rows,
-                   ["↓: lower is better. `<task>_contaminated`: items found in the model's "
+    return Section(title="Scores: base → SFT → aligned", rows=rows,
+                   notes=["↓: lower is better. `<task>_contaminated`: items found in the model's "
                     "training data; `<task>_acc_clean`: accuracy on the others. Every number comes "
                     "from the evaluate stage "
                     f"(`evaluate-{evaluate.key}`), measured on the same items for each model."])
@@ -84,8 +85,8 @@ def _alignment_section(evaluate: Manifest) -> Section | None:
               f"{v['after'] - v['before']:+.4f}"] for m, v in summary["heldout"].items()]
     counts = ", ".join(f"{summary[k]} {k.replace('_', ' ')}" for k in
                        ("pairs_heldout", "prompts_heldout", "steps") if k in summary)
-    return Section(f"Alignment ({summary['method']}), measured by the align stage on held-out data",
-                   rows, [f"Measured on {counts}."] if counts else [])
+    return Section(title=f"Alignment ({summary['method']}), measured by the align stage on held-out data",
+                   rows=rows, notes=[f"Measured on {counts}."] if counts else [])
 
 
 def _curves(manifests: Mapping[str, Manifest]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -112,7 +113,7 @@ def _funnel_section(collect: Manifest, charts: Path) -> Section | None:
         return None
     funnel = json.loads(path.read_text())
     chart = funnel_chart(funnel["steps"], charts / "funnel.png", f"collect funnel ({collect.key})")
-    return Section("Data funnel", notes=[funnel_markdown(funnel)], chart=chart)
+    return Section(title="Data funnel", notes=[funnel_markdown(funnel)], chart=chart)
 
 
 def _tokenizer_section(tokenize: Manifest) -> Section:
@@ -120,8 +121,9 @@ def _tokenizer_section(tokenize: Manifest) -> Section:
             "compression_vs_reference", "train_tokens", "val_tokens")
     rows = [["measure", "value"]] + [[k.replace("_", " "), _fmt(tokenize.stats[k])]
                                      for k in keys if k in tokenize.stats]
-    return Section("Tokenizer", rows, ["Compression: UTF-8 bytes per token on the validation "
-                                       "split (higher packs more text into each token)."])
+    return Section(title="Tokenizer", rows=rows,
+                   notes=["Compression: UTF-8 bytes per token on the validation split (higher packs "
+                          "more text into each token)."])
 
 
 def _time_and_lineage(manifests: Mapping[str, Manifest], statuses: Mapping[str, str]) -> list[Section]:
@@ -137,9 +139,9 @@ def _time_and_lineage(manifests: Mapping[str, Manifest], statuses: Mapping[str, 
                         str(m.meta.get("code_version", ""))])
     total = sum(float(m.meta.get("seconds", 0)) for s, m in manifests.items()
                 if statuses.get(s) == "computed")
-    return [Section("Time per stage", time_rows,
-                    [f"Computed in this run: {total:.1f} s (reused stages cost nothing)."]),
-            Section("Lineage", lineage)]
+    return [Section(title="Time per stage", rows=time_rows,
+                    notes=[f"Computed in this run: {total:.1f} s (reused stages cost nothing)."]),
+            Section(title="Lineage", rows=lineage)]
 
 
 def build(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title: str,
@@ -152,7 +154,7 @@ def build(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title:
         sections.append(aligned)
     sections += extra or []
     if series := _curves(manifests):
-        sections.append(Section("Training curves",
+        sections.append(Section(title="Training curves",
                                 chart=curves_chart(series, charts / "curves.png", _curves_title(manifests, series))))
     if "collect" in manifests and (funnel := _funnel_section(manifests["collect"], charts)):
         sections.append(funnel)
@@ -223,7 +225,7 @@ def to_html(title: str, sections: list[Section]) -> str:
 
 def registry_section(note: str) -> Section:
     """The model registry's decision for this run (flows/registry.py)."""
-    return Section("Model registry", notes=[note])
+    return Section(title="Model registry", notes=[note])
 
 
 def write(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title: str,

@@ -7,7 +7,9 @@ The deployment's parameters are the flow's: `config`, the typed pipeline config 
 form from it: the preset name, each stage's section with every field and its description),
 `until`, and free-form `overrides` (`key=value`, as on the command line). Its defaults are the
 config file given to `serve`, overrides applied. Runs execute in this process's runner, with its
-environment (GRISTMILL_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS); it serves until stopped.
+environment (GRISTMILL_HOME, MLFLOW_TRACKING_URI, RAY_ADDRESS); it serves until stopped. The CLI
+runs it as a supervised child (flows/supervised.py), so Ctrl-C or SIGTERM stops it, and the flow
+runs it started, within seconds even when the Prefect server is gone.
 A failed run can be retried from the UI: finished stages are reused from the artifact store and
 the failed one resumes from its checkpoint, as `gristmill run` does after a crash.
 """

@@ -9,8 +9,11 @@ bad one: one line on stderr, exit 2, passed on by the supervisor) and does the w
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +21,19 @@ from infra import env
 
 if TYPE_CHECKING:
     from flows.config import PipelineConfig
+
+
+@contextlib.contextmanager
+def _importing() -> Iterator[None]:
+    """Imports that live as long as the process (Prefect, MLflow: most of a reused run's time),
+    done without the garbage collector and then frozen (gc.freeze): collecting would find
+    nothing to free among them, and every later collection, the one at exit included, skips them."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def _fail(error: object) -> int:
@@ -46,10 +62,11 @@ def run(config: str, overrides: list[str], until: str | None = None) -> int:
         plan(pipeline_config, ArtifactStore(env.artifacts_root(home)), until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
-    from core.files import DiskSpaceError
-    from flows.pipeline import pipeline
-    from infra.services import start_embedded_services
-    from infra.tracking import TrackingUnavailable, is_server, tracking_uri
+    with _importing():
+        from core.files import DiskSpaceError
+        from flows.pipeline import pipeline
+        from infra.services import start_embedded_services
+        from infra.tracking import TrackingUnavailable, is_server, tracking_uri
 
     try:
         start_embedded_services(home)
@@ -89,8 +106,9 @@ def refresh(config: str, overrides: list[str]) -> int:
         pipeline_config = _load(config, overrides)
     except ConfigError as error:
         return _fail(error)
-    from flows.refresh import data_refresh
-    from infra.services import start_embedded_services
+    with _importing():
+        from flows.refresh import data_refresh
+        from infra.services import start_embedded_services
 
     try:
         start_embedded_services(env.gristmill_home())

@@ -19,9 +19,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from core.faults import fault_point
 from core.files import describe_files

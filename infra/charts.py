@@ -12,8 +12,8 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from infra import env
 

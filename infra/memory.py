@@ -7,6 +7,7 @@ interval can be missed, so the figure is a lower bound on the true peak.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import psutil
@@ -18,10 +19,8 @@ def tree_rss_bytes(root: psutil.Process) -> int:
     """Resident bytes of `root` and all its descendants now (processes that vanish count 0)."""
     total = 0
     for proc in [root, *root.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):
             total += proc.memory_info().rss
-        except psutil.Error:
-            pass
     return total
 
 

@@ -7,6 +7,7 @@ never taken for one of ours.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterable
@@ -34,10 +35,8 @@ def kill_all(processes: Iterable[psutil.Process], timeout: float = 2) -> None:
     """SIGKILL whatever of `processes` still runs and wait up to `timeout` for them to go."""
     doomed = alive(processes)
     for proc in doomed:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(doomed, timeout=timeout)
 
 
@@ -100,9 +99,7 @@ def stop_sessions(leaders: Iterable[tuple[int, float]], grace_s: float) -> None:
     leaders = list(leaders)
     members = alive([p for leader in leaders for p in session(*leader)])
     for proc in members:
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
     _, left = psutil.wait_procs(members, timeout=grace_s)
     kill_all(left + alive([p for leader in leaders for p in session(*leader)]))

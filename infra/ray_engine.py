@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from infra import env
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from infra import env
 from infra.ray_engine import RayEngine  # first: keeps a local Ray on loopback

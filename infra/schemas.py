@@ -1,13 +1,14 @@
 """Migrated, empty databases for new homes.
 
 A new home's Prefect database took its server over a hundred alembic migrations before it
-answered, and MLflow's store more (timings: docs/benchmarks.md); every new
-GRISTMILL_HOME (a test, an experiment, another project) paid that. The migrated schema is the same for every home of one
-Prefect or MLflow install, so it is built once, by the tool's own migrations, into a template
-under the user's cache (`$GRISTMILL_CACHE`, default `~/.cache/gristmill`), and copied into a home
-whose database does not exist yet. A template holds what the migrations write (the schema,
-alembic's revision row, MLflow's default workspace) and nothing a run writes. Its name carries the tool's version and a digest of its migration scripts, so
-another install builds its own. Building one that fails is logged and skipped: the server then
+answered, and MLflow's store more (timings: docs/benchmarks.md); every new GRISTMILL_HOME (a
+test, an experiment, another project) paid that. The migrated schema is the same for every home
+of one Prefect or MLflow install, so it is built once, by the tool's own migrations, into a
+template under the user's cache (`$GRISTMILL_CACHE`, default `~/.cache/gristmill`), and copied
+into a home whose database does not exist yet. A template holds what the migrations write (the
+schema, alembic's revision row, MLflow's default workspace) and nothing a run writes. Its name
+carries the tool's version and a digest of its migration scripts, so another install builds its
+own. Building one that fails is logged and skipped: the server then
 migrates the home's database itself, as it always could; so does every new database with
 GRISTMILL_SCHEMA_TEMPLATES=0.
 """
@@ -94,7 +95,7 @@ def template(tool: str) -> Path | None:
                     conn.execute("PRAGMA journal_mode=DELETE")
                 finally:
                     conn.close()
-            except Exception as exc:  # noqa: BLE001 (an optimisation: the server can migrate itself)
+            except Exception as exc:  # an optimisation: the server can migrate itself
                 log.warning("no %s schema template (%s); the new database migrates itself", tool, exc)
                 return None
             db.replace(path)

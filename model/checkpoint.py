@@ -21,8 +21,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from core.faults import fault_point
 from core.files import DiskSpaceError, describe_files, ensure_free_space, file_digest

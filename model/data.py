@@ -83,7 +83,7 @@ class PackedTokenLoader:
         self.position = 0
 
     @classmethod
-    def from_dir(cls, tokens_dir: Path, seq_len: int, split: str = "train", **kwargs: Any) -> "PackedTokenLoader":
+    def from_dir(cls, tokens_dir: Path, seq_len: int, split: str = "train", **kwargs: Any) -> PackedTokenLoader:
         return cls(read_tokens(tokens_dir, split), seq_len, **kwargs)
 
     def __len__(self) -> int:

@@ -1,7 +1,8 @@
 """Greedy generation for chat evaluations: held-out accuracy in alignment and in the evaluate stage."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -23,9 +23,10 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -303,8 +304,8 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     every step: loss, lr, grad_norm; every `log_every` steps also tokens_per_s and, given
     `flops_per_token` (training FLOPs per token) and a known device peak, mfu. Returns a summary:
     final_train_loss (mean of the last steps), steps, tokens_seen, tokens_per_s and mfu (this
-    invocation, wall clock), resumed_from_step, rollbacks, world_size, process_index, and the last values returned by `evaluate` (also logged every
-    `eval_every` steps and at the end)."""
+    invocation, wall clock), resumed_from_step, rollbacks, world_size, process_index, and the last
+    values returned by `evaluate` (also logged every `eval_every` steps and at the end)."""
     log = log or logging.getLogger("gristmill.train")
     Path(work_dir).mkdir(parents=True, exist_ok=True)
     accelerator, model, optimizer, scheduler = _prepare(model, cfg)
@@ -312,7 +313,8 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     resumed_from = state["step"]
     if cfg.max_rollbacks and not complete_checkpoints(work_dir):
         _save_checkpoint(accelerator, model, scheduler, work_dir, state, cfg.keep_checkpoints)  # a rollback target
-    meter = Throughput(flops_per_token, device_peak_tflops(cfg.peak_tflops, accelerator.device), accelerator.num_processes)
+    peak_tflops = device_peak_tflops(cfg.peak_tflops, accelerator.device)
+    meter = Throughput(flops_per_token, peak_tflops, accelerator.num_processes)
     t0, tokens_now = time.perf_counter(), 0
     while state["step"] < cfg.max_steps:
         step_start = time.perf_counter()

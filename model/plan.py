@@ -27,7 +27,7 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops: float) -> float:
     return tokens_per_s * flops_per_tok / (peak_tflops * 1e12)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     params: int
     tokens: float  # training tokens

@@ -159,7 +159,7 @@ def _left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, attention
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollout:
     ids: torch.Tensor  # [batch, prompt_len + tokens]: left-padded prompts, then responses
     attention: torch.Tensor  # same shape: 1 on real prompt and response tokens
@@ -198,7 +198,8 @@ def sample_responses(policy: Any, tokenizer: Any, prompts: Sequence[Sequence[Mes
 def _scores(reward_fn: RewardFn, prompts: list[list[Message]], texts: list[str]) -> torch.Tensor:
     scores = torch.as_tensor(reward_fn(prompts, texts), dtype=torch.float32).cpu()
     if scores.shape != (len(texts),) or not torch.isfinite(scores).all():
-        raise ValueError(f"reward_fn must return {len(texts)} finite scores, got shape {tuple(scores.shape)}: {scores}")
+        raise ValueError(f"reward_fn must return {len(texts)} finite scores, "
+                         f"got shape {tuple(scores.shape)}: {scores}")
     return scores
 
 

@@ -12,7 +12,7 @@ def warmup_cosine(step: int, total_steps: int, warmup_frac: float, min_lr_ratio:
     """
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps}")
-    warmup_steps = int(round(warmup_frac * total_steps))
+    warmup_steps = round(warmup_frac * total_steps)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(1, total_steps - 1 - warmup_steps)
@@ -27,8 +27,8 @@ def warmup_stable_decay(step: int, total_steps: int, warmup_frac: float, decay_f
     steps (reached at the last step). A run can be extended from any stable-phase checkpoint."""
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps}")
-    warmup_steps = int(round(warmup_frac * total_steps))
-    decay_steps = int(round(decay_frac * total_steps))
+    warmup_steps = round(warmup_frac * total_steps)
+    decay_steps = round(decay_frac * total_steps)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_start = total_steps - decay_steps
@@ -43,7 +43,7 @@ def warmup_linear(step: int, total_steps: int, warmup_frac: float) -> float:
     (the "linear" schedule of transformers' Trainer, which the TRL-trained methods use)."""
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps}")
-    warmup_steps = int(round(warmup_frac * total_steps))
+    warmup_steps = round(warmup_frac * total_steps)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))

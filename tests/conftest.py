@@ -109,7 +109,7 @@ def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
     home = tmp_path_factory.mktemp("e2e") / "home"
     assert plan_of(home, overrides) == {s: "run" for s in STAGES}
     proc = gristmill(home, "run", "configs/tiny.yaml", *overrides)
-    return TinyRun(home, proc, overrides, reference_vocab)
+    return TinyRun(home=home, proc=proc, overrides=overrides, reference_vocab=reference_vocab)
 
 
 @pytest.fixture(scope="session")

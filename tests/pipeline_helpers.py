@@ -7,8 +7,12 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.runs import REPO, STAGES, cli_env, committed_dir, committed_files  # noqa: F401
-from bench.runs import SHORT as FAST  # noqa: F401
+from bench.runs import REPO, STAGES, cli_env, committed_dir, committed_files
+from bench.runs import SHORT as FAST
+
+# What end-to-end tests import from here: bench/runs.py's helpers, shared with the benchmarks, and these.
+__all__ = ["FAST", "REPO", "STAGES", "TinyRun", "cli_env", "committed_dir", "committed_files", "gristmill",
+           "plan_of"]
 
 
 def gristmill(home: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:

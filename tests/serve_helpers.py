@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from pipeline_helpers import FAST, REPO, cli_env
 
@@ -31,7 +31,8 @@ FAULT_POINT = "checkpoint:10"
 TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
-class Served(NamedTuple):
+@dataclass(frozen=True, kw_only=True)
+class Served:
     home: Path
     api: str  # PREFECT_API_URL: http://127.0.0.1:<port>/api; the UI is at the same origin
     deployment: dict
@@ -107,7 +108,7 @@ def serving(root: Path) -> Iterator[Served]:
         base = exports["PREFECT_API_URL"]
         deployment = wait(lambda: next((d for d in api(base, "/deployments/filter", {})
                                         if d["name"] == "pipeline"), None), 180, "the deployment")
-        yield Served(home, base, deployment, log, armed)
+        yield Served(home=home, api=base, deployment=deployment, log=log, fault_armed=armed)
     finally:
         if process is not None:
             process.send_signal(signal.SIGINT)

@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError
 
 import tasks.align.stage as align
 from core.stage import StageConfig, read_metrics
-from tasks.align.config import DPOConfig, GRPOConfig
+from tasks.align.config import DPOConfig, GRPOConfig, fingerprint
 from tasks.align.method import AlignJob
 from tasks.align.preferences import (
     detect_format,
@@ -89,14 +89,14 @@ def test_hh_transcript_edge_cases(tmp_path):
             {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: b"}]
     path = tmp_path / "hh.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match="hh.jsonl.*no usable pairs"):
+    with pytest.raises(ValueError, match=r"hh\.jsonl.*no usable pairs"):
         load_preference_pairs(str(path), None)
 
 
 def test_unknown_format_and_source_name_the_source(tmp_path):
     path = tmp_path / "odd.jsonl"
     path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    with pytest.raises(ValueError, match="odd.jsonl.*unknown preference format"):
+    with pytest.raises(ValueError, match=r"odd\.jsonl.*unknown preference format"):
         load_preference_pairs(str(path), None)
     with pytest.raises(ValueError, match="demo:nope"):
         load_preference_pairs("demo:nope", None)
@@ -116,25 +116,25 @@ def test_fingerprint_follows_file_contents(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
     config = align.Config(dpo={"data": ["demo:arithmetic", str(path)]})
-    first = align.fingerprint(config)
-    assert align.fingerprint(config) == first
+    first = fingerprint(config)
+    assert fingerprint(config) == first
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "d"}) + "\n")
-    assert align.fingerprint(config) != first
+    assert fingerprint(config) != first
     # GRPO reads its prompt files, not the preference files
     grpo = align.Config(method="grpo", dpo={"data": [str(path)]}, grpo={"prompts": [str(path)]})
-    before = align.fingerprint(grpo)
+    before = fingerprint(grpo)
     path.write_text(json.dumps({"question": "a", "answer": "1"}) + "\n")
-    assert align.fingerprint(grpo) != before
+    assert fingerprint(grpo) != before
 
 
 def test_config_validation_names_the_field():
-    with pytest.raises(ValidationError, match="dpo.beta"):
+    with pytest.raises(ValidationError, match=r"dpo\.beta"):
         align.Config(dpo={"beta": 0})
-    with pytest.raises(ValidationError, match="dpo.data"):
+    with pytest.raises(ValidationError, match=r"dpo\.data"):
         align.Config(dpo={"data": []})
-    with pytest.raises(ValidationError, match="grpo.num_generations"):
+    with pytest.raises(ValidationError, match=r"grpo\.num_generations"):
         align.Config(grpo={"num_generations": 1})
-    with pytest.raises(ValidationError, match="grpo.unknown"):
+    with pytest.raises(ValidationError, match=r"grpo\.unknown"):
         align.Config(grpo={"unknown": 1})
     with pytest.raises(ValidationError, match="method"):
         align.Config(method="rlhf")
@@ -193,7 +193,7 @@ def test_a_new_method_is_a_section_a_train_function_and_a_registry_entry(tmp_pat
     monkeypatch.setattr(align, "METHODS", {**align.METHODS, "scale": train})
     config = Config(method="scale", scale={"factor": 2.0})
     assert config.hashed_dict() == {"lora": None, "method": "scale", "scale": {"factor": 2.0}}
-    assert align.fingerprint(config) == align.fingerprint(Config(method="scale"))
+    assert fingerprint(config) == fingerprint(Config(method="scale"))
     s = run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats
     assert s["method"] == "scale" and s["scaled_by"] == 2.0
     before, after = weights(tiny_model_dir), weights(tmp_path / "out" / "model")

@@ -132,7 +132,7 @@ def test_grpo_without_usable_prompts_names_the_file(tmp_path, tiny_model_dir):
     path = tmp_path / "no_answers.jsonl"
     path.write_text(json.dumps({"question": "How many?", "answer": "lots"}) + "\n")
     config = grpo_config(prompts=[str(path)])
-    with pytest.raises(ValueError, match="no_answers.jsonl.*no_numeric_answer"):
+    with pytest.raises(ValueError, match=r"no_answers\.jsonl.*no_numeric_answer"):
         run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out")
 
 

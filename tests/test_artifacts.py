@@ -31,7 +31,9 @@ def test_key_changes_with_anything_that_changes_outputs(change):
     base = dict(stage="sft", version=1, config={"lr": 1e-3, "steps": 10},
                 upstream={"pretrain": "abc"}, fingerprint=None)
     changed = {**base, **change}
-    key = lambda d: stage_key(d["stage"], d["version"], d["config"], d["upstream"], d["fingerprint"])
+    def key(d):
+        return stage_key(d["stage"], d["version"], d["config"], d["upstream"], d["fingerprint"])
+
     assert key(base) != key(changed)
 
 

@@ -17,7 +17,8 @@ import tasks.collect.filters as text_filters
 import tasks.collect.langid as langid
 import tasks.collect.pii as pii
 import tasks.collect.stage as collect
-from tasks.collect.cleaning import CleaningConfig, clean_document
+from tasks.collect.cleaning import clean_document
+from tasks.collect.config import CleaningConfig
 from tasks.collect.readers import RawDoc, extract_text
 
 CFG = collect.Config()  # what the stage passes: the cleaning fields plus its Gopher thresholds
@@ -324,8 +325,8 @@ def test_the_demo_key_follows_docs_of_a_package_installed_from_a_source_tree(tmp
 def test_the_demo_reads_the_environment_wherever_a_run_starts(tmp_path):
     """`python -m` in a source checkout puts the working directory on sys.path, where the
     checkout's `*.egg-info` would shadow the installed metadata: the demo's packages (and so the
-    collect key) would depend on where a run was started (a console script, `gristmill up`'s warm
-    runner and the Ray workers start elsewhere)."""
+    collect key) would depend on where a run was started (a console script and the Ray workers
+    start elsewhere)."""
     checkout = tmp_path / "checkout"
     info = checkout / "demo_pkg.egg-info"
     info.mkdir(parents=True)

@@ -15,6 +15,7 @@ from test_common_crawl import CRAWL, server  # noqa: F401 (fixture)
 
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
+from tasks.collect.config import fingerprint
 from tasks.collect.funnel import AccountingError
 from tasks.collect.readers import FILE_LEVEL_ERRORS, read_file
 
@@ -144,14 +145,14 @@ def test_refresh_against_an_earlier_index(shared_data, tmp_path):
     assert refreshed.stats["near_dedup_removed_by_index"] == 1
     assert len(_docs(tmp_path / "second")) == 3
     config = collect.Config(sources=[str(new)], dedup_index_from=str(tmp_path / "first"))
-    before = collect.fingerprint(config)
+    before = fingerprint(config)
     index_file = next(p for p in sorted((tmp_path / "first" / "dedup_index").iterdir()) if p.is_file())
     index_file.write_bytes(index_file.read_bytes() + b"\0")
-    assert collect.fingerprint(config) != before  # the index is an input
+    assert fingerprint(config) != before  # the index is an input
     shutil.rmtree(tmp_path / "first" / "dedup_index")
     (tmp_path / "first" / "dedup_index").mkdir()
-    with pytest.raises(ValueError, match="dedup_index.*holds no input files"):
-        collect.fingerprint(config)  # found when the run is planned, not mid-run
+    with pytest.raises(ValueError, match=r"dedup_index.*holds no input files"):
+        fingerprint(config)  # found when the run is planned, not mid-run
 
 
 def test_decontamination_removes_benchmark_text_and_reports_it(shared_data, tmp_path):

@@ -119,7 +119,7 @@ def _original(server, url: str) -> bytes:
 # --- the source syntax -------------------------------------------------------------------------
 
 def test_parse_source():
-    assert CommonCrawlSource.parse("cc:CC-MAIN-2024-22") == CommonCrawlSource("CC-MAIN-2024-22")
+    assert CommonCrawlSource.parse("cc:CC-MAIN-2024-22") == CommonCrawlSource(crawl_id="CC-MAIN-2024-22")
     src = CommonCrawlSource.parse("cc:CC-MAIN-2024-22?files=2&kind=wet&seed=7")
     assert (src.crawl_id, src.files, src.kind, src.seed) == ("CC-MAIN-2024-22", 2, "wet", 7)
     assert src.paths_url("http://mirror/") == \
@@ -140,15 +140,15 @@ def test_parse_source():
 
 def test_choose_first_or_seeded_sample():
     paths = [f"p{i}" for i in range(100)]
-    assert CommonCrawlSource("CC-MAIN-X", files=3).choose(paths) == ["p0", "p1", "p2"]
-    seeded = CommonCrawlSource("CC-MAIN-X", files=5, seed=1)
+    assert CommonCrawlSource(crawl_id="CC-MAIN-X", files=3).choose(paths) == ["p0", "p1", "p2"]
+    seeded = CommonCrawlSource(crawl_id="CC-MAIN-X", files=5, seed=1)
     sample = seeded.choose(paths)
     assert sample == seeded.choose(list(paths))  # same seed, same files
     assert len(set(sample)) == 5 and set(sample) <= set(paths)
     assert sample == sorted(sample, key=paths.index) != paths[:5]  # listing order, spread out
-    assert CommonCrawlSource("CC-MAIN-X", files=5, seed=2).choose(paths) != sample
+    assert CommonCrawlSource(crawl_id="CC-MAIN-X", files=5, seed=2).choose(paths) != sample
     with pytest.raises(ValueError, match="files=101 but the warc listing has 100"):
-        CommonCrawlSource("CC-MAIN-X", files=101).choose(paths)
+        CommonCrawlSource(crawl_id="CC-MAIN-X", files=101).choose(paths)
 
 
 # --- fetching ----------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_signatures_pinned_and_same_in_a_fresh_process():
 
 
 def test_signatures_do_not_depend_on_chunking_and_seed_matters():
-    docs = _docs() + ["", "one", "two words"]
+    docs = [*_docs(), "", "one", "two words"]
     whole = minhash.minhash_signatures(docs, CFG)
     assert np.array_equal(whole, minhash.minhash_signatures(docs, CFG))
     pieces = np.concatenate([minhash.minhash_signatures(docs[i:i + 7], CFG)
@@ -257,11 +257,11 @@ def test_index_refuses_other_config_and_bad_files(tmp_path):
     with pytest.raises(ValueError, match="rows"):
         near_dedup(["x y z"], CFG.model_copy(update={"rows": 5}), SerialEngine(),
                    index=index)
-    with pytest.raises(FileNotFoundError, match="index.json"):
+    with pytest.raises(FileNotFoundError, match=r"index\.json"):
         DedupIndex.load(tmp_path / "missing")
     index.save(tmp_path / "ix")
     np.save(tmp_path / "ix" / "band_keys.npy", index.band_keys[:, :3])
-    with pytest.raises(ValueError, match="band_keys.npy"):
+    with pytest.raises(ValueError, match=r"band_keys\.npy"):
         DedupIndex.load(tmp_path / "ix")
     with pytest.raises(ValueError, match="ids"):
         near_dedup(["a b c"], CFG, SerialEngine(), ids=["1", "2"])
@@ -272,7 +272,7 @@ def test_index_refuses_other_config_and_bad_files(tmp_path):
     meta = json.loads((tmp_path / "old" / "index.json").read_text())
     del meta["band_layouts"]
     (tmp_path / "old" / "index.json").write_text(json.dumps({**meta, "format": 1}))
-    with pytest.raises(ValueError, match="index format 1.*rebuild the index"):
+    with pytest.raises(ValueError, match=r"index format 1.*rebuild the index"):
         DedupIndex.load(tmp_path / "old")
 
 

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 import tasks.evaluate.stage as evaluate
 from core.stage import Manifest, SerialEngine
 from core.units import bits_per_byte
+from tasks.evaluate.config import fingerprint
 
 # --- pure arithmetic ----------------------------------------------------------------------------
 
@@ -56,15 +57,15 @@ def test_config_validation_names_the_field(tmp_path):
 def test_fingerprint_follows_file_contents(tmp_path):
     path = tmp_path / "mc.jsonl"
     path.write_text('{"query": "q", "choices": ["a", "b"], "gold": 0}\n')
-    before = evaluate.fingerprint(evaluate.Config(tasks=[str(path)]))
+    before = fingerprint(evaluate.Config(tasks=[str(path)]))
     path.write_text('{"query": "q", "choices": ["a", "b"], "gold": 1}\n')
-    assert evaluate.fingerprint(evaluate.Config(tasks=[str(path)])) != before
+    assert fingerprint(evaluate.Config(tasks=[str(path)])) != before
     piqa, labels = tmp_path / "valid.jsonl", tmp_path / "valid-labels.lst"  # PIQA's labels count too
     piqa.write_text('{"goal": "g", "sol1": "a", "sol2": "b"}\n')
     labels.write_text("0\n")
-    before = evaluate.fingerprint(evaluate.Config(tasks=[str(piqa)]))
+    before = fingerprint(evaluate.Config(tasks=[str(piqa)]))
     labels.write_text("1\n")
-    assert evaluate.fingerprint(evaluate.Config(tasks=[str(piqa)])) != before
+    assert fingerprint(evaluate.Config(tasks=[str(piqa)])) != before
 
 
 # --- the stage on a random tiny model -----------------------------------------------------------
@@ -75,7 +76,7 @@ def _fake_tokenize(root: Path, tokenizer_dir: Path, shared_data: Path) -> Manife
     text = (shared_data / "corpus" / "botchan_en.txt").read_text(encoding="utf-8")
     docs = [text[i: i + 1000] for i in range(0, 12_000, 1000)]
     sep = tok.convert_tokens_to_ids("<|endoftext|>")
-    ids = [t for d in docs for t in tok.encode(d, add_special_tokens=False) + [sep]]
+    ids = [t for d in docs for t in [*tok.encode(d, add_special_tokens=False), sep]]
     (root / "tokens").mkdir(parents=True)
     np.asarray(ids, dtype=np.uint16).tofile(root / "tokens" / "val.bin")
     meta = {"dtype": "uint16", "vocab_size": len(tok), "train_tokens": 0, "val_tokens": len(ids),
@@ -172,7 +173,7 @@ def test_task_scores_are_fractions_with_item_counts(stage_run):
 
 
 def test_stage_writes_results_and_the_contamination_marks(stage_run):
-    result, out, inputs = stage_run
+    result, out, _ = stage_run
     assert result.artifacts == ["results.json", "contamination.json"]
     marks = json.loads((out / "contamination.json").read_text())
     # every model read the crawl; its one leaked item is marked for each, and nothing else

@@ -68,7 +68,7 @@ def test_mmlu_prompt_and_flagged_items_are_counted(shared_data):
 
 def test_choice_scoring_acc_norm_and_chance():
     """acc is the argmax of summed log-likelihoods; acc_norm divides by choice length in characters."""
-    data = TaskData("t", "t.jsonl", "mc", "choice", [], {}, 2)
+    data = TaskData(name="t", path="t.jsonl", format="mc", kind="choice", items=[], problems={}, records=2)
     from tasks.evaluate.formats import _mc
 
     data.items = [_mc(0, {"query": "Q", "choices": ["a", "bbbbbbbbbb"], "gold": 1}, None),

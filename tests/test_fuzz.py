@@ -185,7 +185,7 @@ def _clean(doc: RawDoc) -> dict:
 @fuzz_settings(80)
 @given(text=ODD_TEXT, url=URLS)
 def test_any_text_and_url_get_a_reason_and_can_be_written(text, url):
-    _clean(RawDoc(url, text, False, len(text)))
+    _clean(RawDoc(url=url, payload=text, is_html=False, nbytes=len(text)))
 
 
 @fuzz_settings(40)
@@ -196,14 +196,14 @@ def test_prose_with_damage_runs_the_whole_chain(prose, edits, url):
     text = prose
     for at, insert in edits:
         text = text[:at] + insert + text[at:]
-    _clean(RawDoc(url, text, False, len(text)))
+    _clean(RawDoc(url=url, payload=text, is_html=False, nbytes=len(text)))
 
 
 @fuzz_settings(40)
 @given(html=st.binary(max_size=2000) | st.sampled_from(fuzz.PROSE).map(
     lambda t: f"<html><body><p>{t}</p><div><div><div>".encode("utf-16")))
 def test_any_html_bytes_get_a_reason(html):
-    _clean(RawDoc("https://fuzz.example.org/", html, True, len(html)))
+    _clean(RawDoc(url="https://fuzz.example.org/", payload=html, is_html=True, nbytes=len(html)))
 
 
 # --- whole stage runs ------------------------------------------------------------------------

@@ -131,9 +131,9 @@ def test_there_is_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append([*path[path.index(nxt):], nxt])
             elif nxt not in state:
-                visit(nxt, path + [nxt])
+                visit(nxt, [*path, nxt])
         state[node] = 2
 
     for node in sorted(graph):

@@ -111,9 +111,9 @@ def test_record_is_json_with_every_source_field():
 def test_unknown_sources_and_bad_values_are_named():
     with pytest.raises(ValueError, match=r"\['news', 'wiki'\]"):
         mix_documents(SOURCES, MixConfig(weights={"wiki": 2.0}, token_budgets={"news": 5}))
-    with pytest.raises(ValidationError, match="weights.web"):
+    with pytest.raises(ValidationError, match=r"weights\.web"):
         MixConfig(weights={"web": -1.0})
-    with pytest.raises(ValidationError, match="token_budgets.web"):
+    with pytest.raises(ValidationError, match=r"token_budgets\.web"):
         MixConfig(token_budgets={"web": -5})
     with pytest.raises(ValueError, match="'web', document 1"):
         mix_documents({"web": [{"text": "ok"}, {"body": "no text"}]}, MixConfig())

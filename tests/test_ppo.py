@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # ---------------------------------------------------------------- config and arithmetic
 
 def test_settings_validate_and_describe_every_field():
-    with pytest.raises(ValidationError, match="batch_size .16. must be divisible by minibatch_size .5."):
+    with pytest.raises(ValidationError, match=r"batch_size \(16\) must be divisible by minibatch_size \(5\)"):
         ppo.PPOConfig(batch_size=16, minibatch_size=5)
     with pytest.raises(ValidationError, match="temperature"):
         ppo.PPOConfig(temperature=0)
@@ -88,7 +88,7 @@ def test_whiten_and_prompt_order():
 # ---------------------------------------------------------------- the one-token bandit
 
 def _next_token_probs(model, tokenizer) -> torch.Tensor:
-    ids = torch.tensor([prompt_ids(tokenizer, PROMPT) + [0]])  # a dummy response token
+    ids = torch.tensor([[*prompt_ids(tokenizer, PROMPT), 0]])  # a dummy response token
     with torch.no_grad():
         logprobs, _ = ppo.response_logprobs(model, ids, torch.ones_like(ids), ids.shape[1] - 1, 1.0)
     return logprobs[0, 0].exp()
@@ -98,8 +98,9 @@ def _next_token_probs(model, tokenizer) -> torch.Tensor:
 def bandit(tiny_model_dir):
     """The tiny random model, edited so that at PROMPT its next-token distribution puts ~96% of
     the mass evenly on 8 arm tokens (8 e^8 against ~1016 e^0); a near-uniform spread over all 1024
-    tokens would take far more samples per token to pin down. Tied embeddings: arm rows set to 8 * h / |h|^2 give each arm
-    logit 8 at the prompt's final hidden state h; the arms are not in the prompt, so h is unchanged.
+    tokens would take far more samples per token to pin down. Tied embeddings: arm rows set to
+    8 * h / |h|^2 give each arm logit 8 at the prompt's final hidden state h; the arms are not in
+    the prompt, so h is unchanged.
     Returns (policy, tokenizer, arm token ids, their decoded texts)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -174,7 +175,8 @@ def test_ppo_reaches_the_kl_regularised_optimum(bandit, tmp_path):
 # ---------------------------------------------------------------- resume
 
 RESUME = {**ADAMW, "batch_size": 8, "minibatch_size": 4, "ppo_epochs": 2, "kl_coef": 0.1,
-          "max_new_tokens": 4, "lr": 1e-3, "max_steps": 5, "checkpoint_every": 2, "seed": 3, "missing_eos_penalty": 0.5}
+          "max_new_tokens": 4, "lr": 1e-3, "max_steps": 5, "checkpoint_every": 2, "seed": 3,
+          "missing_eos_penalty": 0.5}
 PROMPTS = [[{"role": "user", "content": f"Count to {n}."}] for n in range(5)]
 
 

@@ -27,7 +27,7 @@ def write_tokens(tokenizer, docs: dict[str, list[str]], out: Path) -> None:
     out.mkdir(parents=True)
     meta = {"dtype": "uint16", "vocab_size": len(tokenizer)}
     for split, texts in docs.items():
-        ids = [i for text in texts for i in tokenizer(text).input_ids + [sep]]
+        ids = [i for text in texts for i in [*tokenizer(text).input_ids, sep]]
         np.asarray(ids, dtype=np.uint16).tofile(out / f"{split}.bin")
         meta.update({f"{split}_tokens": len(ids), f"{split}_docs": len(texts)})
     meta["val_bytes"] = sum(len(t.encode()) for t in docs["val"])
@@ -43,6 +43,11 @@ def tokenize_manifest(tmp_path_factory, tiny_tokenizer_dir, shared_data) -> Mani
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in speeches]
     write_tokens(tokenizer, {"train": texts[1:], "val": texts[:1]}, root / "tokens")
     return Manifest(stage="tokenize", key="test", path=root, config={}, upstream={}, files={}, stats={})
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    """Metric rows without their wall-clock figures, which differ between two identical runs."""
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
 
 
 def _config(**overrides) -> pretrain.Config:
@@ -159,7 +164,6 @@ def test_resume_after_crash_is_exact(tokenize_manifest, tmp_path, monkeypatch, c
     assert "Removed shared tensor" not in caplog.text  # accelerate's notice at every checkpoint (model/loop.py)
     straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
-    untimed = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
     assert untimed(resumed) == untimed(straight)  # every step's loss, lr, grad norm and val loss, exactly
     a = load_file(tmp_path / "straight" / "model" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "model" / "model.safetensors")

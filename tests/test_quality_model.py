@@ -24,10 +24,11 @@ from tasks.collect.quality_model import (
 from tasks.collect.readers import RawDoc, extract_text, read_file, resolve_source
 
 FAST = dict(ngram_buckets=1 << 12, epochs=10)
-PROSE = ("the river the valley a farmer walked slowly towards village while evening light fell "
-         "across quiet fields and old stone houses").split()
-SPAM = ("click here buy now free shipping login signup cookie policy subscribe | home | about "
-        "| contact © 2024 all rights reserved >>").split()
+PROSE_TEXT = ("the river the valley a farmer walked slowly towards village while evening light fell "
+              "across quiet fields and old stone houses")
+SPAM_TEXT = ("click here buy now free shipping login signup cookie policy subscribe | home | about "
+             "| contact © 2024 all rights reserved >>")
+PROSE, SPAM = PROSE_TEXT.split(), SPAM_TEXT.split()
 # Held-out-accuracy floor on real data: measured 0.984 / 0.984 / 0.905 for seeds 0 / 1 / 2
 # (held-out AUC 1.0 / 1.0 / 0.985); the floor leaves room for a different interpreter's numerics.
 REAL_ACCURACY_FLOOR, REAL_AUC_FLOOR = 0.85, 0.95
@@ -87,7 +88,7 @@ def test_save_load_round_trip_gives_identical_scores(tmp_path):
     texts = _toy(PROSE + SPAM, 10, 5)
     assert np.array_equal(loaded.score(texts), model.score(texts))
     assert json.loads((tmp_path / "qm" / "quality_model.json").read_text())["ngram_buckets"] == 4096
-    with pytest.raises(FileNotFoundError, match="quality_model.npz"):
+    with pytest.raises(FileNotFoundError, match=r"quality_model\.npz"):
         QualityModel.load(tmp_path / "missing")
 
 
@@ -129,12 +130,12 @@ def test_reference_sources_txt_jsonl_and_errors(tmp_path):
     docs = load_reference_texts([str(tmp_path / "book.txt"), str(tmp_path / "*.jsonl")], 100, 0)
     assert [len(d.split()) for d in docs] == [200, 200, 50, 1, 1]  # ~200-word documents
     assert len(load_reference_texts([str(tmp_path)], 3, 0)) == 3
-    with pytest.raises(ValueError, match="nowhere.txt"):
+    with pytest.raises(ValueError, match=r"nowhere\.txt"):
         load_reference_texts([str(tmp_path / "nowhere.txt")], 10, 0)
     with pytest.raises(ValueError, match="demo:nope"):
         load_reference_texts(["demo:nope"], 10, 0)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match="error_missing_text at .*bad.jsonl:1"):
+    with pytest.raises(ValueError, match=r"error_missing_text at .*bad\.jsonl:1"):
         load_reference_texts([str(tmp_path / "bad.jsonl")], 10, 0)
     with pytest.raises(ValueError, match="at least 2 positives"):
         train_quality_model(["one"], ["a", "b"], QualityConfig())

@@ -38,17 +38,19 @@ def test_new_inputs_are_files_no_version_holds_with_that_stamp(tmp_path):
     (incoming / "a.jsonl").write_text('{"text": "a, edited"}\n')  # changed: taken again
     now = refresh.current_inputs(config.collect)
     assert set(refresh.new_inputs(now, versions)) == {str(incoming / "a.jsonl"), str(incoming / "b.jsonl")}
-    assert refresh.new_inputs(now, versions + [{"version": 2, "inputs": now}]) == {}
+    assert refresh.new_inputs(now, [*versions, {"version": 2, "inputs": now}]) == {}
     demo = load_config(TINY)  # demo sources are code: nothing to refresh
     assert refresh.current_inputs(demo.collect) == {}
 
 
 def test_the_outcome_says_what_was_published():
-    published = refresh.Outcome(2, 1, True, 1, "/a/collect-x", 3, 1992, None, "pipeline not started: …")
+    published = refresh.Outcome(version=2, new_inputs=1, published=True, parent_version=1,
+                                collect_dir="/a/collect-x", new_docs=3, new_tokens=1992, pipeline_run=None,
+                                reason="pipeline not started: …")
     assert "## Data refresh: corpus v2" in published.markdown()
     assert "| parent version | v1 |" in published.markdown()
     assert "| pipeline | not started |" in published.markdown()
-    nothing = refresh.Outcome(2, 0, False, reason="nothing new since corpus v2")
+    nothing = refresh.Outcome(version=2, new_inputs=0, published=False, reason="nothing new since corpus v2")
     assert nothing.markdown() == "## Data refresh: nothing published\n\nnothing new since corpus v2"
 
 

@@ -96,7 +96,8 @@ def test_candidate_becomes_champion_only_when_it_beats_it(tracker, tmp_path, mon
     assert client.get_run(better_run).data.tags["gristmill.registry.decision"] == "promoted"
 
     # A re-run that reused align and evaluate registers nothing new.
-    again = register_and_promote(config, tracker, _run(tracker, "again"), _manifests(tmp_path / "again", 3, 0.2, 380.0))
+    again_manifests = _manifests(tmp_path / "again", 3, 0.2, 380.0)
+    again = register_and_promote(config, tracker, _run(tracker, "again"), again_manifests)
     assert (again.version, again.promoted) == ("3", False) and "already the champion" in again.reason
     assert len(client.search_model_versions(f"name = '{name}'")) == 3
 

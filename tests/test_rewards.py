@@ -121,9 +121,9 @@ def test_bad_records_are_dropped_and_counted(tmp_path):
 def test_empty_source_is_an_error_naming_the_file(tmp_path):
     path = tmp_path / "useless.jsonl"
     path.write_text(json.dumps({"question": "q", "answer": "none"}) + "\n")
-    with pytest.raises(ValueError, match="useless.jsonl.*no usable prompts.*no_numeric_answer"):
+    with pytest.raises(ValueError, match=r"useless\.jsonl.*no usable prompts.*no_numeric_answer"):
         load_math_prompts(str(path), None)
-    with pytest.raises(ValueError, match="missing.jsonl"):
+    with pytest.raises(ValueError, match=r"missing\.jsonl"):
         load_math_prompts(str(tmp_path / "missing.jsonl"), None)
     with pytest.raises(ValueError, match="demo:nope"):
         load_math_prompts("demo:nope", None)

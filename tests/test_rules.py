@@ -235,8 +235,8 @@ def test_filters_prefix_the_reasons_of_the_rules():
 def test_split_words_and_sentences_match_datatrove(documents):
     for name, text in documents.items():
         assert rules.split_words(text) == split_into_words(text), name
-    for line in list(EDGE_CASES.values())[:12] + ["", "Hi.  !b", "a. [1] [2] ", " x. y",
-                                                  "IS_ALPHA. is here", "(IS_ALPHA) too."]:
+    for line in [*list(EDGE_CASES.values())[:12], "", "Hi.  !b", "a. [1] [2] ", " x. y",
+                 "IS_ALPHA. is here", "(IS_ALPHA) too."]:
         assert rules.sentence_count(line) == len(split_into_sentences(line)), line
 
 
@@ -254,9 +254,9 @@ def test_word_caches_stay_bounded_and_exact(documents, monkeypatch):
 # Letters, digits, punctuation, every kind of whitespace, non-Latin scripts and the pieces
 # spaCy has special cases or rules for, strung together.
 _TEXT = st.lists(
-    st.sampled_from(list("abcXYZ019 .,;:!?'\"()[]{}-–—…•#@/$%&*<>\n\t\r\u00a0\u2003éßжカ文😀")
-                    + ["n't", "'s", ":)", "o.O", "e.g.", "U.S.", "http://a.io/x", "IS_ALPHA",
-                       "[1]", "...", "  ", "lorem ipsum", "{"]),
+    st.sampled_from([*"abcXYZ019 .,;:!?'\"()[]{}-–—…•#@/$%&*<>\n\t\r\u00a0\u2003éßжカ文😀",
+                     "n't", "'s", ":)", "o.O", "e.g.", "U.S.", "http://a.io/x", "IS_ALPHA",
+                     "[1]", "...", "  ", "lorem ipsum", "{"]),
     max_size=80).map("".join)
 
 

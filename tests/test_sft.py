@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_pretrain import untimed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tasks.sft.stage as sft
@@ -22,6 +23,7 @@ from model.config import LoraConfig
 from model.loop import IGNORE_INDEX, causal_lm_loss, token_loss_sum
 from model.lora import apply_lora
 from model.packing import collate_packed, pack_examples, packed_logits
+from tasks.sft.config import fingerprint
 from tasks.sft.conversations import drop_reason, load_conversations, oasst_threads
 
 N = None  # an unscored label position, in the spelled-out expectations below
@@ -136,7 +138,7 @@ def test_heldout_split_keeps_groups_together():
     assert sft.split_heldout(groups, 0.3, seed=0) == (train, heldout)
     assert sft.split_heldout(["x", "x"], 0.5, seed=0) == ([0, 1], [])  # never empties training
     thread = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
-    longer = thread + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]
+    longer = [*thread, {"role": "user", "content": "more"}, {"role": "assistant", "content": "B"}]
     assert sft.conversation_group(thread) == sft.conversation_group(longer)
 
 
@@ -238,13 +240,13 @@ def test_real_openassistant_export_is_detected(shared_data):
 
 def test_empty_source_is_an_error_naming_it(tmp_path, tiny_tokenizer_dir):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "?"}]}])
-    with pytest.raises(ValueError, match="bad.jsonl"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl"):
         load_conversations(str(path), None)
     assert drop_reason([]) == "empty_conversation"
     # Usable records whose answers all fall beyond max_seq_len: empty after truncation.
     late = _write_jsonl(tmp_path / "late.jsonl", [{"prompt": "word " * 100, "response": "ok"}])
     config = sft.Config(data=["demo:arithmetic", str(late)], max_examples=5, max_seq_len=64)
-    with pytest.raises(ValueError, match="late.jsonl"):
+    with pytest.raises(ValueError, match=r"late\.jsonl"):
         sft.load_examples(config, AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
 
 
@@ -353,7 +355,7 @@ def test_pretraining_text_keeps_the_models_language(pretrain_manifest, tokenize_
 
 
 def test_mixing_text_needs_the_tokenize_artifact(pretrain_manifest, tmp_path):
-    with pytest.raises(ValueError, match="pretrain_mix=0.25 .* 'tokenize'"):
+    with pytest.raises(ValueError, match=r"pretrain_mix=0\.25 .* 'tokenize'"):
         sft.run(sft.Config(max_examples=20, max_steps=1, device="cpu"), tmp_path / "out",
                 engine=SerialEngine(), pretrain=pretrain_manifest)
     with pytest.raises(ValueError, match="pretrain_windows \\(3\\) must be a multiple"):
@@ -415,7 +417,6 @@ def test_lora_resume_after_crash_is_exact(pretrain_manifest, tokenize_manifest, 
         stats = sft.run(config, tmp_path / "resumed", engine=SerialEngine(), **inputs).stats
 
     assert "resuming from step 2" in caplog.text and stats["resumed_from_step"] == 2
-    untimed = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in rows]
     straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert untimed(read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == untimed(straight)
     assert len(straight) == 6 and sum("heldout_loss" in r and "val_text_loss" in r for r in straight) == 2
@@ -443,7 +444,7 @@ def test_lora_and_packing_from_pipeline_overrides():
 def test_fingerprint_follows_file_contents(tmp_path):
     path = _write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "response": "b"}])
     config = sft.Config(data=["demo:arithmetic", str(path)])
-    before = sft.fingerprint(config)
-    assert before == sft.fingerprint(config)
+    before = fingerprint(config)
+    assert before == fingerprint(config)
     _write_jsonl(path, [{"prompt": "a", "response": "c"}])
-    assert sft.fingerprint(config) != before
+    assert fingerprint(config) != before

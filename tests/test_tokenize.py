@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ from transformers import AutoTokenizer
 import tasks.tokenize.stage as tokenize
 from core.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, render_with_mask
 from core.files import iter_jsonl
-from core.stage import Manifest, SerialEngine
+from core.stage import Manifest, SerialEngine, StageResult
+from tasks.tokenize.config import fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -205,18 +207,30 @@ OUTPUTS = ("tokens/train.bin", "tokens/val.bin", "tokens/meta.json", "tokens/ind
 CONFIG = {"vocab_size": 600, "val_fraction": 0.2, "encode_batch_docs": 7}
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageRun:
+    """One tokenize run on a fake collect output: its input, the input's texts by id, its
+    config, its result and its output directory."""
+
+    collect: Manifest
+    texts: dict[str, str]
+    config: tokenize.Config
+    result: StageResult
+    out: Path
+
+
 @pytest.fixture(scope="module")
-def stage_run(tmp_path_factory, shared_data):
+def stage_run(tmp_path_factory, shared_data) -> StageRun:
     root = tmp_path_factory.mktemp("tokenize")
     collect, texts = _fake_collect(root / "collect", shared_data)
     reference = str(shared_data / "tokenizer" / "gpt2.tiktoken")
     config = tokenize.Config(**CONFIG, reference_vocab=reference)
     result = tokenize.run(config, root / "out", engine=SerialEngine(), collect=collect)
-    return collect, texts, config, result, root / "out"
+    return StageRun(collect=collect, texts=texts, config=config, result=result, out=root / "out")
 
 
 def test_stage_run_writes_consistent_bins(stage_run):
-    collect, texts, config, result, out = stage_run
+    texts, result, out = stage_run.texts, stage_run.result, stage_run.out
     meta = json.loads((out / "tokens" / "meta.json").read_text())
     assert set(meta) == {"dtype", "vocab_size", "train_tokens", "val_tokens", "train_docs",
                          "val_docs", "val_bytes"}
@@ -247,7 +261,7 @@ def test_stage_run_writes_consistent_bins(stage_run):
 def test_shards_hold_the_tokenizers_own_ids(stage_run):
     """The bins hold exactly what `encode_batch` (with offsets) gives each document, in input
     order, each followed by the separator: the stage's offset-free encoding changes no id."""
-    collect, texts, config, result, out = stage_run
+    collect, out = stage_run.collect, stage_run.out
     backend = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
     backend.encode_special_tokens = True  # as the stage encodes: text never fakes a separator
     sep_id = backend.token_to_id("<|endoftext|>")
@@ -261,7 +275,7 @@ def test_shards_hold_the_tokenizers_own_ids(stage_run):
 
 
 def test_index_locates_each_input_shard(stage_run, shared_data):
-    collect, texts, config, result, out = stage_run
+    out = stage_run.out
     meta = json.loads((out / "tokens" / "meta.json").read_text())
     index = json.loads((out / "tokens" / "index.json").read_text())
     assert [s["input"] for s in index["shards"]] == [f"part-{i:05d}.jsonl.gz" for i in range(3)]
@@ -276,7 +290,7 @@ def test_index_locates_each_input_shard(stage_run, shared_data):
 
 
 def test_compression_is_reported_next_to_gpt2(stage_run):
-    collect, texts, config, result, out = stage_run
+    texts, config, result, out = stage_run.texts, stage_run.config, stage_run.result, stage_run.out
     meta = json.loads((out / "tokens" / "meta.json").read_text())
     stats = result.stats
     text_tokens = meta["val_tokens"] - meta["val_docs"]  # separators cover no text
@@ -292,16 +306,16 @@ def test_compression_is_reported_next_to_gpt2(stage_run):
 
 
 def test_fingerprint_follows_the_reference_file(tmp_path, shared_data):
-    assert tokenize.fingerprint(tokenize.Config()) is None
+    assert fingerprint(tokenize.Config()) is None
     ref = tmp_path / "ref.tiktoken"
     ref.write_bytes((shared_data / "tokenizer" / "gpt2.tiktoken").read_bytes())
-    before = tokenize.fingerprint(tokenize.Config(reference_vocab=str(ref)))
+    before = fingerprint(tokenize.Config(reference_vocab=str(ref)))
     ref.write_bytes(ref.read_bytes()[:-20])
-    assert tokenize.fingerprint(tokenize.Config(reference_vocab=str(ref))) != before
+    assert fingerprint(tokenize.Config(reference_vocab=str(ref))) != before
 
 
 def test_output_does_not_depend_on_worker_order(stage_run, tmp_path):
-    collect, texts, config, result, out = stage_run
+    collect, config, out = stage_run.collect, stage_run.config, stage_run.out
     tokenize.run(config, tmp_path, engine=ReversedEngine(), collect=collect)
     for rel in OUTPUTS:
         assert (out / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
@@ -311,7 +325,7 @@ def test_output_does_not_depend_on_worker_order(stage_run, tmp_path):
 def test_ray_workers_write_the_same_shards(stage_run, tmp_path):
     from infra.ray_engine import RayEngine
 
-    collect, texts, config, result, out = stage_run
+    collect, config, out = stage_run.collect, stage_run.config, stage_run.out
     engine = RayEngine(num_workers=2)
     try:
         tokenize.run(config, tmp_path, engine=engine, collect=collect)
@@ -322,7 +336,7 @@ def test_ray_workers_write_the_same_shards(stage_run, tmp_path):
 
 
 def test_killed_run_redoes_only_unfinished_shards(stage_run, tmp_path, caplog):
-    collect, texts, config, result, out = stage_run
+    collect, config, result, out = stage_run.collect, stage_run.config, stage_run.result, stage_run.out
     with pytest.raises(KeyboardInterrupt):
         tokenize.run(config, tmp_path, engine=CrashingEngine(k=2), collect=collect)
     assert sorted(p.name for p in (tmp_path / "parts").glob("*.counts.json")) == ["00000.counts.json",

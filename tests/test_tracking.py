@@ -242,7 +242,7 @@ def test_only_a_request_left_unanswered_counts_as_unavailable(tracker):
             except Exception as error:
                 if cause:
                     raise MlflowException("API request to http://x failed") from error
-                raise MlflowException("API request to http://x failed")  # as MLflow does
+                raise MlflowException("API request to http://x failed")  # noqa: B904 (as MLflow does)
         except MlflowException as outer:
             return outer
 

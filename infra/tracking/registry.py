@@ -16,7 +16,7 @@ from mlflow.exceptions import MlflowException
 from infra.tracking import Client
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelVersion:
     """One version of a registered model, as plain data: its number, tags and aliases."""
 
@@ -27,7 +27,8 @@ class ModelVersion:
 
 
 def _version(mv: Any) -> ModelVersion:
-    return ModelVersion(mv.name, str(mv.version), dict(mv.tags or {}), tuple(mv.aliases or ()))
+    return ModelVersion(name=mv.name, version=str(mv.version), tags=dict(mv.tags or {}),
+                        aliases=tuple(mv.aliases or ()))
 
 
 class ModelRegistry:

@@ -13,8 +13,9 @@ and after training, so "GRPO helped" is a claim on problems it never trained on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only: importing this module must not import tor
     import torch
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AlignJob:
     """What every method receives besides its config section."""
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -18,8 +18,9 @@ import logging
 import random
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import core.arithmetic as arithmetic
 from core.chat import Message

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import core.arithmetic as arithmetic
 from core.files import iter_jsonl

@@ -28,12 +28,7 @@ import torch
 
 from core.stage import Engine, Manifest, StageResult
 from model.checkpoint import CHECKPOINTS_DIR
-from tasks.align.config import (  # noqa: F401 (the contract and the registry, re-exported)
-    METHODS,
-    VERSION,
-    Config,
-    fingerprint,
-)
+from tasks.align.config import METHODS, Config
 from tasks.align.method import AlignJob, TrainFn
 
 log = logging.getLogger("gristmill.align")

@@ -18,17 +18,18 @@ inherits it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import tasks.collect.filters as text_filters
-from tasks.collect.config import CleaningConfig  # noqa: F401 (defined there, light, for planning)
+from tasks.collect.config import CleaningConfig
 from tasks.collect.langid import detect_language
 from tasks.collect.pii import scrub_pii
 from tasks.collect.rules import Page
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CleanOutcome:
     """What the chain decided for one document."""
 
@@ -52,12 +53,12 @@ QUALITY_FILTERS: tuple[tuple[str | None, Callable[[Page, Any], str | None]], ...
 )
 
 
-def clean_document(text: str, url: str, cfg: Any) -> CleanOutcome:
+def clean_document(text: str, url: str, cfg: CleaningConfig) -> CleanOutcome:
     """Run the chain on one extracted document; `cfg` is a CleaningConfig (or the collect
-    Config)."""
+    Config, which extends it)."""
     reason = text_filters.url_blocked(url, cfg)
     if reason is not None:
-        return CleanOutcome(reason, text)
+        return CleanOutcome(reason=reason, text=text)
     language, score = detect_language(text)
     reason = text_filters.language_drop_reason(language, score, cfg)
     page = Page(text)
@@ -67,9 +68,10 @@ def clean_document(text: str, url: str, cfg: Any) -> CleanOutcome:
         if switch is None or getattr(cfg, switch):
             reason = quality_filter(page, cfg)
     if reason is not None:
-        return CleanOutcome(reason, text, language, score)
+        return CleanOutcome(reason=reason, text=text, language=language, language_score=score)
     text, pii_counts = scrub_pii(text, cfg.pii_kinds)
-    return CleanOutcome(None, text, language, score, pii_counts)
+    return CleanOutcome(reason=None, text=text, language=language, language_score=score,
+                        pii_counts=pii_counts)
 
 
 def clean_documents(docs: Sequence[tuple[str, str]], cfg: Any) -> list[CleanOutcome]:

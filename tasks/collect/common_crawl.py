@@ -35,9 +35,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from core.sources import CC_PREFIX, parse_source
 
@@ -73,7 +74,7 @@ class _NothingLeft(Exception):
         self.total_bytes = total_bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CommonCrawlSource:
     """A parsed `cc:` source: which crawl, which listing, how many files and how chosen."""
 
@@ -83,7 +84,7 @@ class CommonCrawlSource:
     seed: int | None = None
 
     @classmethod
-    def parse(cls, source: str) -> "CommonCrawlSource":
+    def parse(cls, source: str) -> CommonCrawlSource:
         """Parse `cc:<crawl id>[?files=N][&kind=warc|wet][&seed=S]`; errors name the source."""
         parsed = parse_source(source)
         if parsed.kind != "cc":
@@ -105,8 +106,8 @@ class CommonCrawlSource:
         if kind not in KINDS:
             raise ValueError(f"source {source!r}: kind must be one of {KINDS}, got {kind!r}")
         seed = options.get("seed")
-        return cls(crawl_id, _int_option(source, "files", options.get("files", "1"), 1),
-                   kind, None if seed is None else _int_option(source, "seed", seed, 0))
+        return cls(crawl_id=crawl_id, files=_int_option(source, "files", options.get("files", "1"), 1),
+                   kind=kind, seed=None if seed is None else _int_option(source, "seed", seed, 0))
 
     def paths_url(self, base_url: str = DEFAULT_BASE_URL) -> str:
         """URL of the listing of this crawl's files of this kind."""

@@ -157,7 +157,7 @@ class CleaningConfig(StageConfig):
                                "scrubbing off.")
 
     @model_validator(mode="after")
-    def _check_ranges(self) -> "CleaningConfig":
+    def _check_ranges(self) -> CleaningConfig:
         if self.max_words < self.min_words:
             raise ValueError(f"max_words ({self.max_words}) must be >= min_words "
                              f"({self.min_words})")
@@ -245,7 +245,7 @@ class Config(CleaningConfig):
         description="Parallel workers the engine may use (not hashed: output is the same).")
 
     @model_validator(mode="after")
-    def _check_sources(self) -> "Config":
+    def _check_sources(self) -> Config:
         if not self.sources:
             raise ValueError("sources: give at least one source")
         return self
@@ -260,5 +260,6 @@ def fingerprint(config: Config) -> str:
         extra += config.quality.reference
     if config.dedup_index_from:
         extra.append(str(Path(config.dedup_index_from) / DEDUP_INDEX_DIR))
-    inputs = fingerprint_sources(config.sources, SUPPORTED_SUFFIXES, demo_digest=lambda _: demo_crawl.installed_state())
+    inputs = fingerprint_sources(config.sources, SUPPORTED_SUFFIXES,
+                                 demo_digest=lambda _: demo_crawl.installed_state())
     return hashlib.sha256(f"{inputs} {fingerprint_sources(extra)}".encode()).hexdigest()

@@ -139,7 +139,7 @@ def _components(n_nodes: int, pairs: np.ndarray) -> np.ndarray:
             parent = parent[parent]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DedupIndex:
     """Signatures and bucket keys of every document kept so far, persisted as numpy files."""
 
@@ -156,9 +156,10 @@ class DedupIndex:
 
     @classmethod
     def empty(cls, cfg: DedupConfig) -> DedupIndex:
-        return cls(cfg.shingle_words, cfg.bands, cfg.rows, cfg.band_layouts, cfg.seed,
-                   np.zeros(0, "<U1"), np.zeros((0, cfg.num_perm), np.uint32),
-                   np.zeros((0, cfg.bands * cfg.band_layouts), _U64))
+        return cls(shingle_words=cfg.shingle_words, bands=cfg.bands, rows=cfg.rows,
+                   band_layouts=cfg.band_layouts, seed=cfg.seed,
+                   ids=np.zeros(0, "<U1"), signatures=np.zeros((0, cfg.num_perm), np.uint32),
+                   band_keys=np.zeros((0, cfg.bands * cfg.band_layouts), _U64))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -174,10 +175,11 @@ class DedupIndex:
                keys: np.ndarray) -> DedupIndex:
         """A new index holding these documents after the current ones."""
         ids_arr = np.asarray(list(ids), dtype=str)
-        return DedupIndex(self.shingle_words, self.bands, self.rows, self.band_layouts, self.seed,
-                          np.concatenate([self.ids, ids_arr]),
-                          np.concatenate([self.signatures, signatures.astype(np.uint32)]),
-                          np.concatenate([self.band_keys, keys.astype(_U64)]))
+        return DedupIndex(shingle_words=self.shingle_words, bands=self.bands, rows=self.rows,
+                          band_layouts=self.band_layouts, seed=self.seed,
+                          ids=np.concatenate([self.ids, ids_arr]),
+                          signatures=np.concatenate([self.signatures, signatures.astype(np.uint32)]),
+                          band_keys=np.concatenate([self.band_keys, keys.astype(_U64)]))
 
     def save(self, directory: Path) -> None:
         directory = Path(directory)
@@ -200,7 +202,9 @@ class DedupIndex:
                              f"format {INDEX_FORMAT} only; rebuild the index (rerun the collect "
                              f"stage that wrote it)")
         arrays = [np.load(directory / name, allow_pickle=False) for name in cls.FILES]
-        index = cls(*(meta[name] for name in _INDEX_FIELDS), *arrays)
+        ids, signatures, band_keys = arrays
+        index = cls(**{name: meta[name] for name in _INDEX_FIELDS},
+                    ids=ids, signatures=signatures, band_keys=band_keys)
         shapes = {"ids.npy": (meta["docs"],),
                   "signatures.npy": (meta["docs"], meta["bands"] * meta["rows"]),
                   "band_keys.npy": (meta["docs"], meta["bands"] * meta["band_layouts"])}
@@ -211,7 +215,7 @@ class DedupIndex:
         return index
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DedupResult:
     """Per input document: keep flag, cluster id (-1: no near-duplicate) and, for removed
     documents, the id of the survivor (a document of this input or of the index)."""

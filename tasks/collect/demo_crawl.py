@@ -13,8 +13,8 @@ import importlib.metadata
 import os
 import re
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from core.sources import DEMO_PREFIX
 from tasks.collect.records import RawDoc, ReadEvent, Skipped
@@ -113,20 +113,22 @@ def package_records(dist: importlib.metadata.Distribution) -> Iterator[ReadEvent
     base = f"python-package://{normalize_name(dist.metadata['Name'])}/{dist.version}"
     description = _description(dist)
     if description:
-        yield RawDoc(f"{base}/METADATA", description, False, len(description.encode()))
+        yield RawDoc(url=f"{base}/METADATA", payload=description, is_html=False,
+                     nbytes=len(description.encode()))
     else:
-        yield Skipped("skipped_no_description")
+        yield Skipped(reason="skipped_no_description")
     for file in _doc_files(dist):
         try:
             payload = file.locate().read_bytes()
         except OSError:
-            yield Skipped("error_unreadable_file")
+            yield Skipped(reason="error_unreadable_file")
             continue
         if len(payload) > MAX_FILE_BYTES:
-            yield Skipped("skipped_file_too_large", len(payload))
+            yield Skipped(reason="skipped_file_too_large", nbytes=len(payload))
             continue
         is_html = str(file).lower().endswith(HTML_SUFFIXES)
-        yield RawDoc(f"{base}/{file}", payload, is_html, len(payload), None if is_html else "utf-8")
+        yield RawDoc(url=f"{base}/{file}", payload=payload, is_html=is_html, nbytes=len(payload),
+                     charset=None if is_html else "utf-8")
 
 
 def iter_records(packages: Sequence[tuple[str, str]]) -> Iterator[ReadEvent]:
@@ -134,9 +136,9 @@ def iter_records(packages: Sequence[tuple[str, str]]) -> Iterator[ReadEvent]:
     for name, version in packages:
         dist = next(_distributions(name), None)
         if dist is None:
-            yield Skipped("skipped_package_missing")
+            yield Skipped(reason="skipped_package_missing")
             continue
         if dist.version != version:  # changed since the work was planned: do not mix versions
-            yield Skipped("skipped_package_version_changed")
+            yield Skipped(reason="skipped_package_version_changed")
             continue
         yield from package_records(dist)

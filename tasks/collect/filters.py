@@ -19,8 +19,9 @@ flattens code indentation and paragraphs.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from datatrove.pipeline.filters import (

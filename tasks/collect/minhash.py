@@ -6,6 +6,7 @@ signature is the same in every process, on every machine, in every run.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -119,7 +120,7 @@ def _shingle_hashes(texts: Sequence[str], cfg: MinHashParams) -> tuple[np.ndarra
     while cuts[-1] < len(texts):
         cuts.append(max(cuts[-1] + 1, int(np.searchsorted(
             ends, (ends[cuts[-1] - 1] if cuts[-1] else 0) + _CHARS_PER_BATCH, side="right"))))
-    parts = [_batch_shingle_hashes(texts[a:b], cfg) for a, b in zip(cuts, cuts[1:])]
+    parts = [_batch_shingle_hashes(texts[a:b], cfg) for a, b in itertools.pairwise(cuts)]
     if not parts:
         return _batch_shingle_hashes([], cfg)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

@@ -20,7 +20,8 @@ is shuffled across sources with `seed`. `record` is the JSON that says what was 
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -137,7 +138,7 @@ def mix_sizes(sizes_by_source: Mapping[str, np.ndarray],
 def _source_record(sizes: np.ndarray, picked: np.ndarray, target_bytes: float, source: str,
                    cfg: MixConfig) -> dict[str, Any]:
     def to_tokens(nbytes: float) -> int:
-        return int(round(nbytes / cfg.bytes_per_token))
+        return round(nbytes / cfg.bytes_per_token)
 
     available, taken = int(sizes.sum()), int(sizes[picked].sum())
     repeats = np.bincount(picked, minlength=len(sizes)) if len(sizes) else np.zeros(0, int)

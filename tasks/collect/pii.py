@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Callable, Iterable, Literal, Mapping, get_args
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal, get_args
 
 PiiKind = Literal["email", "ip_address", "iban", "credit_card", "phone"]
 PII_KINDS: tuple[PiiKind, ...] = get_args(PiiKind)  # also the replacement order

@@ -150,7 +150,7 @@ class QualityModel:
         (path / MODEL_FILES[1]).write_text(json.dumps(meta, indent=2))
 
     @classmethod
-    def load(cls, path: Path) -> "QualityModel":
+    def load(cls, path: Path) -> QualityModel:
         for name in MODEL_FILES:
             if not (path / name).is_file():
                 raise FileNotFoundError(f"quality model: {path / name} is missing")
@@ -201,7 +201,7 @@ def _metrics(scores: np.ndarray, labels: np.ndarray, threshold: float) -> dict[s
 
 def _split(n: int, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     order = rng.permutation(n)
-    cut = int(round(n * fraction))
+    cut = round(n * fraction)
     return np.sort(order[cut:]), np.sort(order[:cut])
 
 

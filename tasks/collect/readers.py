@@ -27,8 +27,9 @@ import io
 import json
 import logging
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 from core.sources import filesystem, source_files
 from tasks.collect.records import (
@@ -46,8 +47,20 @@ from tasks.collect.tables import read_arrow, read_parquet
 from tasks.collect.warc import read_warc
 
 # The reader API: the record types (records.py) are re-exported, readers' users need both.
-__all__ = ["FILE_LEVEL_ERRORS", "RawDoc", "ReadEvent", "Skipped", "decode_text", "extract_text", "is_binary",
-           "quarantine_record", "read_file", "resolve_source", "SUPPORTED_SUFFIXES", "TEXT_SUFFIXES"]
+__all__ = [
+    "FILE_LEVEL_ERRORS",
+    "SUPPORTED_SUFFIXES",
+    "TEXT_SUFFIXES",
+    "RawDoc",
+    "ReadEvent",
+    "Skipped",
+    "decode_text",
+    "extract_text",
+    "is_binary",
+    "quarantine_record",
+    "read_file",
+    "resolve_source",
+]
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")  # Common Crawl WET: *.warc.wet.gz
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".jsonl.zstd", ".json.zst")
@@ -99,7 +112,7 @@ def read_file(path: str | Path, *,
     reader = _reader_for(name)
     fs, fs_path = filesystem(name)
     if fs.size(fs_path) == 0:
-        yield Skipped("error_empty_file", 0, name)
+        yield Skipped(reason="error_empty_file", nbytes=0, where=name)
         return
     with fs.open(fs_path, "rb") as f:
         for event in reader(f, name, max_doc_bytes):
@@ -120,7 +133,7 @@ def is_binary(payload: bytes | str) -> bool:
 def guard(doc: RawDoc, max_doc_bytes: int) -> ReadEvent:
     """The document, or why it is not one: too large (in bytes or characters), or binary."""
     if len(doc.payload) > max_doc_bytes:
-        return Skipped("skipped_too_large", doc.nbytes, doc.where)
+        return Skipped(reason="skipped_too_large", nbytes=doc.nbytes, where=doc.where)
     if is_binary(doc.payload):
         return quarantine("skipped_binary", doc.nbytes, doc.where, doc.payload)
     return doc
@@ -256,7 +269,7 @@ def read_jsonl(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEven
     def events() -> Iterator[ReadEvent]:
         for lineno, line, nbytes in _lines(open_decompressed(f, name), max_doc_bytes):
             if line is None:
-                yield Skipped("skipped_too_large", nbytes, f"{name}:{lineno}")
+                yield Skipped(reason="skipped_too_large", nbytes=nbytes, where=f"{name}:{lineno}")
                 continue
             if lineno == 1:  # a UTF-8 byte order mark (Windows tools write one) is not JSON
                 line = line.removeprefix(codecs.BOM_UTF8)
@@ -272,12 +285,12 @@ def read_text(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent
         stream = open_decompressed(f, name)
         data = stream.read(max_doc_bytes + 1)
         if len(data) <= max_doc_bytes:
-            yield RawDoc(name, data, False, len(data), where=name)
+            yield RawDoc(url=name, payload=data, is_html=False, nbytes=len(data), where=name)
             return
         nbytes = len(data)
         while piece := stream.read(1 << 20):  # count it for bytes_in without holding it
             nbytes += len(piece)
-        yield Skipped("skipped_too_large", nbytes, name)
+        yield Skipped(reason="skipped_too_large", nbytes=nbytes, where=name)
 
     yield from _stream_events(events(), name)
 

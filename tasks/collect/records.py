@@ -5,8 +5,9 @@ module (readers, warc, tables, demo_crawl), which is why it sits apart from them
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Callable, Iterator
+from typing import IO
 
 SAMPLE_BYTES = 512  # bytes of offending input kept with a quarantined event
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -20,7 +21,7 @@ FILE_LEVEL_ERRORS = frozenset({
 })
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RawDoc:
     """A record that carries a document, before text extraction."""
 
@@ -35,7 +36,7 @@ class RawDoc:
         object.__setattr__(self, "url", valid_unicode(self.url))  # it is written out as UTF-8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Skipped:
     """A record (or file) that yields no document, and why."""
 
@@ -52,7 +53,7 @@ Reader = Callable[[IO[bytes], str, int], Iterator[ReadEvent]]
 def quarantine(reason: str, nbytes: int, where: str, data: bytes | str) -> Skipped:
     """A Skipped that keeps the start of the offending input for review."""
     head = data[:SAMPLE_BYTES]
-    return Skipped(reason, nbytes, where, head.encode("utf-8", "replace")
+    return Skipped(reason=reason, nbytes=nbytes, where=where, sample=head.encode("utf-8", "replace")
                    if isinstance(head, str) else bytes(head))
 
 
@@ -72,7 +73,7 @@ def record_event(record: object, nbytes: int, where: str, raw: bytes | None = No
     record_id = record.get("id") if isinstance(record.get("id"), str) else ""
     url = next((u for u in (metadata.get("url"), record.get("url")) if isinstance(u, str) and u),
                record_id if "://" in record_id else "")
-    return RawDoc(url, record["text"], False, nbytes, where=where)
+    return RawDoc(url=url, payload=record["text"], is_html=False, nbytes=nbytes, where=where)
 
 
 def valid_unicode(text: str) -> str:

@@ -140,7 +140,7 @@ class Page:
         self.word_ngrams: dict[int, list[str]] = {}
 
     @classmethod
-    def of(cls, page: "Page | str") -> "Page":
+    def of(cls, page: Page | str) -> Page:
         return page if isinstance(page, Page) else cls(page)
 
     @cached_property

@@ -64,7 +64,8 @@ class Spool:
     def add(self, doc: Doc) -> DocRef:
         line = (json.dumps(doc, ensure_ascii=False) + "\n").encode()
         self._out.write(line)
-        ref = DocRef(doc["id"], doc["source"], self._end, len(line), text_bytes(doc["text"]))
+        ref = DocRef(id=doc["id"], source=doc["source"], offset=self._end, size=len(line),
+                     text_bytes=text_bytes(doc["text"]))
         self._end += len(line)
         return ref
 

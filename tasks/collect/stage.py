@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from core.decontam import DecontamConfig, build_index
 from core.decontam import drop_reason as contamination_reason
@@ -53,13 +55,7 @@ from tasks.collect.common_crawl import (
     list_files,
     local_path,
 )
-from tasks.collect.config import (  # noqa: F401 (the contract, re-exported)
-    DEDUP_INDEX_DIR,
-    VERSION,
-    Config,
-    NothingSurvived,
-    fingerprint,
-)
+from tasks.collect.config import DEDUP_INDEX_DIR, Config, NothingSurvived
 from tasks.collect.dedup import DedupIndex, near_dedup
 from tasks.collect.funnel import (
     NOT_IN_MIX,
@@ -95,7 +91,7 @@ SPOOL_FILE = "kept.jsonl"  # in UNITS_DIR: the kept documents during the corpus-
 
 # ---------------------------------------------------------------- work units (per input file)
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkUnit:
     """One picklable piece of work: a file of a source, or a chunk of demo packages."""
 
@@ -114,7 +110,7 @@ def _source_units(config: Config, text: str, download_dir: Path) -> list[dict[st
         packages = demo_crawl.list_packages()
         n_chunks = max(1, min(len(packages), config.num_workers * DEMO_CHUNKS_PER_WORKER))
         bounds = [len(packages) * i // n_chunks for i in range(n_chunks + 1)]
-        return [{"packages": tuple(packages[a:b])} for a, b in zip(bounds, bounds[1:])]
+        return [{"packages": tuple(packages[a:b])} for a, b in itertools.pairwise(bounds)]
     if source.kind == "cc":
         urls = list_files(CommonCrawlSource.parse(text), config.cc_base_url,
                           retries=config.download_retries, timeout_s=config.download_timeout_s)
@@ -127,7 +123,7 @@ def plan_units(config: Config, download_dir: Path) -> list[WorkUnit]:
     units: list[WorkUnit] = []
     for source in config.sources:
         for fields in _source_units(config, source, download_dir):
-            units.append(WorkUnit(config, source, len(units), **fields))
+            units.append(WorkUnit(config=config, source=source, index=len(units), **fields))
     return units
 
 
@@ -319,10 +315,10 @@ def write_shards(docs: Sequence[DocRef], spool: Spool, docs_dir: Path, docs_per_
     for n_shards, start in enumerate(range(0, len(docs), docs_per_shard), start=1):
         shard = docs[start:start + docs_per_shard]
         ensure_free_space(docs_dir, sum(d.size for d in shard), "a document shard")  # gzip only shrinks it
-        with open(docs_dir / f"part-{n_shards - 1:05d}.jsonl.gz", "wb") as raw:
-            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-                for line in spool.lines(shard):  # deflate's output does not depend on the pieces
-                    f.write(line)
+        with (open(docs_dir / f"part-{n_shards - 1:05d}.jsonl.gz", "wb") as raw,
+              gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f):
+            for line in spool.lines(shard):  # deflate's output does not depend on the pieces
+                f.write(line)
     return n_shards
 
 

@@ -7,7 +7,8 @@ folder reads it without importing `datasets`; Arrow IPC *file* format (magic `AR
 """
 from __future__ import annotations
 
-from typing import IO, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import IO
 
 from tasks.collect.records import ReadEvent, Skipped, quarantine, record_event
 
@@ -22,7 +23,7 @@ def _rows(batches: Iterable, names: list[str], name: str, fmt: str) -> Iterator[
     import pyarrow as pa
 
     if "text" not in names:
-        yield Skipped("error_no_text_column", 0, f"{name} (columns: {', '.join(names)})")
+        yield Skipped(reason="error_no_text_column", nbytes=0, where=f"{name} (columns: {', '.join(names)})")
         return
     columns = [c for c in COLUMNS if c in names]
     row = 0

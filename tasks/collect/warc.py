@@ -11,7 +11,8 @@ gzip member header, or the next line starting `WARC/1.` in an uncompressed file.
 """
 from __future__ import annotations
 
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 from tasks.collect.records import SAMPLE_BYTES, RawDoc, ReadEvent, Skipped, quarantine
 
@@ -71,22 +72,22 @@ def warc_event(record, where: str, max_doc_bytes: int) -> ReadEvent:
     size = int(record.length or 0)
     reason = _skip_reason(record)
     if reason is not None:
-        return Skipped(reason, size, where)
+        return Skipped(reason=reason, nbytes=size, where=where)
     if size > max_doc_bytes:  # judged before reading: the payload never enters memory
-        return Skipped("skipped_too_large", size, where)
+        return Skipped(reason="skipped_too_large", nbytes=size, where=where)
     try:  # content_stream() undoes chunking and gzip/br content encodings, which can be broken
         payload = record.content_stream().read(max_doc_bytes + 1)  # +1: a bomb shows as too large
-    except Exception:  # noqa: BLE001 (zlib, brotli, chunking: each decoder has its own errors)
+    except Exception:  # zlib, brotli, chunking: each decoder has its own errors
         return quarantine("error_bad_payload", size, where, record.rec_headers.to_str())
     if getattr(record.raw_stream, "limit", 0) > 0:  # fewer bytes than Content-Length: cut off
         return quarantine("error_truncated_record", size, where, payload)
     if not payload.strip():
-        return Skipped("skipped_empty_payload", size, where)
+        return Skipped(reason="skipped_empty_payload", nbytes=size, where=where)
     headers = record.http_headers or record.rec_headers
     content_type = headers.get_header("Content-Type") or ""
     url = record.rec_headers.get_header("WARC-Target-URI") or ""
-    return RawDoc(url, payload, classify_mime(content_type) == "html", size,
-                  _charset(content_type), where)
+    return RawDoc(url=url, payload=payload, is_html=classify_mime(content_type) == "html", nbytes=size,
+                  charset=_charset(content_type), where=where)
 
 
 def _find(f: IO[bytes], marker: bytes, start: int) -> int | None:
@@ -146,7 +147,7 @@ def read_warc(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent
         # warcio's parser fails on damaged headers with whatever the line it was on raised
         # (ArchiveLoadFailed, ValueError, also AttributeError for a response record without a
         # WARC-Target-URI): every one is a damaged stretch, counted and stepped over
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         bad = state["records"].offset if "records" in state else start
         # warcio's offset follows the lengths damaged headers declare: it can point back before

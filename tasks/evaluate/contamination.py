@@ -13,8 +13,9 @@ clean rest (`contaminated`, `n_clean`, `acc_clean`).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import core.arithmetic as arithmetic
 from core.decontam import DecontamConfig, all_strings, index_items

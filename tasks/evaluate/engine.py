@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from tasks.evaluate.formats import EvalDataError, Item, TaskData
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EvalOptions:
     """How to run the tasks (not what they are: that is the files)."""
 
@@ -181,7 +182,10 @@ def format_table(summary: Mapping[str, Any]) -> str:
         lines.append((name, t["format"], str(t["n"]), _fmt(t["acc"]), _fmt(t.get("acc_stderr")),
                       _fmt(t.get("acc_norm")), _fmt(t.get("centered_acc")), other))
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-    render = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+
+    def render(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
     return "\n".join([render(header), *map(render, lines), f"core (mean centered accuracy): {_fmt(summary['core'])}"])
 
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 Kind = Literal["choice", "greedy", "generate"]
 
@@ -32,7 +33,7 @@ class EvalDataError(ValueError):
     """A benchmark file that cannot be evaluated; the message names the file."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Item:
     """One benchmark question, as requests to a model.
 
@@ -49,7 +50,7 @@ class Item:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TaskData:
     """A benchmark file, parsed: the items to score and the records that could not be."""
 
@@ -77,8 +78,8 @@ def _choice_item(index: int, context: str, choices: list[Any], gold: Any, **meta
         gold = int(gold)
     if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
         raise ItemProblem("gold_out_of_range")
-    return Item(index, "choice", gold, tuple((context, " " + c) for c in choices),
-                tuple(len(c) for c in choices), meta=meta)
+    return Item(index=index, kind="choice", gold=gold, requests=tuple((context, " " + c) for c in choices),
+                norm_chars=tuple(len(c) for c in choices), meta=meta)
 
 
 def _mc(index: int, r: dict[str, Any], _: Any) -> Item:
@@ -117,14 +118,15 @@ def _winogrande(index: int, r: dict[str, Any], _: Any) -> Item:
         raise ItemProblem("gold_out_of_range")
     continuation = " " + r["continuation"].strip()
     # lm-eval's partial scoring: every option is a context, the shared continuation is scored.
-    return Item(index, "choice", gold, tuple((o, continuation) for o in options),
-                tuple(len(continuation) for _ in options))
+    return Item(index=index, kind="choice", gold=gold, requests=tuple((o, continuation) for o in options),
+                norm_chars=tuple(len(continuation) for _ in options))
 
 
 def _lambada(index: int, r: dict[str, Any], _: Any) -> Item:
     if not r["continuation"]:
         raise ItemProblem("empty_continuation")
-    return Item(index, "greedy", r["continuation"], ((r["context"], " " + r["continuation"]),))
+    return Item(index=index, kind="greedy", gold=r["continuation"],
+                requests=((r["context"], " " + r["continuation"]),))
 
 
 GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)\s*$")
@@ -139,7 +141,7 @@ def gsm8k_gold(answer: str) -> str:
 
 
 def _gsm8k(index: int, r: dict[str, Any], _: Any) -> Item:
-    return Item(index, "generate", gsm8k_gold(r["answer"]), prompt=r["question"])
+    return Item(index=index, kind="generate", gold=gsm8k_gold(r["answer"]), prompt=r["question"])
 
 
 Parser = Callable[[int, dict[str, Any], Any], Item]
@@ -233,4 +235,5 @@ def load_task(path: str | Path, fmt: str | None = None, limit: int | None = None
     if not items:
         raise EvalDataError(f"{path}: none of {len(records)} records can be scored as {fmt} "
                             f"({', '.join(f'{k}: {v}' for k, v in sorted(problems.items()))})")
-    return TaskData(task_name(path), str(path), fmt, kind, items, problems, len(records))
+    return TaskData(name=task_name(path), path=str(path), format=fmt, kind=kind, items=items,
+                    problems=problems, records=len(records))

@@ -6,7 +6,7 @@ Pure functions over numbers, so each is checked by hand in tests.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 def mean(values: Sequence[float]) -> float:

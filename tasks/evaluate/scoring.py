@@ -15,8 +15,9 @@ logits). lm-eval runs each (context, continuation) pair in full, one per forward
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's fallback when neither config nor tokenizer gives a length
 TOKENIZER_INFINITY = 1_000_000_000_000  # transformers' "no model_max_length" is 1e30; anything this big
@@ -84,7 +85,10 @@ class LoglikScorer:
         import torch
 
         width = max(len(r.tokens) for r in rows)
-        pad = lambda values, fill: [v + [fill] * (width - len(v)) for v in values]  # noqa: E731
+
+        def pad(values: list[list[int]], fill: int) -> list[list[int]]:
+            return [v + [fill] * (width - len(v)) for v in values]
+
         ids = torch.tensor(pad([r.tokens for r in rows], 0), device=self.device)
         positions = torch.tensor(pad([r.positions for r in rows], 0), device=self.device)
         segments = torch.tensor(pad([r.segments for r in rows], -1), device=self.device)
@@ -104,7 +108,7 @@ class LoglikScorer:
         return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Packed:
     """One item's requests in one row: their longest common token prefix once (segment 0), then
     each request's remaining tokens (segment i + 1) with positions continuing from the prefix, so
@@ -131,7 +135,7 @@ def _pack(requests: list[tuple[list[int], list[int]]]) -> Packed:
         segments += [i + 1] * (len(inp) - shared)
         where = [j if j < shared else j + offset for j in range(len(inp) - len(cont), len(inp))]
         targets.append((where, cont))
-    return Packed(tokens, positions, segments, targets)
+    return Packed(tokens=tokens, positions=positions, segments=segments, targets=targets)
 
 
 def _attention_bias(segments: Any, dtype: Any) -> Any:

@@ -22,8 +22,9 @@ import json
 import logging
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from core.chat import prompt_ids
 from core.stage import Engine, Manifest, StageResult
 from core.units import bits_per_byte
 from model.generate import generate_greedy
-from tasks.evaluate.config import VERSION, Config, fingerprint  # noqa: F401 (the contract, re-exported)
+from tasks.evaluate.config import Config
 from tasks.evaluate.contamination import clean_scores, mark_items
 from tasks.evaluate.engine import (
     EvalOptions,

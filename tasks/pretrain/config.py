@@ -22,7 +22,7 @@ class Config(LoopConfig):
                                                    "validation loss is measured on.")
 
     @model_validator(mode="after")
-    def _check_seq_len(self) -> "Config":
+    def _check_seq_len(self) -> Config:
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         self.with_seq_len(self.seq_len)  # tokens_per_step must be whole micro-batches

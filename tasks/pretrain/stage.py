@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from model.export import export_model
 from model.loop import Batch, mean_token_loss, train
 from model.plan import flops_per_token
 from model.presets import build_model, count_params
-from tasks.pretrain.config import VERSION, Config, fingerprint  # noqa: F401 (the contract, re-exported)
+from tasks.pretrain.config import Config
 
 log = logging.getLogger("gristmill.pretrain")
 

@@ -45,7 +45,7 @@ class Config(LoopConfig):
                                                       "(None: full fine-tuning). The export merges them.")
 
     @model_validator(mode="after")
-    def _windows_split_evenly(self) -> "Config":
+    def _windows_split_evenly(self) -> Config:
         # The loop splits every tensor of a batch into grad_accum_steps micro-batches; fewer windows
         # than micro-batches would leave some micro-batches without their share of text.
         accum = (self.with_seq_len(self.max_seq_len) if self.packing else self).grad_accum_steps

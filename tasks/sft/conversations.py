@@ -83,7 +83,7 @@ def drop_reason(messages: list[Message]) -> str | None:
 
 def is_oasst_message(record: Any) -> bool:
     """Whether a record is one message of an OpenAssistant tree export."""
-    return isinstance(record, dict) and OASST_KEYS <= record.keys()
+    return isinstance(record, dict) and record.keys() >= OASST_KEYS
 
 
 def oasst_message_drop_reason(record: dict[str, Any]) -> str | None:
@@ -108,7 +108,7 @@ def _reply_order(record: dict[str, Any]) -> tuple[bool, int]:
 
 def _paths(node: dict[str, Any], children: dict[str, list], prefix: list) -> Iterator[list]:
     """Every root-to-leaf path through `node` (depth first, replies in `_reply_order`)."""
-    path = prefix + [node]
+    path = [*prefix, node]
     replies = sorted(children.get(node["message_id"], []), key=_reply_order)
     if not replies:
         yield path

@@ -58,7 +58,7 @@ from model.loop import (
 )
 from model.lora import apply_lora, export_lora, trainable_parameters
 from model.packing import Example, collate_packed, pack_examples
-from tasks.sft.config import VERSION, Config, fingerprint  # noqa: F401 (the contract, re-exported)
+from tasks.sft.config import Config
 from tasks.sft.conversations import load_conversations
 
 log = logging.getLogger("gristmill.sft")

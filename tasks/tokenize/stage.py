@@ -27,16 +27,17 @@ import itertools
 import json
 import logging
 import shutil
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from core.chat import CHAT_TEMPLATE, DOC_SEPARATOR, IM_END, PAD, SPECIAL_TOKENS
 from core.files import ensure_free_space, iter_jsonl
 from core.stage import Engine, Manifest, StageResult
-from tasks.tokenize.config import VERSION, Config, fingerprint  # noqa: F401 (the contract, re-exported)
+from tasks.tokenize.config import Config
 
 log = logging.getLogger("gristmill.tokenize")
 

@@ -11,7 +11,7 @@
     gristmill evaluate MODEL_DIR --task hellaswag.jsonl --task arc_easy.jsonl --limit 500
     gristmill up [--print-env]                           # Prefect, MLflow and Ray servers on 127.0.0.1
     gristmill status | gristmill down                    # what `up` started: health; stop it
-    gristmill serve configs/tiny.yaml                    # `pipeline` + `data-refresh` deployments, UI
+    gristmill serve configs/tiny.yaml                    # `pipeline` + `data-refresh` deployments, for the UI
     gristmill refresh configs/tiny.yaml                  # new inputs -> next corpus version, once
 """
 from __future__ import annotations

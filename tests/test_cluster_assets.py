@@ -127,9 +127,9 @@ def test_prefect_yaml_deploys_the_real_pipeline_flow():
         assert flow.name == pipeline.name == "pipeline"
         assert flow.fn.__code__.co_filename == pipeline.fn.__code__.co_filename
         assert set(deployment.parameters) <= set(flow.parameters.properties)
-    readme = (REPO / "README.md").read_text()
-    for deployment in model.deployments:  # each pool is created somewhere a reader will look
-        assert f"prefect work-pool create {deployment.work_pool.name}" in readme
+    cluster_docs = (REPO / "docs" / "cluster.md").read_text()
+    for deployment in model.deployments:  # each pool is created where a reader will look
+        assert f"prefect work-pool create {deployment.work_pool.name}" in cluster_docs
 
 
 def test_accelerate_configs_load_with_accelerate():

@@ -1,7 +1,10 @@
-"""Ctrl-C and SIGTERM stop `gristmill run` within 10 s with exit 130/143, leave no process behind,
-and the next run resumes to the same artifacts an uninterrupted run made (the shared tiny run)."""
+"""Ctrl-C and SIGTERM stop `gristmill run` within 10 s with exit 130/143, kill -9 of the whole job
+takes the pipeline child with it, no process is left behind, and the next run resumes (pretraining
+from its last checkpoint, not step 0) to the same artifacts an uninterrupted run made (the shared
+tiny run)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import REPO, cli_env, committed_files, gristmill
+from pipeline_helpers import REPO, cli_env, committed_dir, committed_files, gristmill
 
 from infra.processes import alive, process_tree
 
@@ -57,24 +60,58 @@ def _interrupt(home: Path, overrides: list[str], stage: str, ready, signum: int,
     return text
 
 
+def _checkpoint_steps(home: Path) -> list[int]:
+    """Steps of pretraining's complete checkpoints (step 0 is the rollback target, not progress)."""
+    found = (home / "artifacts" / "pretrain").glob("*.partial/checkpoints/step-*/checkpoint.json")
+    return sorted(step for step in (int(p.parent.name.split("-")[1]) for p in found) if step > 0)
+
+
 def _has_checkpoint(partial: Path) -> bool:
-    return any(p.parent.name != "step-0000000" for p in partial.glob("checkpoints/step-*/checkpoint.json"))
+    return _checkpoint_steps(partial.parent.parent.parent) != []
+
+
+def _kill9_after_a_new_checkpoint(home: Path, overrides: list[str]) -> int:
+    """Start a run, wait for a pretraining checkpoint newer than those there, then kill -9 the
+    whole `gristmill run` job, as a lost machine would: the pipeline child must follow its
+    supervisor, leave no process behind and commit nothing. Returns the newest checkpoint's step."""
+    before = max(_checkpoint_steps(home), default=0)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides,
+                             "--until", "sft"], cwd=REPO, env=cli_env(home), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for(lambda: max(_checkpoint_steps(home), default=0) > before, proc)
+    processes = process_tree(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(3)  # the child notices within half a second, then stops what it started
+    left = alive(processes)
+    assert not left, [" ".join(p.cmdline()[:4]) for p in left]
+    assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
+    return max(_checkpoint_steps(home))
 
 
 def test_signals_at_several_stages_stop_fast_and_the_next_run_resumes_identically(tiny_run, tmp_path):
     home = tmp_path / "home"
     overrides = tiny_run.overrides
     # Ctrl-C while collect's Ray actors work; Ctrl-C while the tokenizer trains; SIGTERM in
-    # pretraining after a checkpoint. (The tiny SFT, 30 steps, is over in ~2 s: too short to
-    # interrupt on purpose.)
+    # pretraining after a checkpoint; kill -9 after a later one. (The tiny SFT, 30 steps, is over
+    # in seconds: too short to interrupt on purpose.) Checkpoints come more often in the
+    # interrupted runs (an operational knob, not part of the key) so both pretraining faults fit
+    # in its 60 steps; the final run uses the shared run's config and commits the same files.
     text = _interrupt(home, overrides, "collect", Path.exists, signal.SIGINT, settle_s=3)
     assert "stopped by SIGINT" in text
     text = _interrupt(home, overrides, "tokenize", Path.exists, signal.SIGINT, settle_s=2)
     assert "collect-" in text and "resuming from the partial output" in text, text[-3000:]
-    _interrupt(home, overrides, "pretrain", _has_checkpoint, signal.SIGTERM)
+    often = [*overrides, "pretrain.checkpoint_every=20"]
+    _interrupt(home, often, "pretrain", _has_checkpoint, signal.SIGTERM)
+    killed_at = _kill9_after_a_new_checkpoint(home, often)
     log = gristmill(home, "run", "configs/tiny.yaml", *overrides, "--until", "sft")
     text = log.stdout + log.stderr
-    assert "pretrain-" in text and "resuming from step" in text, text[-3000:]
+    assert "collect: reused" in text and "tokenize: reused" in text, text[-3000:]
+    assert "resuming from step" in text, text[-3000:]
+    step = int(text.split("resuming from step", 1)[1].split()[0].strip(".,:"))
+    assert step >= killed_at
     assert "sft: done in" in text
+    pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
+    assert pretrain["stats"]["resumed_from_step"] == step
     for stage in ("collect", "tokenize", "pretrain", "sft"):
         assert committed_files(home, stage) == committed_files(tiny_run.home, stage), stage

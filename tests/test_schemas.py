@@ -78,7 +78,8 @@ def test_another_set_of_migrations_gets_another_template(cache, tmp_path, monkey
     fake = tmp_path / "pkg" / "store" / "db_migrations" / "versions"
     fake.mkdir(parents=True)
     (fake / "0001_more.py").write_text("")
-    monkeypatch.setattr(schemas.util, "find_spec", lambda name: type("S", (), {"origin": str(tmp_path / "pkg" / "__init__.py")}))
+    spec = type("Spec", (), {"origin": str(tmp_path / "pkg" / "__init__.py")})
+    monkeypatch.setattr(schemas.util, "find_spec", lambda name: spec)
     assert schemas.template_path("mlflow") != mine
 
 

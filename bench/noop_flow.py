@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from core.stage import StageConfig, StageResult
+from flows.config import PipelineConfig
 from flows.dag import PlannedStage
 from flows.pipeline import Runtime, run_stage
 from flows.stages import StageSpec
@@ -46,7 +47,7 @@ def noop_flow(n: int) -> float:
     home = env.gristmill_home()
     tracker = Tracker(home)
     runtime = Runtime(ArtifactStore(env.artifacts_root(home)), tracker,
-                      tracker.start_pipeline("noop-bench", {}, {}))
+                      tracker.start_pipeline("noop-bench", {}, {}), PipelineConfig())
     started = time.perf_counter()
     for i in range(n):
         stage = PlannedStage(spec=_SPEC, config=Config(index=i), key=f"{_SALT[:8]}{i:04d}", complete=False)

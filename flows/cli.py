@@ -61,7 +61,8 @@ def _dry_run(args: argparse.Namespace) -> int:
     import yaml
 
     from flows.config import ConfigError, load_config
-    from flows.dag import plan
+    from flows.dag import launch_problems_of, plan
+    from flows.launch import per_node_command
     from infra.artifacts import ArtifactStore
 
     artifacts = env.artifacts_root(env.gristmill_home())
@@ -74,6 +75,14 @@ def _dry_run(args: argparse.Namespace) -> int:
     print(f"\n# plan (artifacts under {artifacts})")
     for stage in planned:
         print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
+    for stage in planned:
+        launch = getattr(stage.config, "launch", None)
+        if not stage.complete and launch is not None and launch.backend != "inline":
+            print(f"\n# {stage.spec.name}-{stage.key} without Ray, on {launch.nodes} node(s) that share "
+                  f"GRISTMILL_HOME: on each, NODE_RANK 0..{launch.nodes - 1}, HEAD_IP the address of node 0\n"
+                  f"{per_node_command(stage, str(args.config), args.overrides, launch.nodes)}")
+    if problems := launch_problems_of(planned):
+        return _fail("; ".join(problems))
     return 0
 
 

@@ -6,13 +6,17 @@ stages and their order are the config's stage table (flows/stages.py).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from core.launch import launch_problems
 from core.stage import Engine, Manifest, StageConfig, StageResult
 from flows.config import PipelineConfigBase
 from flows.stages import StageSpec, stages_until
+from infra import env
 from infra.artifacts import ArtifactStore, stage_key
 
 
@@ -40,6 +44,21 @@ def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = N
     return planned
 
 
+def stage_device(config: StageConfig) -> str:
+    """The device a training stage's config asks for ("auto", "cpu", "cuda"): its own, or its
+    chosen method's (align; ppo's policy and reward model train on the same machine)."""
+    section = config.method_config() if hasattr(config, "method_config") else config
+    return getattr(getattr(section, "policy", section), "device", "auto")
+
+
+def launch_problems_of(planned: list[PlannedStage]) -> list[str]:
+    """What is wrong with the `launch` sections of the stages that will compute (core/launch.py),
+    one line each; checked before any service starts."""
+    return [problem for stage in planned if not stage.complete
+            and (launch := getattr(stage.config, "launch", None)) is not None
+            for problem in launch_problems(f"{stage.spec.name}.launch", launch, stage_device(stage.config))]
+
+
 def run_planned(stage: PlannedStage, upstream: Mapping[str, Manifest], out_dir: Path, *,
                 engine: Engine) -> StageResult:
     """Run the stage's code into `out_dir`, each upstream manifest passed as the keyword argument
@@ -51,3 +70,16 @@ def run_planned(stage: PlannedStage, upstream: Mapping[str, Manifest], out_dir: 
     if wrong := {name: m.stage for name, m in upstream.items() if m.stage != name}:
         raise ValueError(f"stage {spec.name!r}: upstream given a manifest of another stage ({wrong})")
     return spec.load_run()(stage.config, out_dir, engine=engine, **upstream)
+
+
+def manifest_fields(stage: PlannedStage, upstream: Mapping[str, Manifest], result: StageResult,
+                    meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of the manifest a computed stage commits (the store adds key, files, seconds);
+    `meta` adds to its meta (the MLflow and Prefect runs, the launch, a corpus version)."""
+    return {
+        "config": stage.config.model_dump(mode="json"),
+        "upstream": {name: m.key for name, m in upstream.items()},
+        "stats": result.stats,
+        "meta": {"stage_version": stage.spec.version, "code_version": env.code_version(),
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta},
+    }

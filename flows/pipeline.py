@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -18,10 +17,12 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from core.stage import Engine, Manifest, SerialEngine
+from core.launch import LaunchConfig
+from core.stage import METRICS_FILE, Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig, with_overrides
-from flows.dag import PlannedStage, plan, run_planned
+from flows.dag import PlannedStage, launch_problems_of, manifest_fields, plan, run_planned
 from flows.history import publish_report_card
+from flows.launch import launched
 from flows.notify import notify, rollbacks
 from flows.registry import Decision, register_and_promote
 from flows.report_card import registry_section
@@ -36,13 +37,14 @@ RECORD_THREADS = 3  # reused stages recorded at once (each mostly waits on the t
 
 
 class Runtime:
-    """The edges a run talks to: artifact store and tracker (built once per flow run). With
+    """The edges a run talks to: artifact store and tracker, and the run's config (built once per flow run). With
     `background`, a reused stage's MLflow run is recorded on a thread while the flow moves on to
     the next stage (each record waits on the tracking server; a fully reused run overlaps them);
     `join` waits for them all and raises the first failure."""
 
-    def __init__(self, store: ArtifactStore, tracker: Tracker, parent_run_id: str,
+    def __init__(self, store: ArtifactStore, tracker: Tracker, parent_run_id: str, config: PipelineConfig,
                  background: bool = False):
+        self.config = config  # what a launched stage's ranks plan from
         self.store = store
         self.tracker = tracker
         self.parent_run_id = parent_run_id
@@ -76,26 +78,28 @@ def _engine(stage: PlannedStage) -> Engine:
     return RayEngine(num_workers=getattr(stage.config, "num_workers", 1))
 
 
-def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], run_id: str,
+def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Runtime, run_id: str,
              artifacts: list[str], meta: Mapping[str, Any]):
-    """The store's compute callback: run the stage into its partial dir, return manifest fields."""
+    """The store's compute callback: run the stage into its partial dir (in this process, or in
+    the processes its `launch` section asks for), return the manifest fields."""
+    launch: LaunchConfig | None = getattr(stage.config, "launch", None)
 
     def compute(partial_dir) -> dict[str, Any]:
-        with PeakRSS() as peak:  # the stage's memory, its Ray workers' included
-            engine = _engine(stage)
-            try:
-                result = run_planned(stage, upstream, partial_dir, engine=engine)
-            finally:
-                getattr(engine, "shutdown", lambda: None)()
+        # the stage's memory, its Ray workers' and launched ranks' included
+        with PeakRSS() as peak, runtime.tracker.follow_metrics(run_id, partial_dir / METRICS_FILE):
+            if launch is not None and launch.backend == "accelerate":
+                result = launched(stage, runtime.config, partial_dir, get_run_logger())
+            else:
+                engine = _engine(stage)
+                try:
+                    result = run_planned(stage, upstream, partial_dir, engine=engine)
+                finally:
+                    getattr(engine, "shutdown", lambda: None)()
         artifacts.extend(result.artifacts)
-        return {
-            "config": stage.config.model_dump(mode="json"),
-            "upstream": {name: m.key for name, m in upstream.items()},
-            "stats": {**result.stats, "peak_rss_mb": peak.mb},
-            "meta": {"stage_version": stage.spec.version, "code_version": env.code_version(),
-                     "mlflow_run_id": run_id, "prefect_flow_run_id": str(flow_run.id),
-                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta},
-        }
+        result.stats["peak_rss_mb"] = peak.mb
+        return manifest_fields(stage, upstream, result, {
+            "mlflow_run_id": run_id, "prefect_flow_run_id": str(flow_run.id), **meta,
+            **({"launch": launch.record()} if launch is not None else {})})
 
     return compute
 
@@ -159,9 +163,9 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
         artifacts: list[str] = []
         with _gpu_slot(stage):
             manifest, reused = runtime.store.materialize(
-                name, stage.key, _compute(stage, upstream, run_id, artifacts, meta or {}))
+                name, stage.key, _compute(stage, upstream, runtime, run_id, artifacts, meta or {}))
         _publish(stage, manifest, runtime, run_id, charts=True)
-        tracker.finish_stage(run_id, manifest, artifacts, replay_metrics=not reused)
+        tracker.finish_stage(run_id, manifest, artifacts)
         if reused:
             logger.info("%s: reused %s, computed meanwhile by another run", name, manifest.path)
         else:
@@ -201,6 +205,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     home = env.gristmill_home()
     store = ArtifactStore(env.artifacts_root(home))
     planned = plan(config, store, until)
+    if problems := launch_problems_of(planned):
+        raise ValueError("; ".join(problems))
     for stage in planned:
         logger.info("plan: %-8s %s  %s", stage.spec.name, stage.key,
                     "reuse" if stage.complete else "run")
@@ -213,7 +219,7 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
                              description="The MLflow parent run: params, stage runs, metrics, lineage")
     # Against a tracking server, reused stages are recorded side by side; an SQLite store takes
     # one writer at a time, and threads would only queue on its lock (measured slower).
-    runtime = Runtime(store, tracker, parent, background=is_server(tracker.uri))
+    runtime = Runtime(store, tracker, parent, config, background=is_server(tracker.uri))
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
     run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}

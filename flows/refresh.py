@@ -128,7 +128,7 @@ def _collect(config: PipelineConfig, store: ArtifactStore, version: int, parent:
     meta = {"corpus_version": version, "parent_version": parent and parent["version"]}
     try:
         manifest = run_stage.with_options(task_run_name="collect [refresh]")(
-            stage, {}, Runtime(store, tracker, run_id), meta)
+            stage, {}, Runtime(store, tracker, run_id, refresh), meta)
     except NothingSurvived:
         # the refresh did its job: the new files held nothing new (their collect task failed)
         tracker.set_tags(run_id, {"gristmill.refresh.published": "false"})

@@ -51,7 +51,7 @@ def _load(config: str, overrides: list[str]) -> PipelineConfig:
 def run(config: str, overrides: list[str], until: str | None = None) -> int:
     """Plan the run, start the embedded services a run needs and run the pipeline flow."""
     from flows.config import ConfigError
-    from flows.dag import plan
+    from flows.dag import launch_problems_of, plan
     from infra.artifacts import ArtifactStore
 
     home = env.gristmill_home()
@@ -59,12 +59,15 @@ def run(config: str, overrides: list[str], until: str | None = None) -> int:
         pipeline_config = _load(config, overrides)
         # Planning digests every input (core.sources): a missing or empty source is found here,
         # before any service starts.
-        plan(pipeline_config, ArtifactStore(env.artifacts_root(home)), until)
+        planned = plan(pipeline_config, ArtifactStore(env.artifacts_root(home)), until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
+    if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
+        return _fail("; ".join(problems))
     with _importing():
         from core.files import DiskSpaceError
         from flows.pipeline import pipeline
+        from infra.launch import LaunchFailed
         from infra.services import start_embedded_services
         from infra.tracking import TrackingUnavailable, is_server, tracking_uri
 
@@ -73,7 +76,7 @@ def run(config: str, overrides: list[str], until: str | None = None) -> int:
         outputs = pipeline(config=pipeline_config, until=until)
     except KeyboardInterrupt:  # Ctrl-C relayed by the supervisor, which reports it in one line
         return 130
-    except (TrackingUnavailable, DiskSpaceError) as error:  # after the log's traceback, one line
+    except (TrackingUnavailable, DiskSpaceError, LaunchFailed) as error:  # after the log's traceback, one line
         cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
         print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
         return 1

@@ -117,9 +117,10 @@ class ArtifactStore:
             started = time.time()
             fields = compute(partial)
             fields.setdefault("meta", {})["seconds"] = round(time.time() - started, 3)
-            return self._commit(stage, key, partial, fields), False
+            return self.commit(stage, key, partial, fields), False
 
-    def _commit(self, stage: str, key: str, partial: Path, fields: dict[str, Any]) -> Manifest:
+    def commit(self, stage: str, key: str, partial: Path, fields: dict[str, Any]) -> Manifest:
+        """Write the manifest last into `partial` and rename it into place (under `lock`)."""
         (partial / CONFIG).write_text(json.dumps(fields["config"], indent=2, sort_keys=True))
         manifest = Manifest(stage=stage, key=key, path=self.final_dir(stage, key),
                             files=describe_files(partial, exclude=MANIFEST), **fields)

@@ -11,8 +11,8 @@ from bench.runs import REPO, STAGES, cli_env, committed_dir, committed_files
 from bench.runs import SHORT as FAST
 
 # What end-to-end tests import from here: bench/runs.py's helpers, shared with the benchmarks, and these.
-__all__ = ["FAST", "REPO", "STAGES", "TinyRun", "cli_env", "committed_dir", "committed_files", "gristmill",
-           "plan_of"]
+__all__ = ["FAST", "REPO", "STAGES", "TinyRun", "checkpoint_steps", "cli_env", "committed_dir", "committed_files",
+           "gristmill", "plan_of"]
 
 
 def gristmill(home: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
@@ -27,6 +27,13 @@ def plan_of(home: Path, overrides: list[str], *more: str) -> dict[str, str]:
     out = gristmill(home, "run", "configs/tiny.yaml", *overrides, *more, "--dry-run").stdout
     rows = [line.split() for line in out.split("# plan", 1)[1].splitlines()[1:] if line.strip()]
     return {row[0]: row[2] for row in rows}
+
+
+def checkpoint_steps(home: Path) -> list[int]:
+    """Steps of pretraining's complete checkpoints in progress in `home` (step 0 is the rollback
+    target, not progress)."""
+    found = (home / "artifacts" / "pretrain").glob("*.partial/checkpoints/step-*/checkpoint.json")
+    return sorted(step for step in (int(p.parent.name.split("-")[1]) for p in found) if step > 0)
 
 
 class TinyRun(NamedTuple):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import REPO, cli_env, committed_dir, committed_files, gristmill
+from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, committed_files, gristmill
 
 from infra.processes import alive, process_tree
 
@@ -60,25 +60,19 @@ def _interrupt(home: Path, overrides: list[str], stage: str, ready, signum: int,
     return text
 
 
-def _checkpoint_steps(home: Path) -> list[int]:
-    """Steps of pretraining's complete checkpoints (step 0 is the rollback target, not progress)."""
-    found = (home / "artifacts" / "pretrain").glob("*.partial/checkpoints/step-*/checkpoint.json")
-    return sorted(step for step in (int(p.parent.name.split("-")[1]) for p in found) if step > 0)
-
-
 def _has_checkpoint(partial: Path) -> bool:
-    return _checkpoint_steps(partial.parent.parent.parent) != []
+    return checkpoint_steps(partial.parent.parent.parent) != []
 
 
 def _kill9_after_a_new_checkpoint(home: Path, overrides: list[str]) -> int:
     """Start a run, wait for a pretraining checkpoint newer than those there, then kill -9 the
     whole `gristmill run` job, as a lost machine would: the pipeline child must follow its
     supervisor, leave no process behind and commit nothing. Returns the newest checkpoint's step."""
-    before = max(_checkpoint_steps(home), default=0)
+    before = max(checkpoint_steps(home), default=0)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides,
                              "--until", "sft"], cwd=REPO, env=cli_env(home), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    _wait_for(lambda: max(_checkpoint_steps(home), default=0) > before, proc)
+    _wait_for(lambda: max(checkpoint_steps(home), default=0) > before, proc)
     processes = process_tree(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -86,7 +80,7 @@ def _kill9_after_a_new_checkpoint(home: Path, overrides: list[str]) -> int:
     left = alive(processes)
     assert not left, [" ".join(p.cmdline()[:4]) for p in left]
     assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
-    return max(_checkpoint_steps(home))
+    return max(checkpoint_steps(home))
 
 
 def test_signals_at_several_stages_stop_fast_and_the_next_run_resumes_identically(tiny_run, tmp_path):

@@ -54,7 +54,9 @@ def _computed(tracker, tmp_path, stage: str, key: str, upstream=None, steps: int
     parent = tracker.start_pipeline("first", {}, {})
     run_id = tracker.start_stage(parent, stage, key, {"lr": 0.1}, upstream or {})
     manifest = _manifest(tmp_path / "store", stage, key, run_id, steps)
-    tracker.finish_stage(run_id, manifest, [], replay_metrics=True)
+    with tracker.follow_metrics(run_id, manifest.path / METRICS_FILE):
+        pass
+    tracker.finish_stage(run_id, manifest, [])
     return manifest
 
 
@@ -121,7 +123,9 @@ def test_batches_respect_mlflows_limits(tracker, tmp_path):
     parent = tracker.start_pipeline("big", {f"p{i}": i for i in range(250)}, {})
     manifest = _manifest(tmp_path / "store", "sft", "s1", None, steps=2500)
     run_id = tracker.start_stage(parent, "sft", "s1", {}, {})
-    tracker.finish_stage(run_id, manifest, [], replay_metrics=True)
+    with tracker.follow_metrics(run_id, manifest.path / METRICS_FILE):
+        pass
+    tracker.finish_stage(run_id, manifest, [])
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracker.uri)
@@ -249,3 +253,34 @@ def test_only_a_request_left_unanswered_counts_as_unavailable(tracker):
     for inner in (http_errors.ConnectionError(), http_errors.ReadTimeout(), http_errors.RetryError()):
         assert unanswered(raised(inner, cause=True)) and unanswered(raised(inner, cause=False))
     assert not unanswered(raised(ValueError("bad value"), cause=True))
+
+
+def test_step_metrics_reach_the_run_while_the_stage_computes(tracker, tmp_path, monkeypatch):
+    """Rows appended to metrics.jsonl are in MLflow before the stage ends; a row being written is
+    sent once its line is complete."""
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking import runs
+
+    monkeypatch.setattr(runs, "FOLLOW_EVERY_S", 0.05)
+    client = MlflowClient(tracker.uri)
+    run_id = tracker.start_stage(tracker.start_pipeline("live", {}, {}), "pretrain", "p1", {}, {})
+    path = tmp_path / METRICS_FILE
+
+    def steps_sent(count: int) -> list[int]:
+        deadline = time.monotonic() + 20
+        while len(history := client.get_metric_history(run_id, "loss")) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return sorted(m.step for m in history)
+
+    with tracker.follow_metrics(run_id, path):
+        path.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in (1, 2)))
+        assert steps_sent(2) == [1, 2]
+        with path.open("a") as handle:
+            handle.write(json.dumps({"step": 3, "loss": 2.0})[:8])
+            handle.flush()
+            time.sleep(0.3)
+            assert steps_sent(2) == [1, 2]
+            handle.write(json.dumps({"step": 3, "loss": 2.0})[8:] + "\n")
+        assert steps_sent(3) == [1, 2, 3]
+    assert steps_sent(3) == [1, 2, 3]

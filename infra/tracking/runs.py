@@ -10,10 +10,14 @@ plus a tag naming the upstream stage's run. A reused stage whose computing run n
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import math
 import os
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,9 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
 BATCH = 900  # MLflow accepts at most 1000 values (metrics + params + tags) per log_batch
 PARAMS_PER_BATCH = 100  # and at most 100 params (and 100 tags) of them
 FINISHED = RunStatus.to_string(RunStatus.FINISHED)
+FOLLOW_EVERY_S = 2.0  # how often a computing stage's new step metrics are sent to its run
+
+log = logging.getLogger("gristmill.tracking")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -59,15 +66,16 @@ def _params(config: Mapping[str, Any]) -> list[Param]:
     return [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
 
 
+def _step_metrics(rows: Iterable[Mapping[str, Any]]) -> list[Metric]:
+    """metrics.jsonl rows as MLflow metrics at their steps."""
+    stamp = _now_ms()
+    return [Metric(k, v, stamp, int(row["step"])) for row in rows for k, v in _numeric(row).items() if k != "step"]
+
+
 def _stage_metrics(manifest: Manifest, with_steps: bool) -> list[Metric]:
     """The manifest's numeric stats (step 0) and, when `with_steps`, its metrics.jsonl rows."""
-    stamp = _now_ms()
-    metrics = [Metric(k, v, stamp, 0) for k, v in _numeric(manifest.stats).items()]
-    if with_steps:
-        for row in read_metrics(manifest.path / METRICS_FILE):
-            step = int(row["step"])
-            metrics += [Metric(k, v, stamp, step) for k, v in _numeric(row).items() if k != "step"]
-    return metrics
+    metrics = [Metric(k, v, _now_ms(), 0) for k, v in _numeric(manifest.stats).items()]
+    return metrics + (_step_metrics(read_metrics(manifest.path / METRICS_FILE)) if with_steps else [])
 
 
 def _numeric(stats: Mapping[str, Any]) -> dict[str, float]:
@@ -122,10 +130,48 @@ class Tracker:
         self._log_lineage(run_id, upstream)
         return run_id
 
-    def finish_stage(self, run_id: str, manifest: Manifest, artifacts: Iterable[str],
-                     replay_metrics: bool) -> None:
-        """Log stats, step metrics (when the stage ran here) and small artifacts; close the run."""
-        self._log_batches(run_id, metrics=_stage_metrics(manifest, replay_metrics),
+    @contextlib.contextmanager
+    def follow_metrics(self, run_id: str, path: Path) -> Iterator[None]:
+        """While inside, send the rows a computing stage appends to its metrics.jsonl (`path`:
+        rank 0's, whichever process writes it) to its run every FOLLOW_EVERY_S, so the MLflow UI
+        shows the curves as it trains; the rest when it ends. A file cut short (a resume or a
+        rollback drops the steps it redoes) is followed from its new end."""
+        offset, stop = 0, threading.Event()
+
+        def send() -> None:
+            nonlocal offset
+            if not path.is_file():
+                return
+            with path.open("rb") as handle:
+                if handle.seek(0, os.SEEK_END) < offset:
+                    offset = handle.tell()
+                handle.seek(offset)
+                complete = handle.read().rpartition(b"\n")[0]  # a row being written waits its turn
+            if complete:
+                offset += len(complete) + 1
+                rows = [json.loads(line) for line in complete.splitlines() if line.strip()]
+                self._log_batches(run_id, metrics=_step_metrics(rows))
+
+        def follow() -> None:
+            while not stop.wait(FOLLOW_EVERY_S):
+                try:
+                    send()
+                except Exception as error:  # the final send, in the stage's thread, raises
+                    log.warning("step metrics not sent yet: %s", error)
+
+        follower = threading.Thread(target=follow, name="gristmill-follow-metrics", daemon=True)
+        follower.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            follower.join()
+            send()
+
+    def finish_stage(self, run_id: str, manifest: Manifest, artifacts: Iterable[str]) -> None:
+        """Log stats and small artifacts (the step metrics were followed while it computed:
+        `follow_metrics`); close the run."""
+        self._log_batches(run_id, metrics=_stage_metrics(manifest, with_steps=False),
                           tags=[RunTag("gristmill.artifact_dir", str(manifest.path))])
         self._log_files(run_id, manifest, artifacts)
         self.end(run_id, ok=True)

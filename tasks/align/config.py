@@ -12,10 +12,11 @@ in `method`'s choices), a module with `train(config, job)` (see method.py), and 
 """
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from core.launch import LaunchConfig
 from core.sources import JSONL_SUFFIXES, fingerprint_sources
 from core.stage import StageConfig
 from core.train_config import TrainConfig
@@ -120,7 +121,10 @@ class PPOMethodConfig(StageConfig):
 
 
 class Config(StageConfig):
-    """Alignment: the method, one config section per method (only the chosen one is hashed), LoRA."""
+    """Alignment: the method, one config section per method (only the chosen one is hashed), LoRA,
+    and the launch (for every method, the reward model of ppo included)."""
+
+    unhashed_fields: ClassVar[frozenset[str]] = frozenset({"launch"})
 
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters on the frozen SFT model "
                                                       "(None: full fine-tuning). The export merges them.")
@@ -133,6 +137,17 @@ class Config(StageConfig):
     ppo: PPOMethodConfig = Field(
         default_factory=PPOMethodConfig,
         description="Settings of method 'ppo' (a reward model, then PPO against it).")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
+        "The processes the method (and ppo's reward model) trains in: inline, or data-parallel under "
+        "Accelerate or Ray Train (operational)."))
+
+    @model_validator(mode="after")
+    def _ppo_in_one_process(self) -> Config:
+        if self.method == "ppo" and self.launch.world_size > 1:
+            raise ValueError(f"launch: ppo trains in one process ({self.launch.world_size} asked): its rollouts, "
+                             "reward-model scores and value updates are not split across processes; set "
+                             "align.launch.processes=1 and nodes=1, or choose method dpo or grpo")
+        return self
 
     def hashed_dict(self) -> dict[str, Any]:
         """Only the chosen method's section changes the output."""

@@ -5,21 +5,28 @@ so this module imports no torch; `run` is in stage.py.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, model_validator
 
+from core.launch import LaunchConfig
 from model.config import LoopConfig, ModelConfig
 
 VERSION = 1
 
 
 class Config(LoopConfig):
-    """Pretraining: model shape, sequence length, and the shared optimisation knobs."""
+    """Pretraining: model shape, sequence length, the shared optimisation knobs and the launch."""
+
+    unhashed_fields: ClassVar[frozenset[str]] = LoopConfig.unhashed_fields | {"launch"}
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the model trained from scratch.")
     seq_len: int = Field(256, gt=0, description="Tokens per training sequence (each window holds seq_len + 1 "
                                                 "tokens: inputs and their next-token targets).")
     val_windows: int = Field(32, gt=0, description="Number of fixed, evenly spaced val.bin windows the "
                                                    "validation loss is measured on.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
+        "The processes it trains in: inline, or data-parallel under Accelerate or Ray Train (operational)."))
 
     @model_validator(mode="after")
     def _check_seq_len(self) -> Config:

@@ -5,8 +5,11 @@ so this module imports no torch; `run` is in stage.py.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, model_validator
 
+from core.launch import LaunchConfig
 from core.sources import JSONL_SUFFIXES, fingerprint_sources
 from model.config import LoopConfig, LoraConfig
 
@@ -16,7 +19,9 @@ VERSION = 4  # 3: pretraining text mixed into the batches (pretrain_mix); 4: log
 
 class Config(LoopConfig):
     """Supervised fine-tuning: data sources, sequence limits, held-out share, packing, LoRA, the
-    share of pretraining text mixed in, and the loop knobs."""
+    share of pretraining text mixed in, the loop knobs and the launch."""
+
+    unhashed_fields: ClassVar[frozenset[str]] = LoopConfig.unhashed_fields | {"launch"}
 
     data: list[str] = Field(["demo:arithmetic"], min_length=1,
                             description="Conversation sources: 'demo:arithmetic' or JSONL(.gz) paths "
@@ -43,6 +48,8 @@ class Config(LoopConfig):
                              "(a multiple of grad_accum_steps), in a seeded order over the train tokens.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters on a frozen base model "
                                                       "(None: full fine-tuning). The export merges them.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
+        "The processes it trains in: inline, or data-parallel under Accelerate or Ray Train (operational)."))
 
     @model_validator(mode="after")
     def _windows_split_evenly(self) -> Config:

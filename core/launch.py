@@ -1,0 +1,95 @@
+"""How a training stage's processes are started: the `launch` section of pretrain, sft and align.
+
+    inline       the stage trains in the flow's own process (one CPU or one GPU)
+    accelerate   the flow starts Accelerate's launcher with `processes` data-parallel processes on
+                 this machine and supervises them (infra/launch.py)
+    ray          Ray Train workers, `processes` on each of `nodes` nodes of the Ray cluster
+
+The section is operational: it is not part of the artifact key, and the result does not depend on
+it. Each step's global batch is fixed by the stage's config (`batch_size`, or `tokens_per_step`)
+and split across the processes, so 1, 2 or 8 processes train the same model up to the order of
+floating-point reductions. The manifest's `meta.launch` records the launch that produced it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from core.stage import StageConfig
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE_CONFIGS = REPO / "infra" / "accelerate"  # the committed ones: ddp_cpu, ddp_gpu, fsdp_gpu, ...
+
+
+class LaunchConfig(StageConfig):
+    """The processes a training stage runs in (operational: not part of the artifact key)."""
+
+    backend: Literal["inline", "accelerate", "ray"] = Field(
+        "inline", description="inline: in the flow's own process; accelerate: `accelerate launch` on this "
+                              "machine, supervised by the stage; ray: Ray Train workers on the Ray cluster.")
+    processes: int = Field(1, gt=0, description="Data-parallel training processes per node (one per GPU "
+                                                "when the stage's device is CUDA).")
+    nodes: int = Field(1, gt=0, description="Nodes to spread the processes over (backend ray; the "
+                                            "accelerate backend runs on this machine only).")
+    accelerate_config: str | None = Field(
+        None, description="Accelerate config file (e.g. infra/accelerate/fsdp_gpu.yaml, or your own). None: "
+                          "infra/accelerate/ddp_gpu.yaml on a GPU, ddp_cpu.yaml on a CPU. `processes` "
+                          "overrides its num_processes.")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="Accelerate's mixed precision; auto: bf16 autocast on CUDA, full fp32 on a CPU.")
+
+    @property
+    def world_size(self) -> int:
+        return self.processes * self.nodes
+
+    def record(self) -> dict[str, object]:
+        """What a manifest's `meta.launch` and the stage's MLflow run say about the launch."""
+        return {"backend": self.backend, "processes": self.processes, "nodes": self.nodes,
+                "world_size": self.world_size}
+
+    def accelerate_config_path(self, cuda: bool) -> Path:
+        """The Accelerate config file: a relative path is looked up in the current directory,
+        then in the repository (so `infra/accelerate/fsdp_gpu.yaml` works from anywhere)."""
+        if self.accelerate_config is None:
+            return ACCELERATE_CONFIGS / ("ddp_gpu.yaml" if cuda else "ddp_cpu.yaml")
+        path = Path(self.accelerate_config)
+        return next((p for p in (path, REPO / path) if p.is_file()), path)
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, without importing torch: CUDA_VISIBLE_DEVICES when set,
+    else the device files the driver creates."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str]:
+    """What is wrong with `launch` for a stage training on `device` ("auto", "cpu", "cuda"), one
+    line each naming the key (`section` is the config path, e.g. "pretrain.launch") and what to do.
+    Checked when a run is planned, before any service starts."""
+    if launch.backend == "inline":
+        return [f"{section}.processes: {launch.processes} with backend inline (one process); set "
+                f"{section}.backend=accelerate or ray"] if launch.world_size > 1 else []
+    problems = []
+    if launch.backend == "accelerate" and launch.nodes > 1:
+        problems.append(f"{section}.nodes: {launch.nodes} with backend accelerate, which launches on this "
+                        f"machine only; use {section}.backend=ray for several nodes, or run the per-node "
+                        "`accelerate launch` command that `gristmill run --dry-run` prints")
+    gpus = visible_gpus()
+    cuda = device == "cuda" or (device == "auto" and gpus > 0)
+    devices, kind = (gpus, "GPUs") if cuda else (os.cpu_count() or 1, "CPU cores")
+    if launch.backend == "accelerate" and launch.processes > devices:
+        problems.append(f"{section}.processes: {launch.processes} is more than this machine's {devices} "
+                        f"{kind}; set {section}.processes to at most {devices}" if devices else
+                        f"{section}.processes: {launch.processes} GPU processes, and this machine has no GPU; "
+                        "run it on a GPU machine, or set the stage's device to cpu")
+    if launch.accelerate_config is not None and not launch.accelerate_config_path(cuda).is_file():
+        problems.append(f"{section}.accelerate_config: no such file {launch.accelerate_config!r}; give an "
+                        "Accelerate config file (see infra/accelerate/) or leave it unset")
+    return problems

@@ -1,0 +1,61 @@
+"""A training stage computed in the processes its `launch` section asks for (core/launch.py).
+
+`backend: accelerate`: the stage's Prefect task starts Accelerate's launcher with one
+`python -m flows.launched` rank per process (infra/launch.py supervises it). The ranks plan the
+run from this run's config, so they train into the same `.partial` directory the task's store
+lock guards; rank 0 hands the stats back in a file, and the task commits the manifest only once
+every rank exited 0. Their log lines reach the task's log with the rank in front; the step
+metrics reach MLflow from rank 0's metrics.jsonl (flows/pipeline.py follows it).
+
+The same ranks, started by hand on each node of a cluster without Ray, commit the artifact
+themselves (`--commit`): `per_node_command` is what `gristmill run --dry-run` prints for it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import tempfile
+from pathlib import Path
+
+from core.launch import REPO, visible_gpus
+from core.stage import StageResult
+from flows.config import PipelineConfig
+from flows.dag import PlannedStage, stage_device
+from infra.launch import accelerate_argv, run_launcher
+
+
+def _cuda(stage: PlannedStage) -> bool:
+    device = stage_device(stage.config)
+    return device == "cuda" or (device == "auto" and visible_gpus() > 0)
+
+
+def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
+             logger: logging.Logger | logging.LoggerAdapter) -> StageResult:
+    """Train `stage` into `partial_dir` under `accelerate launch` with its launch's processes;
+    raises infra.launch.LaunchFailed (one line) when a rank fails."""
+    launch = stage.config.launch
+    with tempfile.TemporaryDirectory(prefix="gristmill-launch-") as scratch:
+        scratch = Path(scratch)
+        (scratch / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+        worker = ["-m", "flows.launched", str(scratch / "config.json"), stage.spec.name,
+                  "--result", str(scratch / "result.json")]
+        argv = accelerate_argv(launch, worker, cuda=_cuda(stage), log_dir=scratch / "logs")
+        logger.info("%s: %d processes into %s: %s", stage.spec.name, launch.processes, partial_dir,
+                    shlex.join(argv))
+        run_launcher(argv, on_line=lambda line: logger.info("%s", line), env=dict(os.environ))
+        result = json.loads((scratch / "result.json").read_text())
+    return StageResult(stats=result["stats"], artifacts=result["artifacts"])
+
+
+def per_node_command(stage: PlannedStage, config_path: str, overrides: list[str], nodes: int) -> str:
+    """The command to run on each of `nodes` machines (NODE_RANK 0 on the machine at HEAD_IP) to
+    compute `stage` without Ray: its launch's processes on each, committing into the store that
+    GRISTMILL_HOME names, which every node must see."""
+    launch = stage.config.launch
+    worker = ["-m", "flows.launched", config_path, stage.spec.name, *overrides, "--commit"]
+    argv = accelerate_argv(launch, worker, cuda=_cuda(stage), num_machines=nodes, machine_rank="NODE_RANK",
+                           main_ip="HEAD_IP", port=29500)
+    shown = [str(Path(a).relative_to(REPO)) if a.startswith(f"{REPO}/") else a for a in argv[3:]]
+    return shlex.join(["accelerate", "launch", *shown])

@@ -1,0 +1,93 @@
+"""One rank of a training stage started by Accelerate's launcher:
+
+    accelerate launch ... -m flows.launched CONFIG STAGE [key=value ...] [--result FILE | --commit]
+
+Every rank plans the run from the same config (so the same artifact key), reads the upstream
+artifacts from the store and trains its share into the stage's `.partial` directory (the training
+code's Accelerator joins the launcher's process group). Then:
+
+- `--result FILE` (the pipeline's accelerate backend, flows/pipeline.py): rank 0 writes the stage's
+  stats there; the pipeline, the ranks' parent, commits the manifest once every rank exited 0.
+- `--commit` (by hand, one launcher per node: the command `gristmill run --dry-run` prints): once
+  every rank has finished, rank 0 commits the manifest, so the pipeline then reuses the artifact.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import flows.entry  # noqa: F401  first: configures the process before anything else is imported
+from core.stage import Manifest, SerialEngine
+from flows.config import load_config
+from flows.dag import PlannedStage, manifest_fields, plan, run_planned
+from infra import env
+from infra.artifacts import ArtifactStore
+
+log = logging.getLogger("gristmill.launched")
+
+
+def _planned(config_path: str, stage: str, overrides: Sequence[str],
+             store: ArtifactStore) -> tuple[PlannedStage, dict[str, Manifest]]:
+    """The stage as the pipeline plans it, and its committed upstream manifests."""
+    planned = {p.spec.name: p for p in plan(load_config(Path(config_path), overrides), store, until=stage)}
+    target = planned[stage]
+    upstream = {}
+    for name in target.spec.upstream:
+        manifest = store.load(name, planned[name].key)
+        if manifest is None:
+            raise SystemExit(f"gristmill: {stage} needs {name}-{planned[name].key}, which is not in the "
+                             f"store {store.root}; run `gristmill run CONFIG --until {name}` first")
+        upstream[name] = manifest
+    return target, upstream
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.launched", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("stage")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    done = parser.add_mutually_exclusive_group(required=True)
+    done.add_argument("--result", type=Path, help="rank 0 writes the stage's stats here")
+    done.add_argument("--commit", action="store_true", help="rank 0 commits the manifest")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rank = int(os.environ.get("RANK", "0"))
+    store = ArtifactStore(env.artifacts_root(env.gristmill_home()))
+    stage, upstream = _planned(args.config, args.stage, args.overrides, store)
+    if args.commit and store.load(stage.spec.name, stage.key) is not None:
+        log.info("%s-%s is committed already; nothing to do", stage.spec.name, stage.key)
+        return 0
+    partial = store.partial_dir(stage.spec.name, stage.key)
+    partial.mkdir(parents=True, exist_ok=True)
+    result = run_planned(stage, upstream, partial, engine=SerialEngine())
+    _barrier()  # every rank has finished writing before rank 0 reports or commits
+    if rank != 0:
+        return 0
+    if args.result is not None:
+        args.result.write_text(json.dumps({"stats": result.stats, "artifacts": result.artifacts}))
+        return 0
+    world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    fields = manifest_fields(stage, upstream, result, {"launch": {
+        "backend": "accelerate", "processes": per_node, "nodes": world // per_node, "world_size": world}})
+    with store.lock(stage.spec.name, stage.key):
+        manifest = store.commit(stage.spec.name, stage.key, partial, fields)
+    log.info("%s: committed %s", stage.spec.name, manifest.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

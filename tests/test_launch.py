@@ -1,0 +1,175 @@
+"""Training stages launched as several processes from the DAG (`<stage>.launch`, core/launch.py):
+Accelerate's launcher started and supervised by the stage (2 ranks over gloo), a rank killed and
+the stage resumed, the per-node command of a cluster without Ray (two machine ranks on this
+machine), and launches that cannot start refused at plan time."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, gristmill
+
+from core.launch import LaunchConfig, launch_problems
+from core.stage import read_metrics
+from infra.launch import free_port
+
+TWO = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2",
+       "sft.launch.backend=accelerate", "sft.launch.processes=2"]
+
+
+def _home_with_data(tiny_run, home: Path) -> Path:
+    """A fresh home holding the shared run's committed collect and tokenize artifacts."""
+    for stage in ("collect", "tokenize"):
+        source = committed_dir(tiny_run.home, stage)
+        shutil.copytree(source, home / "artifacts" / stage / source.name)
+    return home
+
+
+def _same_training(home: Path, reference: Path, stage: str) -> None:
+    """The stage's loss curve and validation loss equal the reference run's up to reduction order."""
+    ours, theirs = (read_metrics(committed_dir(h, stage) / "metrics.jsonl") for h in (home, reference))
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs]
+    for key in ("loss", "val_loss"):
+        expected = [r[key] for r in theirs if key in r]
+        assert expected and [r[key] for r in ours if key in r] == pytest.approx(expected, abs=1e-4), key
+
+
+def _ranks(pid: int) -> dict[int, psutil.Process]:
+    """RANK -> process of the launched ranks under `pid`."""
+    ranks = {}
+    for proc in psutil.Process(pid).children(recursive=True):
+        try:
+            if "flows.launched" in proc.cmdline():
+                ranks[int(proc.environ()["RANK"])] = proc
+        except (psutil.Error, KeyError):
+            continue
+    return ranks
+
+
+@pytest.mark.slow
+def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(tiny_run, tmp_path):
+    """Against the shared (inline, one-process) run, in a home holding its collect and tokenize:
+
+    1. pretrain with 2 Accelerate processes from the DAG; rank 1 is killed (-9) after a
+       checkpoint: the stage fails with one line naming the rank, nothing is committed;
+    2. the re-run resumes from the checkpoint; the loss curve and validation loss are the shared
+       run's within 1e-4, under the same key, and the manifest records the launch;
+    3. SFT by hand on a cluster without Ray: the per-node command `--dry-run` prints, as two
+       machine ranks on this machine (gloo, one process each), commits what the pipeline then
+       reuses, trained as the shared run's SFT was."""
+    home = _home_with_data(tiny_run, tmp_path / "home")
+    two = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
+    args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
+            "pretrain.checkpoint_every=20", "--until", "pretrain"]
+    proc = subprocess.Popen(args, cwd=REPO, env=cli_env(home), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not checkpoint_steps(home) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    killed_at = max(checkpoint_steps(home))
+    ranks = _ranks(proc.pid)
+    assert sorted(ranks) == [0, 1]
+    ranks[1].kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "gristmill: rank 1: killed by SIGKILL" in err.splitlines(), err[-3000:]
+    assert "[rank0]:" in out + err and "[rank1]:" in out + err  # every rank's lines, prefixed
+    assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
+
+    rerun = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *two, "--until", "pretrain")
+    text = rerun.stdout + rerun.stderr
+    assert "resuming from step" in text, text[-3000:]
+    step = int(text.split("resuming from step", 1)[1].split()[0].strip(".,:"))
+    pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
+    assert step >= killed_at and pretrain["stats"]["resumed_from_step"] == step
+    assert pretrain["meta"]["launch"] == {"backend": "accelerate", "processes": 2, "nodes": 1, "world_size": 2}
+    assert pretrain["key"] == committed_dir(tiny_run.home, "pretrain").name.split("-", 1)[1]
+    _same_training(home, tiny_run.home, "pretrain")
+
+    by_hand = ["sft.launch.backend=accelerate", "sft.launch.processes=1", "sft.launch.nodes=2"]
+    planned = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
+                              *by_hand, "--until", "sft", "--dry-run"], cwd=REPO, env=cli_env(home),
+                             capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 2 and "sft.launch.nodes: 2 with backend accelerate" in planned.stderr
+    key = next(line.split()[1] for line in planned.stdout.splitlines() if line.startswith("sft "))
+    command = planned.stdout.split(f"# sft-{key} without Ray", 1)[1].splitlines()[1]
+    port = str(free_port())
+    nodes = []
+    for rank in ("0", "1"):
+        argv = [a.replace("NODE_RANK", rank).replace("HEAD_IP", "127.0.0.1").replace("29500", port)
+                for a in shlex.split(command)]
+        assert argv[:2] == ["accelerate", "launch"]
+        nodes.append(subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", *argv[2:]], cwd=REPO,
+                                      env=cli_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    sft = json.loads((home / "artifacts" / "sft" / f"sft-{key}" / "manifest.json").read_text())
+    assert sft["meta"]["launch"] == {"backend": "accelerate", "processes": 1, "nodes": 2, "world_size": 2}
+    assert sft["stats"]["world_size"] == 2
+    _same_training(home, tiny_run.home, "sft")
+    log = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "sft")
+    assert "sft: reused" in log.stdout + log.stderr
+
+
+def test_launches_that_cannot_start_are_refused_with_the_key_to_change():
+    cores = os.cpu_count() or 1
+    many = LaunchConfig(backend="accelerate", processes=cores + 1)
+    assert launch_problems("pretrain.launch", many, "cpu") == [
+        f"pretrain.launch.processes: {cores + 1} is more than this machine's {cores} CPU cores; set "
+        f"pretrain.launch.processes to at most {cores}"]
+    (nodes,) = launch_problems("sft.launch", LaunchConfig(backend="accelerate", nodes=2), "cpu")
+    assert nodes.startswith("sft.launch.nodes: 2 with backend accelerate") and "backend=ray" in nodes
+    (missing,) = launch_problems("align.launch", LaunchConfig(backend="accelerate",
+                                                              accelerate_config="no/such.yaml"), "cpu")
+    assert missing.startswith("align.launch.accelerate_config: no such file 'no/such.yaml'")
+    assert launch_problems("pretrain.launch", LaunchConfig(backend="accelerate", processes=1,
+                                                           accelerate_config="infra/accelerate/ddp_cpu.yaml"),
+                           "cpu") == []
+    (inline,) = launch_problems("pretrain.launch", LaunchConfig(processes=2), "cpu")
+    assert "backend inline" in inline
+
+
+def test_the_cli_refuses_a_bad_launch_before_anything_starts(tmp_path):
+    """One line naming the key, exit 2, before any service starts (PPO's refusal is the config's own)."""
+    for override, says in [("pretrain.launch.accelerate_config=missing.yaml", "pretrain.launch.accelerate_config"),
+                           ("align.launch.processes=2", "ppo trains in one process")]:
+        done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "align.method=ppo",
+                               "pretrain.launch.backend=accelerate", "align.launch.backend=accelerate", override],
+                              cwd=REPO, env=cli_env(tmp_path / "home"), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "home" / "prefect").exists() and not (tmp_path / "home" / "mlflow.db").exists()
+
+
+def test_the_launch_is_not_part_of_the_artifact_key():
+    from flows.config import load_config
+    from flows.dag import plan
+    from infra.artifacts import ArtifactStore
+
+    store = ArtifactStore(Path("/nonexistent"))
+    keys = [{p.spec.name: p.key for p in plan(load_config(REPO / "configs" / "tiny.yaml", overrides), store)}
+            for overrides in ([], [*TWO, "align.launch.backend=accelerate", "align.launch.processes=2"])]
+    assert keys[0] == keys[1]
+
+
+def test_a_failing_rank_is_reported_in_one_line():
+    from infra.launch import _failure
+
+    lines = ["[rank0]:step 1", "[rank1]:Traceback (most recent call last):", "[rank1]:  File x",
+             "[rank1]:ValueError: boom", "Root Cause (first observed failure):", "[0]:",
+             "  rank      : 1 (local_rank: 1)", "  exitcode  : 1 (pid: 7)"]
+    assert _failure(lines, 1) == "rank 1: ValueError: boom"
+    killed = ["[rank0]:step 1", "Root Cause (first observed failure):", "  rank      : 0 (local_rank: 0)",
+              f"  exitcode  : -{signal.SIGKILL.value} (pid: 7)"]
+    assert _failure(killed, 1) == "rank 0: killed by SIGKILL"

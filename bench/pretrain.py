@@ -13,13 +13,27 @@ bf16 peak. Where no peak is known (a CPU), the loops' model FLOP/s are set again
 rate a lone matrix product reaches on the same device and threads (`matmul_gflops`: products
 shaped like the model's projections, and a 2048-cube), the most any training step could get.
 The last line is one JSON object with `ratio_vs_plain_torch`.
+
+    python -m bench pretrain --processes 2 [the options above]
+
+Data parallelism: the pipeline's launch (`accelerate launch` as a training stage starts it,
+infra/launch.py, of our loop) against `torchrun` of the plain loop wrapped in DistributedDataParallel,
+each with 1 and with `--processes` processes (gloo on a CPU, NCCL on GPUs), one thread per process,
+the same model and the same global batch (`--batch-size` sequences a step, split across the
+processes). Each run is a fresh launch; tokens/s are counted over the whole global batch, timed in
+rank 0 as above. The last line is one JSON object with `ratio_vs_torchrun` (ours over torchrun's at
+`--processes`) and `scaling_1_to_N_processes` (ours at N over ours at 1; `torchrun_scaling_1_to_N`
+for the plain loop).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -84,6 +98,8 @@ def _plain(model: torch.nn.Module, get_batch: Callable, cfg: LoopConfig, device:
 
 
 def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) -> float:
+    """One run of `mode`'s loop in this process (one rank of a launch: the plain loop wrapped in
+    DistributedDataParallel on its rows of each global batch; ours shards the batch itself)."""
     torch.manual_seed(0)
     model = build_model(PRESETS[args.preset], _Vocab(args.vocab_size))
     clock = _Clock(batches)
@@ -92,6 +108,10 @@ def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) ->
         model.to(device).train()
         if args.compile:
             model.compile()
+        if torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            clock = _Clock([{k: v[rank::world] for k, v in b.items()} for b in batches])
+            model = torch.nn.parallel.DistributedDataParallel(model)
         _plain(model, clock, cfg, device)
     else:
         with tempfile.TemporaryDirectory() as work:
@@ -99,6 +119,49 @@ def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) ->
     if device.type == "cuda":
         torch.cuda.synchronize()
     return clock.tokens_per_s(args.warmup_steps, args.steps - 1, args.batch_size * args.seq_len)
+
+
+def _launched(mode: str, processes: int, argv: list[str], args: argparse.Namespace) -> float:
+    """Global tokens/s of `mode` launched as `processes` processes: ours as a training stage
+    launches it, the plain loop under torchrun."""
+    from core.launch import LaunchConfig
+    from infra.launch import accelerate_argv
+
+    worker = ["-m", "bench", "pretrain", *argv, "--rank-of", mode]
+    if mode == "ours":
+        command = accelerate_argv(LaunchConfig(backend="accelerate", processes=processes), worker,
+                                  cuda=args.device == "cuda")
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(processes), *worker]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    said = [line.split('{"rank_tokens_per_s"', 1)[1] for line in done.stdout.splitlines()
+            if '{"rank_tokens_per_s"' in line]
+    if done.returncode or not said:
+        raise SystemExit(f"{mode} with {processes} processes failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads('{"rank_tokens_per_s"' + said[0])["rank_tokens_per_s"]
+
+
+def _data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    """`--processes N`: ours and torchrun's plain loop at 1 and N processes, alternating."""
+    n = args.processes
+    runs = {(mode, p): [] for p in (1, n) for mode in ("plain", "ours")}
+    for _ in range(args.repeats):
+        for mode, processes in runs:
+            runs[mode, processes].append(_launched(mode, processes, argv, args))
+    tok_s = {key: statistics.median(values) for key, values in runs.items()}
+    print(f"{'loop':<10}{'processes':>10}{'tokens/s (median)':>20}{'runs':>40}")
+    for (mode, processes), values in runs.items():
+        name = "torchrun" if mode == "plain" else "ours"
+        print(f"{name:<10}{processes:>10}{tok_s[mode, processes]:>20,.0f}{' '.join(f'{v:,.0f}' for v in values):>40}")
+    print(json.dumps({"bench": "pretrain", "processes": n, "preset": args.preset, "device": args.device,
+                      "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
+                      "repeats": args.repeats, "tokens_per_s_ours": round(tok_s["ours", n], 1),
+                      "tokens_per_s_torchrun": round(tok_s["plain", n], 1),
+                      "ratio_vs_torchrun": round(tok_s["ours", n] / tok_s["plain", n], 4),
+                      f"scaling_1_to_{n}_processes": round(tok_s["ours", n] / tok_s["ours", 1], 4),
+                      f"torchrun_scaling_1_to_{n}": round(tok_s["plain", n] / tok_s["plain", 1], 4)}))
+    return 0
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -114,6 +177,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the model in both loops")
+    parser.add_argument("--processes", type=int, default=1, help="data-parallel: ours launched as a stage "
+                                                                  "launches it against torchrun, 1 and N processes")
+    parser.add_argument("--rank-of", choices=["ours", "plain"], help=argparse.SUPPRESS)  # one rank of a launch
     args = parser.parse_args(argv)
     if not 0 <= args.warmup_steps < args.steps - 1:
         parser.error("--warmup-steps must be below --steps - 1")
@@ -142,7 +208,9 @@ def matmul_gflops(preset: str, tokens: int, vocab_size: int, device: torch.devic
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    torch.set_num_threads(args.threads)
+    if args.processes > 1 and args.rank_of is None:
+        return _data_parallel(args, argv)  # each rank is told --rank-of, so it ignores --processes
+    torch.set_num_threads(1 if args.rank_of else args.threads)
     logging.getLogger("gristmill").setLevel(logging.WARNING)
     # No periodic checkpoints, logs or evals inside the timed window; no rollback target at step 0.
     cfg = LoopConfig(max_steps=args.steps, batch_size=args.batch_size, device=args.device, compile=args.compile,
@@ -151,6 +219,15 @@ def main(argv: list[str]) -> int:
     windows = [torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
                for _ in range(args.steps)]
     batches = [{"input_ids": w[:, :-1], "labels": w[:, 1:]} for w in windows]
+    if args.rank_of:
+        if args.rank_of == "plain" and "RANK" in os.environ:
+            if args.device == "cuda":
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        tokens_per_s = _run(args.rank_of, args, batches, cfg)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps({"rank_tokens_per_s": tokens_per_s}), flush=True)
+        return 0
     results: dict[str, list[float]] = {"plain": [], "ours": []}
     for _ in range(args.repeats):
         for mode in results:

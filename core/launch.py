@@ -2,8 +2,8 @@
 
     inline       the stage trains in the flow's own process (one CPU or one GPU)
     accelerate   the flow starts Accelerate's launcher with `processes` data-parallel processes on
-                 this machine and supervises them (infra/launch.py)
-    ray          Ray Train workers, `processes` on each of `nodes` nodes of the Ray cluster
+                 this machine and supervises them (infra/launch.py); on `nodes` machines without
+                 Ray, the per-node command `gristmill run --dry-run` prints (flows/launch.py)
 
 The section is operational: it is not part of the artifact key, and the result does not depend on
 it. Each step's global batch is fixed by the stage's config (`batch_size`, or `tokens_per_step`)
@@ -28,13 +28,14 @@ ACCELERATE_CONFIGS = REPO / "infra" / "accelerate"  # the committed ones: ddp_cp
 class LaunchConfig(StageConfig):
     """The processes a training stage runs in (operational: not part of the artifact key)."""
 
-    backend: Literal["inline", "accelerate", "ray"] = Field(
+    backend: Literal["inline", "accelerate"] = Field(
         "inline", description="inline: in the flow's own process; accelerate: `accelerate launch` on this "
-                              "machine, supervised by the stage; ray: Ray Train workers on the Ray cluster.")
+                              "machine, supervised by the stage.")
     processes: int = Field(1, gt=0, description="Data-parallel training processes per node (one per GPU "
                                                 "when the stage's device is CUDA).")
-    nodes: int = Field(1, gt=0, description="Nodes to spread the processes over (backend ray; the "
-                                            "accelerate backend runs on this machine only).")
+    nodes: int = Field(1, gt=0, description="Machines the processes are spread over: the pipeline launches on "
+                                            "this machine only (1); for more, run the per-node command that "
+                                            "`gristmill run --dry-run` prints on each.")
     accelerate_config: str | None = Field(
         None, description="Accelerate config file (e.g. infra/accelerate/fsdp_gpu.yaml, or your own). None: "
                           "infra/accelerate/ddp_gpu.yaml on a GPU, ddp_cpu.yaml on a CPU. `processes` "
@@ -75,12 +76,12 @@ def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str
     Checked when a run is planned, before any service starts."""
     if launch.backend == "inline":
         return [f"{section}.processes: {launch.processes} with backend inline (one process); set "
-                f"{section}.backend=accelerate or ray"] if launch.world_size > 1 else []
+                f"{section}.backend=accelerate"] if launch.world_size > 1 else []
     problems = []
     if launch.backend == "accelerate" and launch.nodes > 1:
         problems.append(f"{section}.nodes: {launch.nodes} with backend accelerate, which launches on this "
-                        f"machine only; use {section}.backend=ray for several nodes, or run the per-node "
-                        "`accelerate launch` command that `gristmill run --dry-run` prints")
+                        "machine only; run the per-node `accelerate launch` command that `gristmill run "
+                        f"--dry-run` prints on each of the {launch.nodes} machines, then run the pipeline")
     gpus = visible_gpus()
     cuda = device == "cuda" or (device == "auto" and gpus > 0)
     devices, kind = (gpus, "GPUs") if cuda else (os.cpu_count() or 1, "CPU cores")

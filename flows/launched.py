@@ -53,7 +53,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _leave_group() -> None:
+    """Leave the process group before exit: ranks of a launch across machines that exit without
+    it are aborted after their work is done, and their launchers exit non-zero."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        _leave_group()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.launched", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")

@@ -22,6 +22,13 @@ def generation_config(tokenizer: Any) -> GenerationConfig:
                             pad_token_id=tokenizer.pad_token_id)
 
 
+def exports_here() -> bool:
+    """Whether this process writes a training stage's outputs: the only process, or rank 0 of a
+    data-parallel launch (every rank holds the same weights)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_rank() == 0
+
+
 def export_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
     """Write `model` and `tokenizer` to `out_dir` (replaced if it exists, e.g. after a crash
     mid-export). Weights are saved as safetensors only."""

@@ -11,26 +11,11 @@ from pipeline_helpers import FAST, STAGES, TinyRun, gristmill, plan_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Test processes run side by side (pytest-xdist, pyproject's addopts), one per core: a
-    # training thread per process, and its subprocesses', rather than two that wait on each other.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The migrated database templates new homes copy (infra/schemas.py): one set for the session,
 # built by its first run, rather than whatever the user's cache holds.
 os.environ.setdefault("GRISTMILL_CACHE", tempfile.mkdtemp(prefix="gristmill-test-cache-"))
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_RUNS = ("tiny_run", "served")  # session fixtures that cost minutes: built once, on one worker
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """What runs on one pytest-xdist worker (`--dist loadgroup`): the tests that share one of
-    SHARED_RUNS, else a test module's tests, which share its module fixtures."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            shared = next((name for name in SHARED_RUNS if name in item.fixturenames), None)
-            item.add_marker(pytest.mark.xdist_group(shared or item.module.__name__))
 
 
 def _shared_data_dir() -> Path:

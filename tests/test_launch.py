@@ -21,6 +21,7 @@ from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, gri
 from core.launch import LaunchConfig, launch_problems
 from core.stage import read_metrics
 from infra.launch import free_port
+from infra.processes import alive
 
 TWO = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2",
        "sft.launch.backend=accelerate", "sft.launch.processes=2"]
@@ -59,8 +60,9 @@ def _ranks(pid: int) -> dict[int, psutil.Process]:
 def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(tiny_run, tmp_path):
     """Against the shared (inline, one-process) run, in a home holding its collect and tokenize:
 
-    1. pretrain with 2 Accelerate processes from the DAG; rank 1 is killed (-9) after a
-       checkpoint: the stage fails with one line naming the rank, nothing is committed;
+    1. pretrain with 2 Accelerate processes from the DAG: Ctrl-C after a checkpoint stops the
+       run, the launcher and both ranks within 10 s; the next run resumes, and rank 1 is killed
+       (-9) after a newer checkpoint: the stage fails with one line naming the rank;
     2. the re-run resumes from the checkpoint; the loss curve and validation loss are the shared
        run's within 1e-4, under the same key, and the manifest records the launch;
     3. SFT by hand on a cluster without Ray: the per-node command `--dry-run` prints, as two
@@ -70,20 +72,34 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     two = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
     args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
             "pretrain.checkpoint_every=20", "--until", "pretrain"]
-    proc = subprocess.Popen(args, cwd=REPO, env=cli_env(home), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not checkpoint_steps(home) and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.5)
+
+    def start_and_await_a_checkpoint() -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
+        before = max(checkpoint_steps(home), default=0)
+        proc = subprocess.Popen(args, cwd=REPO, env=cli_env(home), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while max(checkpoint_steps(home), default=0) <= before and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        ranks = _ranks(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        return proc, ranks
+
+    proc, ranks = start_and_await_a_checkpoint()  # Ctrl-C: the launcher and both ranks stop
+    proc.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - stopped < 10
+    assert alive(ranks.values()) == []
+
+    proc, ranks = start_and_await_a_checkpoint()  # a rank killed: the stage fails in one line
     killed_at = max(checkpoint_steps(home))
-    ranks = _ranks(proc.pid)
-    assert sorted(ranks) == [0, 1]
     ranks[1].kill()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "gristmill: rank 1: killed by SIGKILL" in err.splitlines(), err[-3000:]
     assert "[rank0]:" in out + err and "[rank1]:" in out + err  # every rank's lines, prefixed
+    assert "resuming from step" in out + err  # from the checkpoint the Ctrl-C left
     assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
 
     rerun = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *two, "--until", "pretrain")
@@ -129,7 +145,7 @@ def test_launches_that_cannot_start_are_refused_with_the_key_to_change():
         f"pretrain.launch.processes: {cores + 1} is more than this machine's {cores} CPU cores; set "
         f"pretrain.launch.processes to at most {cores}"]
     (nodes,) = launch_problems("sft.launch", LaunchConfig(backend="accelerate", nodes=2), "cpu")
-    assert nodes.startswith("sft.launch.nodes: 2 with backend accelerate") and "backend=ray" in nodes
+    assert nodes.startswith("sft.launch.nodes: 2 with backend accelerate") and "--dry-run" in nodes
     (missing,) = launch_problems("align.launch", LaunchConfig(backend="accelerate",
                                                               accelerate_config="no/such.yaml"), "cpu")
     assert missing.startswith("align.launch.accelerate_config: no such file 'no/such.yaml'")

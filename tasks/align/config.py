@@ -139,7 +139,7 @@ class Config(StageConfig):
         description="Settings of method 'ppo' (a reward model, then PPO against it).")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
         "The processes the method (and ppo's reward model) trains in: inline, or data-parallel under "
-        "Accelerate or Ray Train (operational)."))
+        "Accelerate (operational)."))
 
     @model_validator(mode="after")
     def _ppo_in_one_process(self) -> Config:

@@ -44,7 +44,7 @@ def train_function(method: str | TrainFn) -> TrainFn:
 def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> StageResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model.export import export_model
+    from model.export import export_model, exports_here
     from model.lora import export_lora, trainable_parameters
 
     out_dir, sft_dir = Path(out_dir), Path(sft.path) / "model"
@@ -54,11 +54,11 @@ def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> Stag
     job = AlignJob(model=model, tokenizer=tokenizer, out_dir=out_dir, lora=config.lora)
     trained, stats = train_function(METHODS[config.method])(config.method_config(), job)
     params = trainable_parameters(trained)
-    artifacts = ["metrics.jsonl"]
-    if config.lora is not None:
-        export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
-        artifacts.append("adapter/adapter_config.json")
-    else:
-        export_model(trained, tokenizer, out_dir / "model")
-    shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)  # the committed artifact is the export
+    artifacts = ["metrics.jsonl"] + (["adapter/adapter_config.json"] if config.lora is not None else [])
+    if exports_here():  # rank 0 of a data-parallel launch; the other ranks hold the same weights
+        if config.lora is not None:
+            export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
+        else:
+            export_model(trained, tokenizer, out_dir / "model")
+        shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)  # the committed artifact is the export
     return StageResult(stats={"method": config.method, **stats, **params}, artifacts=artifacts)

@@ -26,7 +26,7 @@ class Config(LoopConfig):
     val_windows: int = Field(32, gt=0, description="Number of fixed, evenly spaced val.bin windows the "
                                                    "validation loss is measured on.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
-        "The processes it trains in: inline, or data-parallel under Accelerate or Ray Train (operational)."))
+        "The processes it trains in: inline, or data-parallel under Accelerate (operational)."))
 
     @model_validator(mode="after")
     def _check_seq_len(self) -> Config:

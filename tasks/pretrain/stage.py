@@ -34,7 +34,7 @@ from model.data import (
     train_starts,
     windows_batch,
 )
-from model.export import export_model
+from model.export import export_model, exports_here
 from model.loop import Batch, mean_token_loss, train
 from model.plan import flops_per_token
 from model.presets import build_model, count_params
@@ -97,7 +97,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
     unigram = unigram_loss(train_data, read_tokens(tok_root / "tokens", "val"), len(tokenizer))
     log.info("val_loss %.4f nats (%.4f bits/byte); unigram baseline %.4f nats",
              summary["val_loss"], summary["val_bpb"], unigram)
-    if summary["process_index"] == 0:  # the other data-parallel processes hold the same weights
+    if exports_here():  # the other data-parallel processes hold the same weights
         export_model(model, tokenizer, out_dir / "model")
         remove_checkpoints(out_dir)  # the exported model is the artifact; optimizer state is not
     stats = {"final_train_loss": summary["final_train_loss"], "val_loss": summary["val_loss"],

@@ -49,7 +49,7 @@ class Config(LoopConfig):
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters on a frozen base model "
                                                       "(None: full fine-tuning). The export merges them.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
-        "The processes it trains in: inline, or data-parallel under Accelerate or Ray Train (operational)."))
+        "The processes it trains in: inline, or data-parallel under Accelerate (operational)."))
 
     @model_validator(mode="after")
     def _windows_split_evenly(self) -> Config:

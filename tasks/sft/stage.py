@@ -46,7 +46,7 @@ from core.chat import Message, render_with_mask
 from core.stage import Engine, Manifest, MetricsLog, StageResult
 from model.checkpoint import remove_checkpoints
 from model.data import load_tokens, spaced_batches, train_starts, windows_batch
-from model.export import export_model
+from model.export import export_model, exports_here
 from model.loop import (
     IGNORE_INDEX,
     Batch,
@@ -256,11 +256,13 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
     params = trainable_parameters(model)
     artifacts = ["model/config.json", "model/generation_config.json"]
     if config.lora is not None:
-        export_lora(model, tokenizer, out_dir / "model", out_dir / "adapter")
         artifacts.append("adapter/adapter_config.json")
-    else:
-        export_model(model, tokenizer, out_dir / "model")
-    remove_checkpoints(out_dir)
+    if exports_here():
+        if config.lora is not None:
+            export_lora(model, tokenizer, out_dir / "model", out_dir / "adapter")
+        else:
+            export_model(model, tokenizer, out_dir / "model")
+        remove_checkpoints(out_dir)
     # Pretraining tokens the loop's tokens_seen leaves out (it counts the conversation rows).
     text_tokens_seen = summary["steps"] * config.pretrain_windows * config.max_seq_len if config.pretrain_mix else 0
     stats = {"examples_train": len(train_set), "examples_heldout": len(heldout),
@@ -268,5 +270,5 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
                 for when, values in (("before", before), ("after", summary))},
              "text_tokens_seen": text_tokens_seen,
              **{k: summary[k] for k in ("final_train_loss", "steps", "tokens_seen", "tokens_per_s",
-                                        "resumed_from_step")}, **params, **batch_stats, **counts}
+                                        "resumed_from_step", "world_size")}, **params, **batch_stats, **counts}
     return StageResult(stats=stats, artifacts=artifacts)

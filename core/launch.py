@@ -70,6 +70,11 @@ def visible_gpus() -> int:
     return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def on_cuda(device: str) -> bool:
+    """Whether a stage asking for `device` ("auto", "cpu", "cuda") trains on GPUs here."""
+    return device == "cuda" or (device == "auto" and visible_gpus() > 0)
+
+
 def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str]:
     """What is wrong with `launch` for a stage training on `device` ("auto", "cpu", "cuda"), one
     line each naming the key (`section` is the config path, e.g. "pretrain.launch") and what to do.
@@ -82,9 +87,8 @@ def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str
         problems.append(f"{section}.nodes: {launch.nodes} with backend accelerate, which launches on this "
                         "machine only; run the per-node `accelerate launch` command that `gristmill run "
                         f"--dry-run` prints on each of the {launch.nodes} machines, then run the pipeline")
-    gpus = visible_gpus()
-    cuda = device == "cuda" or (device == "auto" and gpus > 0)
-    devices, kind = (gpus, "GPUs") if cuda else (os.cpu_count() or 1, "CPU cores")
+    cuda = on_cuda(device)
+    devices, kind = (visible_gpus(), "GPUs") if cuda else (os.cpu_count() or 1, "CPU cores")
     if launch.backend == "accelerate" and launch.processes > devices:
         problems.append(f"{section}.processes: {launch.processes} is more than this machine's {devices} "
                         f"{kind}; set {section}.processes to at most {devices}" if devices else

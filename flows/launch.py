@@ -19,7 +19,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from core.launch import REPO, visible_gpus
+from core.launch import REPO, on_cuda
 from core.stage import StageResult
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, stage_device
@@ -27,8 +27,7 @@ from infra.launch import accelerate_argv, run_launcher
 
 
 def _cuda(stage: PlannedStage) -> bool:
-    device = stage_device(stage.config)
-    return device == "cuda" or (device == "auto" and visible_gpus() > 0)
+    return on_cuda(stage_device(stage.config))
 
 
 def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,

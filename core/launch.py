@@ -41,7 +41,9 @@ class LaunchConfig(StageConfig):
                           "infra/accelerate/ddp_gpu.yaml on a GPU, ddp_cpu.yaml on a CPU. `processes` "
                           "overrides its num_processes.")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        "auto", description="Accelerate's mixed precision; auto: bf16 autocast on CUDA, full fp32 on a CPU.")
+        "auto", description="Mixed precision of a launched stage; auto: the Accelerate config file's (the "
+                            "committed ones: bf16 on GPUs, none on CPUs). An inline stage uses bf16 autocast "
+                            "on CUDA and full fp32 on a CPU.")
 
     @property
     def world_size(self) -> int:
@@ -80,8 +82,10 @@ def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str
     line each naming the key (`section` is the config path, e.g. "pretrain.launch") and what to do.
     Checked when a run is planned, before any service starts."""
     if launch.backend == "inline":
-        return [f"{section}.processes: {launch.processes} with backend inline (one process); set "
-                f"{section}.backend=accelerate"] if launch.world_size > 1 else []
+        return ([f"{section}.processes: {launch.processes} with backend inline (one process); set "
+                 f"{section}.backend=accelerate"] if launch.world_size > 1 else []) + (
+            [f"{section}.mixed_precision: {launch.mixed_precision} applies to a launched stage; set "
+             f"{section}.backend=accelerate, or leave it auto"] if launch.mixed_precision != "auto" else [])
     problems = []
     if launch.backend == "accelerate" and launch.nodes > 1:
         problems.append(f"{section}.nodes: {launch.nodes} with backend accelerate, which launches on this "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -50,8 +51,10 @@ Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
+PRECISION_VAR = "ACCELERATE_MIXED_PRECISION"  # Accelerate's launcher passes its choice to the ranks in it
 SCHEDULER_FILE = "scheduler.json"  # the LR scheduler's state inside a checkpoint
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
+LABEL_TOTAL = "label_total"  # batch column: labelled tokens in the whole global batch (with_label_totals)
 RECENT_LOSSES = 10  # steps averaged into the reported final train loss
 # Floor of the rolling std as a fraction of the rolling mean loss: on a flat loss curve (std near
 # 0) ordinary batch-to-batch noise must not count as a spike.
@@ -114,9 +117,23 @@ def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, 
 
 
 def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled tokens of a batch."""
+    """Next-token cross-entropy over the labelled tokens of a batch, divided by LABEL_TOTAL when
+    the batch carries it (the training loop adds it: this rows' share of the global batch's mean),
+    else by the batch's own count (its mean)."""
     loss, count = token_loss_sum(model, batch)
-    return loss / count.clamp(min=1)
+    total = batch.get(LABEL_TOTAL)
+    return loss / (total[0] if total is not None and len(total) else count.clamp(min=1))
+
+
+def with_label_totals(batch: Batch) -> Batch:
+    """`batch` (a global batch) with each labels tensor's count of labelled tokens as a per-row
+    column (`<prefix>label_total`): split across processes and micro-batches, every part's loss is
+    then its share of the global mean, so the step's gradient does not depend on how many tokens
+    each part happens to hold, nor on how many processes there are."""
+    totals = {key.removesuffix("labels") + LABEL_TOTAL:
+              torch.full((len(labels),), float((labels != IGNORE_INDEX).sum().clamp(min=1)))
+              for key, labels in batch.items() if key.endswith("labels")}
+    return {**batch, **totals}
 
 
 @torch.no_grad()
@@ -145,13 +162,16 @@ def make_optimizer(model: torch.nn.Module, cfg: LoopConfig) -> torch.optim.AdamW
 
 
 def make_accelerator(cfg: LoopConfig) -> Accelerator:
-    """An Accelerator for cfg.device: bf16 autocast on CUDA, full fp32 on CPU."""
+    """An Accelerator for cfg.device: the mixed precision a launcher chose (PRECISION_VAR: `accelerate
+    launch` sets it from its config file or the stage's `launch.mixed_precision`), else bf16
+    autocast on CUDA and full fp32 on CPU."""
     use_cuda = resolve_device(cfg.device).type == "cuda"
     if not torch.distributed.is_initialized():
         # Accelerate's state is a process-wide singleton; in one process, stages may ask for
         # different devices (a CPU test, then a CUDA run), so start from a clean state.
         AcceleratorState._reset_state(reset_partial_state=True)
-    return Accelerator(cpu=not use_cuda, mixed_precision="bf16" if use_cuda else "no")
+    precision = os.environ.get(PRECISION_VAR) or ("bf16" if use_cuda else "no")
+    return Accelerator(cpu=not use_cuda, mixed_precision=precision)
 
 
 def _shard(batch: Batch, accelerator: Accelerator) -> Batch:
@@ -162,7 +182,9 @@ def _shard(batch: Batch, accelerator: Accelerator) -> Batch:
 
 def _train_step(model, optimizer, scheduler, batch: Batch, loss_fn: LossFn, cfg: LoopConfig,
                 accelerator: Accelerator) -> tuple[float, float]:
-    """One optimizer step over `batch`; returns (mean loss, grad norm before clipping)."""
+    """One optimizer step over this process's shard of the global batch; returns (the global
+    batch's loss, grad norm before clipping). `loss_fn` gives each micro-batch's share of the
+    global loss (with_label_totals), so the shares add up across micro-batches and processes."""
     micro_batches = [dict(zip(batch, parts)) for parts in
                      zip(*(v.chunk(cfg.grad_accum_steps) for v in batch.values()))]
     total = torch.zeros((), device=accelerator.device)
@@ -171,14 +193,15 @@ def _train_step(model, optimizer, scheduler, batch: Batch, loss_fn: LossFn, cfg:
         # Gradients are only all-reduced on the last micro-batch.
         with nullcontext() if last else accelerator.no_sync(model):
             loss = loss_fn(model, {k: v.to(accelerator.device) for k, v in micro.items()})
-            accelerator.backward(loss / len(micro_batches))
-        total += loss.detach() / len(micro_batches)
+            # The all-reduce averages gradients over processes; the shares are to be summed.
+            accelerator.backward(loss * accelerator.num_processes)
+        total += loss.detach()
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return accelerator.reduce(total, "mean").item(), float(grad_norm)
+    return accelerator.reduce(total, "sum").item(), float(grad_norm)
 
 
 def _tokens_in(batch: Batch) -> int:
@@ -318,7 +341,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     t0, tokens_now = time.perf_counter(), 0
     while state["step"] < cfg.max_steps:
         step_start = time.perf_counter()
-        batch = _shard(get_batch(state["step"] + state["skip_offset"]), accelerator)
+        batch = _shard(with_label_totals(get_batch(state["step"] + state["skip_offset"])), accelerator)
         lr = scheduler.get_last_lr()[0]
         loss, grad_norm = _train_step(model, optimizer, scheduler, batch, loss_fn, cfg, accelerator)
         reason = _anomaly(loss, grad_norm, state["loss_window"], cfg)

@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from core.launch import LaunchConfig
 from model.config import LoopConfig, ModelConfig
 
-VERSION = 1
+VERSION = 2  # 2: each process's loss is its share of the global batch's token mean (model/loop.py)
 
 
 class Config(LoopConfig):

@@ -13,8 +13,9 @@ from core.launch import LaunchConfig
 from core.sources import JSONL_SUFFIXES, fingerprint_sources
 from model.config import LoopConfig, LoraConfig
 
-VERSION = 4  # 3: pretraining text mixed into the batches (pretrain_mix); 4: logits only at scored
-            # positions (the same loss, summed in another order: weights differ in the last bits)
+VERSION = 5  # 3: pretraining text mixed into the batches (pretrain_mix); 4: logits only at scored
+            # positions (the same loss, summed in another order: weights differ in the last bits);
+            # 5: the loss is the global batch's token mean, whatever the processes and micro-batches
 
 
 class Config(LoopConfig):

@@ -4,6 +4,8 @@
     accelerate   the flow starts Accelerate's launcher with `processes` data-parallel processes on
                  this machine and supervises them (infra/launch.py); on `nodes` machines without
                  Ray, the per-node command `gristmill run --dry-run` prints (flows/launch.py)
+    ray          the flow starts a Ray Train driver (infra/ray_train.py): `processes` x `nodes`
+                 workers on the Ray cluster RAY_ADDRESS names, supervised the same way
 
 The section is operational: it is not part of the artifact key, and the result does not depend on
 it. Each step's global batch is fixed by the stage's config (`batch_size`, or `tokens_per_step`)
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -22,19 +25,22 @@ from pydantic import Field
 from core.stage import StageConfig
 
 REPO = Path(__file__).resolve().parents[1]
+PRECISION_VAR = "ACCELERATE_MIXED_PRECISION"  # how a launcher hands its mixed precision to the ranks
 ACCELERATE_CONFIGS = REPO / "infra" / "accelerate"  # the committed ones: ddp_cpu, ddp_gpu, fsdp_gpu, ...
 
 
 class LaunchConfig(StageConfig):
     """The processes a training stage runs in (operational: not part of the artifact key)."""
 
-    backend: Literal["inline", "accelerate"] = Field(
+    backend: Literal["inline", "accelerate", "ray"] = Field(
         "inline", description="inline: in the flow's own process; accelerate: `accelerate launch` on this "
-                              "machine, supervised by the stage.")
+                              "machine, supervised by the stage; ray: Ray Train workers on the cluster "
+                              "RAY_ADDRESS names (the one the data stages use), spread over `nodes` nodes.")
     processes: int = Field(1, gt=0, description="Data-parallel training processes per node (one per GPU "
                                                 "when the stage's device is CUDA).")
-    nodes: int = Field(1, gt=0, description="Machines the processes are spread over: the pipeline launches on "
-                                            "this machine only (1); for more, run the per-node command that "
+    nodes: int = Field(1, gt=0, description="Machines the processes are spread over: with backend ray, nodes "
+                                            "of the Ray cluster; with accelerate the pipeline launches on this "
+                                            "machine only (1), and for more you run the per-node command that "
                                             "`gristmill run --dry-run` prints on each.")
     accelerate_config: str | None = Field(
         None, description="Accelerate config file (e.g. infra/accelerate/fsdp_gpu.yaml, or your own). None: "
@@ -77,6 +83,21 @@ def on_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and visible_gpus() > 0)
 
 
+def ray_unreachable(address: str | None, timeout_s: float = 2.0) -> str | None:
+    """Why the Ray cluster at `address` (RAY_ADDRESS: `host:port`, `ray://host:port`) cannot be
+    joined, or None; only a TCP connect, so planning imports no Ray."""
+    if not address:
+        return "RAY_ADDRESS names no Ray cluster"
+    if address == "auto":
+        return None
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError):
+        return f"no Ray cluster answers at RAY_ADDRESS={address}"
+    return None
+
+
 def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str]:
     """What is wrong with `launch` for a stage training on `device` ("auto", "cpu", "cuda"), one
     line each naming the key (`section` is the config path, e.g. "pretrain.launch") and what to do.
@@ -98,6 +119,9 @@ def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str
                         f"{kind}; set {section}.processes to at most {devices}" if devices else
                         f"{section}.processes: {launch.processes} GPU processes, and this machine has no GPU; "
                         "run it on a GPU machine, or set the stage's device to cpu")
+    if launch.backend == "ray" and (why := ray_unreachable(os.environ.get("RAY_ADDRESS"))):
+        problems.append(f"{section}.backend: ray, and {why}; start one (eval \"$(gristmill up --print-env)\" "
+                        "on this machine) or choose backend accelerate")
     if launch.accelerate_config is not None and not launch.accelerate_config_path(cuda).is_file():
         problems.append(f"{section}.accelerate_config: no such file {launch.accelerate_config!r}; give an "
                         "Accelerate config file (see infra/accelerate/) or leave it unset")

@@ -77,7 +77,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
     for stage in planned:
         launch = getattr(stage.config, "launch", None)
-        if not stage.complete and launch is not None and launch.backend != "inline":
+        if not stage.complete and launch is not None and launch.backend == "accelerate":
             print(f"\n# {stage.spec.name}-{stage.key} without Ray, on {launch.nodes} node(s) that share "
                   f"GRISTMILL_HOME: on each, NODE_RANK 0..{launch.nodes - 1}, HEAD_IP the address of node 0\n"
                   f"{per_node_command(stage, str(args.config), args.overrides, launch.nodes)}")

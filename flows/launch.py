@@ -1,7 +1,8 @@
 """A training stage computed in the processes its `launch` section asks for (core/launch.py).
 
 `backend: accelerate`: the stage's Prefect task starts Accelerate's launcher with one
-`python -m flows.launched` rank per process (infra/launch.py supervises it). The ranks plan the
+`python -m flows.launched` rank per process (infra/launch.py supervises it); `backend: ray`:
+the Ray Train driver (infra/ray_train.py), whose workers run the same ranks, supervised alike. The ranks plan the
 run from this run's config, so they train into the same `.partial` directory the task's store
 lock guards; rank 0 hands the stats back in a file, and the task commits the manifest only once
 every rank exited 0. Their log lines reach the task's log with the rank in front; the step
@@ -23,7 +24,7 @@ from core.launch import REPO, on_cuda
 from core.stage import StageResult
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, stage_device
-from infra.launch import accelerate_argv, run_launcher
+from infra.launch import accelerate_argv, ray_argv, run_launcher
 
 
 def _cuda(stage: PlannedStage) -> bool:
@@ -35,14 +36,16 @@ def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
     """Train `stage` into `partial_dir` under `accelerate launch` with its launch's processes;
     raises infra.launch.LaunchFailed (one line) when a rank fails."""
     launch = stage.config.launch
-    with tempfile.TemporaryDirectory(prefix="gristmill-launch-") as scratch:
+    # Beside the partial dir, on the store: the ranks of a Ray cluster's other nodes see it too.
+    with tempfile.TemporaryDirectory(prefix=f".{partial_dir.name}-launch-", dir=partial_dir.parent) as scratch:
         scratch = Path(scratch)
         (scratch / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
         worker = ["-m", "flows.launched", str(scratch / "config.json"), stage.spec.name,
                   "--result", str(scratch / "result.json")]
-        argv = accelerate_argv(launch, worker, cuda=_cuda(stage), log_dir=scratch / "logs")
-        logger.info("%s: %d processes into %s: %s", stage.spec.name, launch.processes, partial_dir,
-                    shlex.join(argv))
+        launcher = accelerate_argv if launch.backend == "accelerate" else ray_argv
+        argv = launcher(launch, worker, cuda=_cuda(stage), log_dir=scratch / "logs")
+        logger.info("%s: %d x %d processes (%s) into %s: %s", stage.spec.name, launch.nodes, launch.processes,
+                    launch.backend, partial_dir, shlex.join(argv))
         run_launcher(argv, on_line=lambda line: logger.info("%s", line), env=dict(os.environ))
         result = json.loads((scratch / "result.json").read_text())
     return StageResult(stats=result["stats"], artifacts=result["artifacts"])

@@ -87,7 +87,7 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
     def compute(partial_dir) -> dict[str, Any]:
         # the stage's memory, its Ray workers' and launched ranks' included
         with PeakRSS() as peak, runtime.tracker.follow_metrics(run_id, partial_dir / METRICS_FILE):
-            if launch is not None and launch.backend == "accelerate":
+            if launch is not None and launch.backend != "inline":
                 result = launched(stage, runtime.config, partial_dir, get_run_logger())
             else:
                 engine = _engine(stage)

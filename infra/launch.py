@@ -1,4 +1,5 @@
-"""Accelerate's launcher, started and supervised by a training stage (`launch.backend: accelerate`).
+"""A training stage's launcher, started and supervised by the stage: Accelerate's (`launch.backend:
+accelerate`), or the Ray Train driver (`ray`, infra/ray_train.py), which behaves alike.
 
 The stage's Prefect task runs `accelerate launch ... -m flows.launched ...` (every rank trains into
 the stage's `.partial` directory) and stays its supervisor:
@@ -35,6 +36,9 @@ EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exi
 ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
+FAILED_PREFIX = "gristmill-launch failed: "  # a launcher's last line naming the failed rank (infra/ray_train.py)
+
+
 class LaunchFailed(RuntimeError):
     """A rank (or the launcher) failed; the message is one line naming it."""
 
@@ -64,8 +68,22 @@ def accelerate_argv(launch: LaunchConfig, worker: Sequence[str], *, cuda: bool, 
     return [*argv, *worker]
 
 
+def ray_argv(launch: LaunchConfig, worker: Sequence[str], *, cuda: bool, log_dir: Path) -> list[str]:
+    """The Ray Train driver (infra/ray_train.py) of `worker` (`-m module args...`) with
+    `launch.processes` workers on each of `launch.nodes` nodes of the RAY_ADDRESS cluster."""
+    flag, module, *args = worker
+    assert flag == "-m", worker
+    precision = [] if launch.mixed_precision == "auto" else ["--mixed-precision", launch.mixed_precision]
+    return [sys.executable, "-m", "infra.ray_train", "--processes", str(launch.processes),
+            "--nodes", str(launch.nodes), *(["--gpu"] if cuda else []), *precision,
+            "--log-dir", str(log_dir), module, *args]
+
+
 def _failure(lines: list[str], returncode: int) -> str:
     """One line for a failed launch: the failing rank and its error."""
+    said = [line.removeprefix(FAILED_PREFIX) for line in lines if line.startswith(FAILED_PREFIX)]
+    if said:
+        return said[-1]
     text = "\n".join(lines)
     causes = ROOT_CAUSE.findall(text.rsplit("Root Cause", 1)[-1]) if "Root Cause" in text else []
     if not causes:

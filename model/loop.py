@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from core.launch import PRECISION_VAR
 from core.stage import MetricsLog
 from model.checkpoint import (
     clear_partial_checkpoints,
@@ -51,7 +52,6 @@ Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
-PRECISION_VAR = "ACCELERATE_MIXED_PRECISION"  # Accelerate's launcher passes its choice to the ranks in it
 SCHEDULER_FILE = "scheduler.json"  # the LR scheduler's state inside a checkpoint
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
 LABEL_TOTAL = "label_total"  # batch column: labelled tokens in the whole global batch (with_label_totals)

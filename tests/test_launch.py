@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -27,9 +28,9 @@ TWO = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2",
        "sft.launch.backend=accelerate", "sft.launch.processes=2"]
 
 
-def _home_with_data(tiny_run, home: Path) -> Path:
-    """A fresh home holding the shared run's committed collect and tokenize artifacts."""
-    for stage in ("collect", "tokenize"):
+def _home_with_data(tiny_run, home: Path, stages: tuple[str, ...] = ("collect", "tokenize")) -> Path:
+    """A fresh home holding the shared run's committed artifacts of `stages`."""
+    for stage in stages:
         source = committed_dir(tiny_run.home, stage)
         shutil.copytree(source, home / "artifacts" / stage / source.name)
     return home
@@ -45,7 +46,7 @@ def _same_training(home: Path, reference: Path, stage: str) -> None:
 
 
 def _ranks(pid: int) -> dict[int, psutil.Process]:
-    """RANK -> process of the launched ranks under `pid`."""
+    """RANK -> process of the Accelerate-launched ranks under `pid`."""
     ranks = {}
     for proc in psutil.Process(pid).children(recursive=True):
         try:
@@ -54,6 +55,32 @@ def _ranks(pid: int) -> dict[int, psutil.Process]:
         except (psutil.Error, KeyError):
             continue
     return ranks
+
+
+def _start_and_await_a_checkpoint(args: list[str], home: Path, env: dict[str, str],
+                                  ranks: Callable[[subprocess.Popen], dict[int, psutil.Process]],
+                                  ) -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
+    """`args` started, once a checkpoint newer than those in `home` is written: the run and its ranks."""
+    before = max(checkpoint_steps(home), default=0)
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while max(checkpoint_steps(home), default=0) <= before and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    found = ranks(proc)
+    assert sorted(found) == [0, 1]
+    return proc, found
+
+
+def _stops_on_ctrl_c(proc: subprocess.Popen, ranks: dict[int, psutil.Process]) -> None:
+    """Ctrl-C: the run, its launcher and every rank are gone within 10 s."""
+    proc.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - stopped < 10
+    while alive(ranks.values()) and time.monotonic() - stopped < 10:
+        time.sleep(0.2)
+    assert alive(ranks.values()) == []
 
 
 @pytest.mark.slow
@@ -66,32 +93,17 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     2. the re-run resumes from the checkpoint; the loss curve and validation loss are the shared
        run's within 1e-4, under the same key, and the manifest records the launch;
     3. SFT by hand on a cluster without Ray: the per-node command `--dry-run` prints, as two
-       machine ranks on this machine (gloo, one process each), commits what the pipeline then
-       reuses."""
+       machine ranks on this machine (gloo, one process each), trains the shared run's SFT curve
+       within 1e-4 and commits what the pipeline then reuses."""
     home = _home_with_data(tiny_run, tmp_path / "home")
     two = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
     args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
             "pretrain.checkpoint_every=20", "--until", "pretrain"]
 
     def start_and_await_a_checkpoint() -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
-        before = max(checkpoint_steps(home), default=0)
-        proc = subprocess.Popen(args, cwd=REPO, env=cli_env(home), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 600
-        while max(checkpoint_steps(home), default=0) <= before and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.5)
-        ranks = _ranks(proc.pid)
-        assert sorted(ranks) == [0, 1]
-        return proc, ranks
+        return _start_and_await_a_checkpoint(args, home, cli_env(home), lambda proc: _ranks(proc.pid))
 
-    proc, ranks = start_and_await_a_checkpoint()  # Ctrl-C: the launcher and both ranks stop
-    proc.send_signal(signal.SIGINT)
-    stopped = time.monotonic()
-    proc.communicate(timeout=60)
-    assert proc.returncode == 130 and time.monotonic() - stopped < 10
-    assert alive(ranks.values()) == []
-
+    _stops_on_ctrl_c(*start_and_await_a_checkpoint())
     proc, ranks = start_and_await_a_checkpoint()  # a rank killed: the stage fails in one line
     killed_at = max(checkpoint_steps(home))
     ranks[1].kill()
@@ -112,6 +124,8 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     assert pretrain["key"] == committed_dir(tiny_run.home, "pretrain").name.split("-", 1)[1]
     _same_training(home, tiny_run.home, "pretrain")
 
+    # SFT from the shared run's own pretrained weights, so its curve can be compared step by step.
+    home = _home_with_data(tiny_run, tmp_path / "sft-home", ("collect", "tokenize", "pretrain"))
     by_hand = ["sft.launch.backend=accelerate", "sft.launch.processes=1", "sft.launch.nodes=2"]
     planned = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
                               *by_hand, "--until", "sft", "--dry-run"], cwd=REPO, env=cli_env(home),
@@ -156,15 +170,25 @@ def test_launches_that_cannot_start_are_refused_with_the_key_to_change():
                            "cpu") == []
     (inline,) = launch_problems("pretrain.launch", LaunchConfig(processes=2), "cpu")
     assert "backend inline" in inline
+    closed = free_port()
+    for address, says in [(None, "RAY_ADDRESS names no Ray cluster"),
+                          (f"127.0.0.1:{closed}", f"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{closed}")]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.delenv("RAY_ADDRESS", raising=False)
+            if address:
+                patch.setenv("RAY_ADDRESS", address)
+            (ray,) = launch_problems("pretrain.launch", LaunchConfig(backend="ray", nodes=2), "cpu")
+        assert ray.startswith(f"pretrain.launch.backend: ray, and {says}; start one"), ray
     (precision,) = launch_problems("sft.launch", LaunchConfig(mixed_precision="bf16"), "cpu")
     assert precision.startswith("sft.launch.mixed_precision: bf16 applies to a launched stage")
 
 
 def test_the_launchs_mixed_precision_reaches_the_training_loop(monkeypatch):
     """`launch.mixed_precision` is a flag of the launcher, which hands it to every rank's Accelerator."""
+    from core.launch import PRECISION_VAR
     from infra.launch import accelerate_argv
     from model.config import LoopConfig
-    from model.loop import PRECISION_VAR, make_accelerator
+    from model.loop import make_accelerator
 
     argv = accelerate_argv(LaunchConfig(backend="accelerate", mixed_precision="bf16"), ["-m", "x"], cuda=False)
     assert argv[argv.index("--mixed_precision") + 1] == "bf16"
@@ -207,3 +231,53 @@ def test_a_failing_rank_is_reported_in_one_line():
     killed = ["[rank0]:step 1", "Root Cause (first observed failure):", "  rank      : 0 (local_rank: 0)",
               f"  exitcode  : -{signal.SIGKILL.value} (pid: 7)"]
     assert _failure(killed, 1) == "rank 0: killed by SIGKILL"
+
+
+def _ray_ranks(home: Path) -> dict[int, psutil.Process]:
+    """RANK -> process of the Ray Train workers of the launch in flight in `home` (from the first
+    line each writes to its log: `rank N of W on node ID (pid P)`)."""
+    ranks = {}
+    for log in (home / "artifacts").glob("*/.*-launch-*/logs/rank-*.log"):
+        first = log.read_text().splitlines()[:1]
+        if first and "(pid " in first[0]:
+            ranks[int(first[0].split()[1])] = psutil.Process(int(first[0].rsplit("(pid ", 1)[1].rstrip(")")))
+    return ranks
+
+
+@pytest.mark.slow
+def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, tmp_path):
+    """pretrain with `backend: ray`, one process on each of two Ray nodes (a head and a second
+    node on this machine): the two workers run on different nodes, their lines reach the run's
+    output with the rank in front; Ctrl-C stops the run and both workers within 10 s; kill -9 of
+    a worker fails the stage in one line; the re-run resumes and trains the shared inline run's
+    loss curve and validation loss within 1e-4, under the same key."""
+    from ray_cluster import two_ray_nodes
+
+    home = _home_with_data(tiny_run, tmp_path / "home")
+    on_ray = ["pretrain.launch.backend=ray", "pretrain.launch.processes=1", "pretrain.launch.nodes=2"]
+    args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *on_ray,
+            "pretrain.checkpoint_every=20", "--until", "pretrain"]
+    with two_ray_nodes(tmp_path / "ray") as cluster:
+        env = cli_env(home, cluster)
+        _stops_on_ctrl_c(*_start_and_await_a_checkpoint(args, home, env, lambda _: _ray_ranks(home)))
+
+        proc, ranks = _start_and_await_a_checkpoint(args, home, env, lambda _: _ray_ranks(home))
+        killed_at = max(checkpoint_steps(home))
+        ranks[1].kill()
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 1
+        assert err.splitlines()[-1].startswith("gristmill: rank 1: its process died"), err[-3000:]
+        assert "resuming from step" in out + err
+        nodes = {line.split(" on node ")[1].split()[0] for line in (out + err).splitlines()
+                 if line.startswith(("[rank0]:rank 0 of 2 on node", "[rank1]:rank 1 of 2 on node"))}
+        assert len(nodes) == 2, (out + err)[-3000:]  # each rank on a node of its own
+
+        rerun = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    text = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, text[-3000:]
+    step = int(text.split("resuming from step", 1)[1].split()[0].strip(".,:"))
+    pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
+    assert step >= killed_at and pretrain["stats"]["resumed_from_step"] == step
+    assert pretrain["meta"]["launch"] == {"backend": "ray", "processes": 1, "nodes": 2, "world_size": 2}
+    assert pretrain["key"] == committed_dir(tiny_run.home, "pretrain").name.split("-", 1)[1]
+    _same_training(home, tiny_run.home, "pretrain")

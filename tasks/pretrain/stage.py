@@ -8,9 +8,10 @@ byte, next to the unigram baseline (cross-entropy of val tokens under train-toke
 Output: `model/` (HF dir with the tokenizer), `metrics.jsonl` (loss, lr, grad_norm, tokens_per_s,
 mfu, val_loss, val_bpb, rollback events).
 
-Distributed: `run` is the same function in every data-parallel process; `python -m tasks.pretrain`
-launches it under `torchrun` / `accelerate launch` (see infra/accelerate/), and
-infra/ray_train.py under Ray Train. Only process 0 exports.
+Distributed: `run` is the same function in every data-parallel process: the pipeline launches it
+as its `launch` section says (core/launch.py: Accelerate, or Ray Train), and `python -m
+tasks.pretrain` runs it under `torchrun` / `accelerate launch` by hand (see infra/accelerate/).
+Only process 0 exports.
 """
 from __future__ import annotations
 

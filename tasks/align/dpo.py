@@ -72,8 +72,7 @@ def build_trainer(config: DPOConfig, job: AlignJob, train: list[Pair], heldout: 
     from datasets import Dataset
 
     losses = {"sigmoid": 1.0, **({"sft": config.sft_weight} if config.sft_weight else {})}
-    args = trl.DPOConfig(**trainer_args(config, job.out_dir / CHECKPOINTS_DIR),
-                         per_device_train_batch_size=config.batch_size, beta=config.beta,
+    args = trl.DPOConfig(**trainer_args(config, job.out_dir / CHECKPOINTS_DIR, config.batch_size), beta=config.beta,
                          loss_type=list(losses), loss_weights=list(losses.values()),
                          max_length=config.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
     # The frozen SFT model is the reference; with LoRA, TRL switches the adapters off instead.

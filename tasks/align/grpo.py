@@ -82,8 +82,7 @@ def build_trainer(config: GRPOConfig, job: AlignJob, train: list[MathPrompt]) ->
     from datasets import Dataset
 
     s = config
-    args = trl.GRPOConfig(**trainer_args(s, job.out_dir / CHECKPOINTS_DIR),
-                          per_device_train_batch_size=s.batch_size * s.num_generations,
+    args = trl.GRPOConfig(**trainer_args(s, job.out_dir / CHECKPOINTS_DIR, s.batch_size * s.num_generations),
                           num_generations=s.num_generations, max_completion_length=s.max_completion_len,
                           temperature=s.temperature, beta=s.kl_beta, reward_weights=[1.0, s.format_weight],
                           scale_rewards=s.scale_rewards,

@@ -144,7 +144,7 @@ def _build_trainer(model: Any, tokenizer: Any, rows: list[dict], config: RewardM
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    args = RewardConfig(**trainer_args(config, ckpt_dir), per_device_train_batch_size=config.batch_size,
+    args = RewardConfig(**trainer_args(config, ckpt_dir, config.batch_size),
                         center_rewards_coefficient=config.center_rewards_coef or None, max_length=None,
                         dataset_num_proc=None)
     return RewardTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=Dataset.from_list(rows))

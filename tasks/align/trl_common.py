@@ -4,6 +4,7 @@ metrics.jsonl, and resume from the last Trainer checkpoint."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,18 @@ from model.loop import resolve_device
 log = logging.getLogger("gristmill.align")
 
 
-def trainer_args(config: TrainConfig, ckpt_dir: Path) -> dict[str, Any]:
+def trainer_args(config: TrainConfig, ckpt_dir: Path, global_batch: int) -> dict[str, Any]:
     """transformers/TRL TrainingArguments from the shared training config: AdamW with linear
-    warmup and linear decay, clipping, seeds, device, checkpoints every `checkpoint_every` steps."""
+    warmup and linear decay, clipping, seeds, device, checkpoints every `checkpoint_every` steps,
+    and each process's share of the `global_batch` rows a step trains on. The global batch is the
+    config's, so 1 or N data-parallel processes (the stage's `launch`) train on the same rows."""
     use_cpu = resolve_device(config.device).type == "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by the launcher of every rank
+    if global_batch % world:
+        raise ValueError(f"a batch of {global_batch} rows does not split over {world} processes; make the "
+                         f"method's batch_size a multiple of {world}, or launch {world} fewer processes")
     return dict(
+        per_device_train_batch_size=global_batch // world,
         output_dir=str(ckpt_dir), max_steps=config.max_steps, learning_rate=config.lr,
         lr_scheduler_type="linear", warmup_steps=config.warmup_frac, weight_decay=config.weight_decay,
         adam_beta1=config.beta1, adam_beta2=config.beta2, max_grad_norm=config.grad_clip,
@@ -43,7 +51,7 @@ def _metrics_callback(metrics: MetricsLog, prefix: str, log_every: int) -> Any:
         (no 'loss') is left to the stage stats."""
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "loss" not in logs:
+            if not logs or "loss" not in logs or not state.is_world_process_zero:
                 return
             row = {f"{prefix}{k}": float(v) for k, v in logs.items() if isinstance(v, (int, float)) and k != "epoch"}
             metrics.log(state.global_step, **row)
@@ -68,7 +76,8 @@ def train_resumably(trainer: Any, config: TrainConfig, metrics: MetricsLog,
     from transformers import PrinterCallback
 
     resume_from, resumed_step = last_checkpoint(Path(trainer.args.output_dir))
-    metrics.truncate_after(resumed_step)  # lines past the checkpoint belong to steps redone now
+    if trainer.is_world_process_zero():  # the one process that writes metrics.jsonl
+        metrics.truncate_after(resumed_step)  # lines past the checkpoint belong to steps redone now
     if resume_from:
         log.info("resuming from %s", resume_from)
     trainer.remove_callback(PrinterCallback)

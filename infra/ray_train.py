@@ -88,24 +88,35 @@ class _RankLogs(threading.Thread):
         self.drain()
 
 
-def _why(rank: int, error: BaseException) -> str:
-    """One line for a worker's failure: its own exception, or how its process ended."""
-    from ray.exceptions import ActorDiedError, RayTaskError
+def _died(error: BaseException) -> bool:
+    """Whether a worker's failure is its process ending (a kill, the OOM killer) rather than an
+    exception it raised: Ray reports the actor dead, or its health check failing."""
+    from ray.exceptions import RayActorError
 
+    return isinstance(error, RayActorError) or getattr(error, "health_check_failure", None) is not None
+
+
+def _why(rank: int, error: BaseException) -> str:
+    """One line for a worker's failure: how its process ended, or its own exception."""
+    from ray.exceptions import RayTaskError
+
+    if _died(error):
+        return f"rank {rank}: its process died (killed, or out of memory)"
     if isinstance(error, RayTaskError) and error.cause is not None:
         error = error.cause
-    if isinstance(error, ActorDiedError):
-        return f"rank {rank}: its process died (killed, or out of memory)"
     first = (str(error).strip().splitlines() or [""])[0]
     return f"rank {rank}: {type(error).__name__}: {first}"
 
 
 def failure_line(error: BaseException) -> str:
-    """The line naming the failed rank(s) of a Ray Train run, without FAILED_PREFIX."""
+    """The line naming the failed rank(s) of a Ray Train run, without FAILED_PREFIX. A rank whose
+    process died takes the others' collective calls down with it: it alone is named then."""
     from ray.train import WorkerGroupError
 
     if isinstance(error, WorkerGroupError) and error.worker_failures:
-        return "; ".join(_why(rank, e) for rank, e in sorted(error.worker_failures.items()))
+        failures = dict(sorted(error.worker_failures.items()))
+        died = {rank: e for rank, e in failures.items() if _died(e)}
+        return "; ".join(_why(rank, e) for rank, e in (died or failures).items())
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 

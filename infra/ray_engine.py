@@ -41,10 +41,12 @@ class _Worker:
 
 
 class RayEngine:
-    def __init__(self, num_workers: int):
+    def __init__(self, num_workers: int, runtime_env: dict | None = None):
+        """`runtime_env`: Ray's, for every task and actor of this driver (e.g. environment variables)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
+        self.runtime_env = runtime_env
         self._started_here = False
         self._session_dir: str | None = None
         self._actors: list = []
@@ -55,10 +57,10 @@ class RayEngine:
             return
         address = os.environ.get("RAY_ADDRESS")
         if address:
-            ray.init(address=address, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, runtime_env=self.runtime_env)
         else:
             ray.init(num_cpus=max(self.num_workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+                     log_to_driver=False, configure_logging=False, runtime_env=self.runtime_env)
             self._started_here = True
             self._session_dir = _session_dir()
         log.info("ray: %s, %s workers", address or "local", self.num_workers)

@@ -124,6 +124,9 @@ def train(module: str, args: Sequence[str], *, processes: int, nodes: int, gpu: 
           mixed_precision: str | None = None) -> None:
     """Run `module.main(args)` on processes x nodes Ray Train workers of the RAY_ADDRESS cluster;
     raises the trainer's error when a worker fails."""
+    from infra.ray_engine import RayEngine  # keeps Ray on loopback: imported before Ray
+
+    # isort: split
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -134,7 +137,7 @@ def train(module: str, args: Sequence[str], *, processes: int, nodes: int, gpu: 
     # Ray Train sends a worker's print() to its logger as well: each line would come out twice.
     passed = {**{k: v for k, v in os.environ.items() if k.startswith(PASSED_VARS)},
               "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
-    ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": passed})
+    RayEngine(processes * nodes, runtime_env={"env_vars": passed}).start()  # joins RAY_ADDRESS's cluster
     alive = [n for n in ray.nodes() if n["Alive"]]
     if len(alive) < nodes:
         raise SystemExit(f"launch.nodes: {nodes}, and the Ray cluster at {address} has {len(alive)} alive "

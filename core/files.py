@@ -22,13 +22,10 @@ def locked(directory: Path, name: str) -> Iterator[None]:
         yield
 
 
-def file_digest(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    """sha256 of a file's content, read in chunks."""
-    digest = hashlib.sha256()
+def file_digest(path: Path) -> str:
+    """sha256 of a file's content, read in chunks into one buffer (no copy per chunk)."""
     with Path(path).open("rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def describe_files(directory: Path, exclude: str) -> dict[str, dict[str, Any]]:

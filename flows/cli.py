@@ -61,14 +61,13 @@ def _dry_run(args: argparse.Namespace) -> int:
     import yaml
 
     from flows.config import ConfigError, load_config
-    from flows.dag import launch_problems_of, plan
+    from flows.dag import launch_problems_of, open_store, plan
     from flows.launch import per_node_command
-    from infra.artifacts import ArtifactStore
 
     artifacts = env.artifacts_root(env.gristmill_home())
     try:
         config = load_config(args.config, args.overrides)
-        planned = plan(config, ArtifactStore(artifacts), args.until)
+        planned = plan(config, open_store(config, env.gristmill_home()), args.until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -115,6 +114,25 @@ def _compare(args: argparse.Namespace) -> int:
     except LookupError as error:
         return _fail(error.args[0])
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from infra.artifacts import ArtifactStore
+
+    store = ArtifactStore(env.artifacts_root(env.gristmill_home()))
+    checked = list(store.committed(args.stage))
+    damaged = store.verify(args.stage)
+    for damage in damaged:
+        files = ", ".join(f"{rel} ({why})" for rel, why in damage.files.items())
+        print(f"DAMAGED {damage.stage}-{damage.key}: {files}")
+        if args.repair:
+            for name, key, directory in [(damage.stage, damage.key, damage.path),
+                                         *store.dependents(damage.stage, damage.key)]:
+                if directory.exists():
+                    print(f"  set aside {name}-{key} -> {store.set_aside(directory).name}")
+    print(f"verified {len(checked)} artifact(s) under {store.root}: {len(damaged)} damaged"
+          + ("; set aside, the next run recomputes them" if damaged and args.repair else ""))
+    return 1 if damaged and not args.repair else 0
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -216,6 +234,11 @@ def _parser() -> argparse.ArgumentParser:
     refresh = _command(commands, _refresh, "refresh", "collect what is new in collect.sources into the "
                                                       "next corpus version, once (README: Data refresh)")
     _config_arguments(refresh, "YAML preset")
+    verify = _command(commands, _verify, "verify", "re-hash every committed artifact against its manifest")
+    verify.add_argument("--stage", help="only this stage's artifacts")
+    verify.add_argument("--repair", action="store_true",
+                        help="set each damaged artifact, and the ones computed from it, aside "
+                             "(<dir>.corrupt-<time>), so the next run recomputes them")
     _add_stack(commands)
     return parser
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
@@ -69,6 +69,18 @@ class RefreshConfig(BaseModel):
     deployment: str = Field("pipeline/pipeline", description="The deployment started ('flow/deployment').")
 
 
+class StoreConfig(BaseModel):
+    """How the artifact store checks a committed output before reusing it (infra/artifacts.py).
+    Not part of any artifact key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    verify_on_reuse: Literal["size", "sha256"] = Field(
+        "size", description="size: every file's size, and the sha256 of files up to 1 MiB (configs, "
+                            "tokenizers, model configs); sha256: every file's bytes, at the cost of reading "
+                            "them all (`gristmill verify` checks a whole store on demand).")
+
+
 class PipelineConfigBase(BaseModel):
     """Every stage's config. Field defaults are the `tiny` preset (2 CPU cores, minutes)."""
 
@@ -91,6 +103,8 @@ OTHER_SECTIONS: dict[str, Any] = {
                                    "notifications (webhook, Prefect events).")),
     "refresh": (RefreshConfig, Field(default_factory=RefreshConfig,
                                      description="Scheduled data refresh: new inputs into corpus versions.")),
+    "store": (StoreConfig, Field(default_factory=StoreConfig, description="How committed artifacts are "
+                                 "checked before reuse.")),
 }
 
 

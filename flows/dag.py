@@ -51,6 +51,11 @@ def stage_device(config: StageConfig) -> str:
     return getattr(getattr(section, "policy", section), "device", "auto")
 
 
+def open_store(config: PipelineConfigBase, home: Path) -> ArtifactStore:
+    """The artifact store under `home`, checking reused outputs as `config.store` says."""
+    return ArtifactStore(env.artifacts_root(home), verify_on_reuse=config.store.verify_on_reuse)
+
+
 def launch_problems_of(planned: list[PlannedStage]) -> list[str]:
     """What is wrong with the `launch` sections of the stages that will compute (core/launch.py),
     one line each; checked before any service starts."""

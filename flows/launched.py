@@ -23,18 +23,18 @@ from pathlib import Path
 
 import flows.entry  # noqa: F401  first: configures the process before anything else is imported
 from core.stage import Manifest, SerialEngine
-from flows.config import load_config
-from flows.dag import PlannedStage, manifest_fields, plan, run_planned
+from flows.config import PipelineConfigBase, load_config
+from flows.dag import PlannedStage, manifest_fields, open_store, plan, run_planned
 from infra import env
 from infra.artifacts import ArtifactStore
 
 log = logging.getLogger("gristmill.launched")
 
 
-def _planned(config_path: str, stage: str, overrides: Sequence[str],
+def _planned(config: PipelineConfigBase, stage: str,
              store: ArtifactStore) -> tuple[PlannedStage, dict[str, Manifest]]:
     """The stage as the pipeline plans it, and its committed upstream manifests."""
-    planned = {p.spec.name: p for p in plan(load_config(Path(config_path), overrides), store, until=stage)}
+    planned = {p.spec.name: p for p in plan(config, store, until=stage)}
     target = planned[stage]
     upstream = {}
     for name in target.spec.upstream:
@@ -82,8 +82,9 @@ def _main(argv: Sequence[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rank = int(os.environ.get("RANK", "0"))
-    store = ArtifactStore(env.artifacts_root(env.gristmill_home()))
-    stage, upstream = _planned(args.config, args.stage, args.overrides, store)
+    config = load_config(Path(args.config), args.overrides)
+    store = open_store(config, env.gristmill_home())
+    stage, upstream = _planned(config, args.stage, store)
     if args.commit and store.load(stage.spec.name, stage.key) is not None:
         log.info("%s-%s is committed already; nothing to do", stage.spec.name, stage.key)
         return 0

@@ -20,7 +20,7 @@ from prefect.runtime import flow_run
 from core.launch import LaunchConfig
 from core.stage import METRICS_FILE, Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig, with_overrides
-from flows.dag import PlannedStage, launch_problems_of, manifest_fields, plan, run_planned
+from flows.dag import PlannedStage, launch_problems_of, manifest_fields, open_store, plan, run_planned
 from flows.history import publish_report_card
 from flows.launch import launched
 from flows.notify import notify, rollbacks
@@ -203,7 +203,7 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     logger = get_run_logger()
     config = with_overrides(config, overrides or [])
     home = env.gristmill_home()
-    store = ArtifactStore(env.artifacts_root(home))
+    store = open_store(config, home)
     planned = plan(config, store, until)
     if problems := launch_problems_of(planned):
         raise ValueError("; ".join(problems))

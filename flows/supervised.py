@@ -51,15 +51,14 @@ def _load(config: str, overrides: list[str]) -> PipelineConfig:
 def run(config: str, overrides: list[str], until: str | None = None) -> int:
     """Plan the run, start the embedded services a run needs and run the pipeline flow."""
     from flows.config import ConfigError
-    from flows.dag import launch_problems_of, plan
-    from infra.artifacts import ArtifactStore
+    from flows.dag import launch_problems_of, open_store, plan
 
     home = env.gristmill_home()
     try:
         pipeline_config = _load(config, overrides)
         # Planning digests every input (core.sources): a missing or empty source is found here,
         # before any service starts.
-        planned = plan(pipeline_config, ArtifactStore(env.artifacts_root(home)), until)
+        planned = plan(pipeline_config, open_store(pipeline_config, home), until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
     if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked

@@ -7,8 +7,12 @@
 
 A key is a hash of the stage name and version, its hashed config, the keys of its upstream
 artifacts and a fingerprint of any external inputs. An output counts as complete only when its
-manifest exists, parses, names the same key and every file it lists has the recorded size; a
-directory that merely exists (e.g. a crash before the manifest) is never taken as complete.
+manifest exists, parses, names the same key and every file it lists has the recorded size, and
+the recorded sha256 for the small files (configs, tokenizers, model configs) or, with
+`verify_on_reuse="sha256"`, for every file; a directory that merely exists (e.g. a crash before
+the manifest) is never taken as complete. `verify` re-hashes every committed file against its
+manifest, and `set_aside` moves a damaged output (and what was computed from it) out of the way,
+so the next run recomputes it.
 """
 from __future__ import annotations
 
@@ -21,11 +25,12 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from core.faults import fault_point
-from core.files import describe_files
+from core.files import describe_files, file_digest
 from core.stage import Manifest
 
 MANIFEST = "manifest.json"
@@ -48,11 +53,27 @@ def stage_key(stage: str, version: int, config: dict[str, Any], upstream: dict[s
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:KEY_LENGTH]
 
 
-class ArtifactStore:
-    """Materializes stage outputs under `root`, reusing any complete output with the same key."""
+SMALL_FILE_BYTES = 1 << 20  # files this small are hashed whenever an output is reused
+VerifyMode = Literal["size", "sha256"]
 
-    def __init__(self, root: Path):
+
+@dataclass(frozen=True)
+class Damage:
+    """A committed output whose files differ from its manifest: rel path -> what is wrong."""
+    stage: str
+    key: str
+    path: Path
+    files: dict[str, str]
+
+
+class ArtifactStore:
+    """Materializes stage outputs under `root`, reusing any complete output with the same key;
+    `verify_on_reuse` says how a reused output's files are checked: "size" (the small ones
+    hashed too) or "sha256" (every byte)."""
+
+    def __init__(self, root: Path, verify_on_reuse: VerifyMode = "size"):
         self.root = Path(root)
+        self.verify_on_reuse = verify_on_reuse
 
     def final_dir(self, stage: str, key: str) -> Path:
         return self.root / stage / f"{stage}-{key}"
@@ -73,13 +94,47 @@ class ArtifactStore:
             return None
         if data.get("key") != key or data.get("stage") != stage:
             return None
-        for rel, info in data.get("files", {}).items():
-            path = directory / rel
-            if not path.is_file() or path.stat().st_size != info["bytes"]:
-                log.warning("%s-%s: %s missing or changed; treating the output as incomplete",
-                            stage, key, rel)
-                return None
+        for rel, why in _file_problems(directory, data.get("files", {}), self.verify_on_reuse).items():
+            log.warning("%s-%s: %s %s; treating the output as incomplete", stage, key, rel, why)
+            return None
         return Manifest.from_json(data, self.final_dir(stage, key))
+
+    def committed(self, stage: str | None = None) -> Iterator[tuple[str, str, Path]]:
+        """(stage, key, directory) of every output with a manifest, of one stage or all."""
+        for manifest in sorted(self.root.glob(f"{stage or '*'}/*/{MANIFEST}")):
+            name, _, key = manifest.parent.name.rpartition("-")
+            if name == manifest.parent.parent.name and len(key) == KEY_LENGTH and key.isalnum():
+                yield name, key, manifest.parent
+
+    def verify(self, stage: str | None = None) -> list[Damage]:
+        """Every committed output (of `stage`, or all) whose files are not the bytes its manifest
+        records (missing, another size, another sha256)."""
+        damaged = []
+        for name, key, directory in self.committed(stage):
+            files = json.loads((directory / MANIFEST).read_text()).get("files", {})
+            if problems := _file_problems(directory, files, "sha256"):
+                damaged.append(Damage(name, key, directory, problems))
+        return damaged
+
+    def dependents(self, stage: str, key: str) -> list[tuple[str, str, Path]]:
+        """The committed outputs computed from (stage, key), directly or through others."""
+        found: list[tuple[str, str, Path]] = []
+        frontier = {(stage, key)}
+        while frontier:
+            nxt = set()
+            for name, k, directory in self.committed():
+                upstream = json.loads((directory / MANIFEST).read_text()).get("upstream", {})
+                if any(upstream.get(s) == uk for s, uk in frontier) and (name, k, directory) not in found:
+                    found.append((name, k, directory))
+                    nxt.add((name, k))
+            frontier = nxt
+        return found
+
+    def set_aside(self, directory: Path) -> Path:
+        """Move a committed output to `<dir>.corrupt-<time>`: kept for inspection, never reused."""
+        aside = directory.with_name(f"{directory.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.replace(directory, aside)
+        return aside
 
     @contextmanager
     def lock(self, stage: str, key: str) -> Iterator[None]:
@@ -160,3 +215,18 @@ class ArtifactStore:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(lines)
         os.replace(tmp, path)
+
+
+def _file_problems(directory: Path, files: dict[str, dict[str, Any]], mode: VerifyMode) -> dict[str, str]:
+    """rel path -> what differs from the manifest's record: missing, another size, or (hashed in
+    mode "sha256", and always for files up to SMALL_FILE_BYTES) another sha256."""
+    problems = {}
+    for rel, info in files.items():
+        path = directory / rel
+        if not path.is_file():
+            problems[rel] = "missing"
+        elif path.stat().st_size != info["bytes"]:
+            problems[rel] = f"{path.stat().st_size} bytes, {info['bytes']} recorded"
+        elif (mode == "sha256" or info["bytes"] <= SMALL_FILE_BYTES) and file_digest(path) != info["sha256"]:
+            problems[rel] = "sha256 differs"
+    return problems

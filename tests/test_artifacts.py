@@ -99,6 +99,43 @@ def test_truncated_file_invalidates_a_committed_artifact(tmp_path):
     assert store.load("tokenize", "k4") is None
 
 
+def _flip_a_byte(path: Path, at: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_caught_by_sha256_on_reuse_and_by_verify_with_what_depends_on_it(tmp_path):
+    """Reuse hashes the small files always, every file with verify_on_reuse="sha256"; `verify`
+    re-hashes all; `dependents` follows the manifests' upstream keys; `set_aside` keeps the bytes."""
+    from infra.artifacts import SMALL_FILE_BYTES
+
+    store = ArtifactStore(tmp_path)
+    key_a, key_b, key_c = "a" * 12, "b" * 12, "c" * 12
+    big = SMALL_FILE_BYTES + 1
+    store.materialize("tokenize", key_a, lambda d: (d / "tokens.bin").write_bytes(b"t" * big) and _fields())
+    store.materialize("pretrain", key_b, lambda d: (d / "model.json").write_text("{}") and
+                      {**_fields(), "upstream": {"tokenize": key_a}})
+    store.materialize("sft", key_c, lambda d: (d / "model.json").write_text("{}") and
+                      {**_fields(), "upstream": {"pretrain": key_b}})
+    assert store.verify() == []
+
+    _flip_a_byte(store.final_dir("tokenize", key_a) / "tokens.bin", at=big // 2)
+    assert store.load("tokenize", key_a) is not None  # size only, for a big file
+    assert ArtifactStore(tmp_path, verify_on_reuse="sha256").load("tokenize", key_a) is None
+    (damage,) = store.verify()
+    assert (damage.stage, damage.key, damage.files) == ("tokenize", key_a, {"tokens.bin": "sha256 differs"})
+    assert [(s, k) for s, k, _ in store.dependents("tokenize", key_a)] == [("pretrain", key_b), ("sft", key_c)]
+
+    _flip_a_byte(store.final_dir("pretrain", key_b) / "model.json")
+    assert store.load("pretrain", key_b) is None  # a small file is always hashed
+    assert {d.stage for d in store.verify()} == {"tokenize", "pretrain"}
+    assert [d.stage for d in store.verify("pretrain")] == ["pretrain"]
+    aside = store.set_aside(store.final_dir("tokenize", key_a))
+    assert aside.name.startswith(f"tokenize-{key_a}.corrupt-") and (aside / "tokens.bin").stat().st_size == big
+    assert store.load("tokenize", key_a) is None and [s for s, _, _ in store.committed()] == ["pretrain", "sft"]
+
+
 def _hold_lock(root: str, held: multiprocessing.Event, release: multiprocessing.Event):
     with ArtifactStore(Path(root)).lock("pretrain", "k5"):
         held.set()

@@ -67,13 +67,20 @@ def _dry_run(args: argparse.Namespace) -> int:
     artifacts = env.artifacts_root(env.gristmill_home())
     try:
         config = load_config(args.config, args.overrides)
-        planned = plan(config, open_store(config, env.gristmill_home()), args.until)
+        store = open_store(config, env.gristmill_home())
+        planned = plan(config, store, args.until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    if not args.explain:
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     print(f"\n# plan (artifacts under {artifacts})")
     for stage in planned:
         print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
+    if args.explain:
+        from flows.explain import explain, format_reasons
+
+        print("\n# why each stage that runs does: what differs from the nearest artifact in the store")
+        print(format_reasons(explain(planned, store)), end="")
     for stage in planned:
         launch = getattr(stage.config, "launch", None)
         if not stage.complete and launch is not None and launch.backend == "accelerate":
@@ -213,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--until", metavar="STAGE", help="run the DAG up to and including STAGE")
     run.add_argument("--dry-run", action="store_true",
                      help="print the resolved config and which stages would be reused or run")
+    run.add_argument("--explain", action="store_true",
+                     help="with --dry-run: for each stage that would run, what differs from the nearest "
+                          "artifact of that stage in the store (config keys, upstream, code version, inputs)")
     run.add_argument("--in-process", action="store_true",
                      help="run the pipeline in this process instead of a supervised child "
                           "(for debuggers; Ctrl-C then stops only as fast as Prefect and Ray allow)")

@@ -28,6 +28,7 @@ class PlannedStage:
     config: StageConfig
     key: str
     complete: bool  # a committed artifact with this key exists, so the stage will be reused
+    inputs_fingerprint: str | None = None  # digest of the external inputs it reads (part of the key)
 
 
 def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = None) -> list[PlannedStage]:
@@ -36,10 +37,11 @@ def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = N
     planned = []
     for spec in stages_until(until, config.stages):
         stage_config = getattr(config, spec.name)
+        inputs = spec.fingerprint(stage_config)
         key = stage_key(spec.name, spec.version, stage_config.hashed_dict(),
-                        {name: keys[name] for name in spec.upstream}, spec.fingerprint(stage_config))
+                        {name: keys[name] for name in spec.upstream}, inputs)
         keys[spec.name] = key
-        planned.append(PlannedStage(spec=spec, config=stage_config, key=key,
+        planned.append(PlannedStage(spec=spec, config=stage_config, key=key, inputs_fingerprint=inputs,
                                     complete=store.load(spec.name, key) is not None))
     return planned
 
@@ -86,5 +88,6 @@ def manifest_fields(stage: PlannedStage, upstream: Mapping[str, Manifest], resul
         "upstream": {name: m.key for name, m in upstream.items()},
         "stats": result.stats,
         "meta": {"stage_version": stage.spec.version, "code_version": env.code_version(),
+                 **({"inputs_fingerprint": stage.inputs_fingerprint} if stage.inputs_fingerprint else {}),
                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta},
     }

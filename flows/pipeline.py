@@ -21,6 +21,7 @@ from core.launch import LaunchConfig
 from core.stage import METRICS_FILE, Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig, with_overrides
 from flows.dag import PlannedStage, launch_problems_of, manifest_fields, open_store, plan, run_planned
+from flows.explain import explain
 from flows.history import publish_report_card
 from flows.launch import launched
 from flows.notify import notify, rollbacks
@@ -144,9 +145,10 @@ def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[s
 
 @task(cache_policy=NO_CACHE)
 def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runtime,
-              meta: dict[str, Any] | None = None) -> Manifest:
+              meta: dict[str, Any] | None = None, why: list[str] | None = None) -> Manifest:
     """Reuse or compute one stage; `upstream` carries the manifests this stage depends on, `meta`
-    extra fields for a computed manifest's meta (a data refresh's corpus version)."""
+    extra fields for a computed manifest's meta (a data refresh's corpus version), `why` what
+    differs from the nearest artifact of the stage (flows/explain.py), logged when it computes."""
     logger = get_run_logger()
     name, tracker = stage.spec.name, runtime.tracker
     config = stage.config.model_dump(mode="json")
@@ -160,6 +162,10 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
             return existing
         run_id = tracker.start_stage(runtime.parent_run_id, name, stage.key, config, upstream)
         logger.info("%s: computing %s-%s", name, name, stage.key)
+        if why:
+            logger.info("%s: why it computes: %s", name, "; ".join(why))
+            create_markdown_artifact(f"### Why {name} computes\n\n" + "".join(f"- {line}\n" for line in why),
+                                     key=f"why-{name}", description=f"What differs from the nearest {name} artifact")
         artifacts: list[str] = []
         with _gpu_slot(stage):
             manifest, reused = runtime.store.materialize(
@@ -223,12 +229,14 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
     run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}
+    reasons = explain(planned, store)
     try:
         for stage in planned:
             status = "reuse" if stage.complete else "run"
             upstream = {name: manifests[name] for name in stage.spec.upstream}
             manifests[stage.spec.name] = run_stage.with_options(
-                task_run_name=f"{stage.spec.name} [{status}]")(stage, upstream, runtime)
+                task_run_name=f"{stage.spec.name} [{status}]")(stage, upstream, runtime,
+                                                               why=reasons.get(stage.spec.name))
             if not stage.complete and (rows := rollbacks(manifests[stage.spec.name])):
                 notify(config.notify, "training.rollback", run, {"stage": stage.spec.name,
                                                                  "rollbacks": rows})

@@ -46,6 +46,20 @@ def _same_training(home: Path, reference: Path, stage: str, held_out: str = "val
         assert expected and [r[key] for r in ours if key in r] == pytest.approx(expected, abs=1e-4), key
 
 
+def _resumed_to_the_shared_result(text: str, home: Path, shared: Path, killed_at: int,
+                                  launch: dict[str, object]) -> None:
+    """The re-run's output `text` says it resumed from a checkpoint at least as new as the one the
+    kill left; its committed pretrain artifact records `launch`, has the shared run's key, and
+    trained the shared run's curve."""
+    assert "resuming from step" in text, text[-3000:]
+    step = int(text.split("resuming from step", 1)[1].split()[0].strip(".,:"))
+    pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
+    assert step >= killed_at and pretrain["stats"]["resumed_from_step"] == step
+    assert pretrain["meta"]["launch"] == launch
+    assert pretrain["key"] == committed_dir(shared, "pretrain").name.split("-", 1)[1]
+    _same_training(home, shared, "pretrain")
+
+
 def _ranks(pid: int) -> dict[int, psutil.Process]:
     """RANK -> process of the Accelerate-launched ranks under `pid`."""
     ranks = {}
@@ -116,14 +130,8 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
 
     rerun = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *two, "--until", "pretrain")
-    text = rerun.stdout + rerun.stderr
-    assert "resuming from step" in text, text[-3000:]
-    step = int(text.split("resuming from step", 1)[1].split()[0].strip(".,:"))
-    pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
-    assert step >= killed_at and pretrain["stats"]["resumed_from_step"] == step
-    assert pretrain["meta"]["launch"] == {"backend": "accelerate", "processes": 2, "nodes": 1, "world_size": 2}
-    assert pretrain["key"] == committed_dir(tiny_run.home, "pretrain").name.split("-", 1)[1]
-    _same_training(home, tiny_run.home, "pretrain")
+    _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run.home, killed_at,
+                                  {"backend": "accelerate", "processes": 2, "nodes": 1, "world_size": 2})
 
     # SFT from the shared run's own pretrained weights, so its curve can be compared step by step.
     home = _home_with_data(tiny_run, tmp_path / "sft-home", ("collect", "tokenize", "pretrain"))
@@ -291,11 +299,6 @@ def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, tmp_p
         assert sorted(placed) == ["0", "1"] and len(set(placed.values())) == 2, placed  # a node each
 
         rerun = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    text = rerun.stdout + rerun.stderr
-    assert rerun.returncode == 0, text[-3000:]
-    step = int(text.split("resuming from step", 1)[1].split()[0].strip(".,:"))
-    pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
-    assert step >= killed_at and pretrain["stats"]["resumed_from_step"] == step
-    assert pretrain["meta"]["launch"] == {"backend": "ray", "processes": 1, "nodes": 2, "world_size": 2}
-    assert pretrain["key"] == committed_dir(tiny_run.home, "pretrain").name.split("-", 1)[1]
-    _same_training(home, tiny_run.home, "pretrain")
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run.home, killed_at,
+                                  {"backend": "ray", "processes": 1, "nodes": 2, "world_size": 2})

@@ -9,14 +9,11 @@ same run (its own reasons come first) or is another committed artifact.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from pydantic import ValidationError
-
 from flows.dag import PlannedStage
-from infra.artifacts import MANIFEST, ArtifactStore
+from infra.artifacts import ArtifactStore
 
 
 def _flat(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -33,7 +30,7 @@ def _hashed(stage: PlannedStage, recorded: dict[str, Any]) -> dict[str, Any]:
     (a config of an older schema is compared as it was recorded)."""
     try:
         return type(stage.config).model_validate(recorded).hashed_dict()
-    except ValidationError:
+    except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
         return recorded
 
 
@@ -69,9 +66,7 @@ def explain(planned: list[PlannedStage], store: ArtifactStore) -> dict[str, list
     for stage in planned:
         if stage.complete:
             continue
-        manifests = [json.loads((directory / MANIFEST).read_text())
-                     for _, _, directory in store.committed(stage.spec.name)]
-        found = [(differences(stage, m, keys, computing), m) for m in manifests]
+        found = [(differences(stage, m, keys, computing), m) for m in store.manifests(stage.spec.name)]
         if not found:
             reasons[stage.spec.name] = ["no artifact of this stage in the store yet"]
             continue

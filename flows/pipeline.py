@@ -229,7 +229,11 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
     run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}
-    reasons = explain(planned, store)
+    try:
+        reasons = explain(planned, store)
+    except Exception as error:  # advisory: a store it cannot read must not fail the run
+        logger.warning("could not say why stages run: %s", error)
+        reasons = {}
     try:
         for stage in planned:
             status = "reuse" if stage.complete else "run"

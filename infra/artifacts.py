@@ -88,11 +88,8 @@ class ArtifactStore:
     def _complete(self, directory: Path, stage: str, key: str) -> Manifest | None:
         """The manifest in `directory` when it names (stage, key) and every file it lists is there
         with its recorded size; else None."""
-        try:
-            data = json.loads((directory / MANIFEST).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        if data.get("key") != key or data.get("stage") != stage:
+        data = _read_manifest(directory)
+        if data is None or data.get("key") != key or data.get("stage") != stage:
             return None
         for rel, why in _file_problems(directory, data.get("files", {}), self.verify_on_reuse).items():
             log.warning("%s-%s: %s %s; treating the output as incomplete", stage, key, rel, why)
@@ -106,13 +103,22 @@ class ArtifactStore:
             if name == manifest.parent.parent.name and len(key) == KEY_LENGTH and key.isalnum():
                 yield name, key, manifest.parent
 
+    def manifests(self, stage: str | None = None) -> Iterator[dict[str, Any]]:
+        """The parsed manifest of every committed output (of `stage`, or all); unreadable ones are
+        left out (`verify` reports them)."""
+        for _, _, directory in self.committed(stage):
+            if (record := _read_manifest(directory)) is not None:
+                yield record
+
     def verify(self, stage: str | None = None) -> list[Damage]:
         """Every committed output (of `stage`, or all) whose files are not the bytes its manifest
-        records (missing, another size, another sha256)."""
+        records (missing, another size, another sha256), or whose manifest does not parse."""
         damaged = []
         for name, key, directory in self.committed(stage):
-            files = json.loads((directory / MANIFEST).read_text()).get("files", {})
-            if problems := _file_problems(directory, files, "sha256"):
+            record = _read_manifest(directory)
+            problems = {MANIFEST: "unreadable"} if record is None else \
+                _file_problems(directory, record.get("files", {}), "sha256")
+            if problems:
                 damaged.append(Damage(name, key, directory, problems))
         return damaged
 
@@ -123,7 +129,7 @@ class ArtifactStore:
         while frontier:
             nxt = set()
             for name, k, directory in self.committed():
-                upstream = json.loads((directory / MANIFEST).read_text()).get("upstream", {})
+                upstream = (_read_manifest(directory) or {}).get("upstream", {})
                 if any(upstream.get(s) == uk for s, uk in frontier) and (name, k, directory) not in found:
                     found.append((name, k, directory))
                     nxt.add((name, k))
@@ -215,6 +221,13 @@ class ArtifactStore:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(lines)
         os.replace(tmp, path)
+
+
+def _read_manifest(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def _file_problems(directory: Path, files: dict[str, dict[str, Any]], mode: VerifyMode) -> dict[str, str]:

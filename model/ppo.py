@@ -62,10 +62,69 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """x shifted and scaled to mean 0, variance 1 over the masked entries (0 elsewhere)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+@dataclass(frozen=True)
+class Ranks:
+    """The data-parallel processes PPO trains in. Each rolls out its share of a step's prompts;
+    advantages are whitened, gradients averaged and metrics reported over all of them, so every
+    process takes the same optimizer step and holds the same weights."""
+
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def of_launch(cls) -> Ranks:
+        """This process's place in the launch that started it (Accelerate's state joins the
+        process group the launcher set up); one process when it was not launched."""
+        from accelerate import PartialState
+
+        state = PartialState()
+        return cls(state.process_index, state.num_processes)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def total(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each (scalar) value summed over the processes."""
+        if self.world == 1:
+            return values
+        stacked = torch.stack([v.detach().float() for v in values])
+        torch.distributed.all_reduce(stacked)
+        return tuple(stacked)
+
+    def average(self, row: dict[str, float]) -> dict[str, float]:
+        """A row of metrics, each the mean of the processes' values."""
+        if self.world == 1:
+            return row
+        totals = self.total(*(torch.tensor(float(v)) for v in row.values()))
+        return {k: t.item() / self.world for k, t in zip(row, totals)}
+
+    def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        if self.world == 1:
+            return
+        for param in params:
+            if param.grad is not None:
+                torch.distributed.all_reduce(param.grad)
+                param.grad /= self.world
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+ONE_PROCESS = Ranks()
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
+    """x shifted and scaled to mean 0, variance 1 over the masked entries of every process (0
+    elsewhere)."""
+
+    def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+        total, count = ranks.total((values * mask).sum(), mask.sum())
+        return total / count.clamp(min=1)
+
+    mean = mean_over_ranks(x)
+    var = mean_over_ranks((x - mean) ** 2)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
@@ -205,7 +264,7 @@ def _scores(reward_fn: RewardFn, prompts: list[list[Message]], texts: list[str])
 
 @torch.no_grad()
 def score_rollout(policy: Any, value_head: ValueHead, reference: Any, roll: Rollout, scores: torch.Tensor,
-                  cfg: PPOConfig) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                  cfg: PPOConfig, ranks: Ranks = ONE_PROCESS) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Rollout log-probs, values, advantages and returns, and the rollout's metrics."""
     tokens = roll.ids[:, roll.prompt_len:, None]
     mask = roll.mask.float()
@@ -221,19 +280,21 @@ def score_rollout(policy: Any, value_head: ValueHead, reference: Any, roll: Roll
     metrics = {"ppo/score": scores.mean().item(), "ppo/kl": kl.sum(1).mean().item(),
                "ppo/reward": rewards.sum(1).mean().item(), "ppo/entropy": masked_mean(entropy, mask).item(),
                "ppo/response_tokens": mask.sum(1).mean().item(), "ppo/ended_frac": roll.ended.float().mean().item()}
-    batch = {"logps": logps, "values": values, "advantages": whiten(advantages, mask), "returns": returns}
-    return batch, metrics
+    batch = {"logps": logps, "values": values, "advantages": whiten(advantages, mask, ranks=ranks),
+             "returns": returns}
+    return batch, ranks.average(metrics)
 
 
 def optimise(policy: Any, value_head: ValueHead, optimizer: torch.optim.Optimizer, roll: Rollout,
-             batch: dict[str, torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
-    """`ppo_epochs` passes of clipped-loss updates over shuffled minibatches of one rollout."""
+             batch: dict[str, torch.Tensor], cfg: PPOConfig, ranks: Ranks = ONE_PROCESS) -> dict[str, float]:
+    """`ppo_epochs` passes of clipped-loss updates over shuffled minibatches of one rollout (this
+    process's share of each minibatch; the gradients are averaged over the processes)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     tokens, mask = roll.ids[:, roll.prompt_len:, None], roll.mask.float()
     sums: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.ppo_epochs):
-        for mb in torch.randperm(len(mask)).split(cfg.minibatch_size):
+        for mb in torch.randperm(len(mask)).split(cfg.minibatch_size // ranks.world):
             logprobs, values = response_logprobs(policy, roll.ids[mb], roll.attention[mb], roll.prompt_len,
                                                  cfg.temperature, value_head)
             logps = logprobs.gather(-1, tokens[mb]).squeeze(-1)
@@ -243,6 +304,7 @@ def optimise(policy: Any, value_head: ValueHead, optimizer: torch.optim.Optimize
                                          cfg.value_clip_range)
             optimizer.zero_grad(set_to_none=True)
             (pg_loss + cfg.vf_coef * vf_loss).backward()
+            ranks.average_gradients(params)
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             optimizer.step()
@@ -250,7 +312,7 @@ def optimise(policy: Any, value_head: ValueHead, optimizer: torch.optim.Optimize
                    "approx_kl": approx_kl, "grad_norm": grad_norm.item()}
             sums = {k: sums.get(k, 0.0) + v for k, v in row.items()}
             updates += 1
-    return {f"ppo/{k}": v / updates for k, v in sums.items()}
+    return ranks.average({f"ppo/{k}": v / updates for k, v in sums.items()})
 
 
 def prompt_indices(step: int, batch_size: int, n_prompts: int, seed: int) -> list[int]:
@@ -265,45 +327,55 @@ def prompt_indices(step: int, batch_size: int, n_prompts: int, seed: int) -> lis
 
 
 def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, optimizer: torch.optim.Optimizer,
-             tokenizer: Any, prompts: list[list[Message]], reward_fn: RewardFn, cfg: PPOConfig
-             ) -> dict[str, float]:
-    """Step `step` (0-based): a rollout, its scores, and the updates on it; returns its metrics."""
-    torch.manual_seed(cfg.seed * 1_000_003 + step)  # the step's sampling and minibatch order
+             tokenizer: Any, prompts: list[list[Message]], reward_fn: RewardFn, cfg: PPOConfig,
+             ranks: Ranks = ONE_PROCESS) -> dict[str, float]:
+    """Step `step` (0-based): a rollout of this process's share of the step's prompts, its
+    scores, and the updates on it; returns the step's metrics (over every process)."""
+    # The step's sampling and minibatch order, a stream of its own in each process.
+    torch.manual_seed(cfg.seed * 1_000_003 + step * ranks.world + ranks.rank)
     chosen = [prompts[i] for i in prompt_indices(step, cfg.batch_size, len(prompts), cfg.seed)]
+    chosen = chosen[ranks.rank::ranks.world]
     roll = sample_responses(policy, tokenizer, chosen, cfg)
     scores = _scores(reward_fn, chosen, roll.texts)
-    batch, row = score_rollout(policy, value_head, reference, roll, scores, cfg)
+    batch, row = score_rollout(policy, value_head, reference, roll, scores, cfg, ranks)
     # Warmup, then linear decay to 0 (TRL's PPO default): a pure function of the step, so resume
     # needs no scheduler state; the shrinking steps let the policy settle instead of jittering
     # around the optimum, which whitened advantages never let die down at a constant LR.
     lr = cfg.lr * warmup_linear(step, cfg.max_steps, cfg.warmup_frac)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    return {**row, **optimise(policy, value_head, optimizer, roll, batch, cfg), "ppo/lr": lr}
+    return {**row, **optimise(policy, value_head, optimizer, roll, batch, cfg, ranks), "ppo/lr": lr}
 
 
 # ---------------------------------------------------------------- checkpoints and the loop
 
-def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int) -> None:
-    """Weights as safetensors (policy and value head), the optimizer's tensors with torch.save."""
+def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int, ranks: Ranks) -> None:
+    """Weights as safetensors (policy and value head), the optimizer's tensors with torch.save;
+    written by the main process (every process holds the same)."""
     from safetensors.torch import save_model
 
     def write(directory: Path) -> None:
+        if not ranks.main:
+            return
         save_model(modules["policy"], str(directory / "policy.safetensors"))
         save_model(modules["value_head"], str(directory / "value_head.safetensors"))
         torch.save(modules["optimizer"].state_dict(), directory / "optimizer.pt")
 
     model_bytes = sum(p.numel() * p.element_size() for p in modules["policy"].parameters())
-    save_checkpoint(out_dir, state, keep, write, expected_bytes=3 * model_bytes)
+    save_checkpoint(out_dir, state, keep, write, expected_bytes=3 * model_bytes, main=ranks.main,
+                    barrier=ranks.barrier)
 
 
-def _resume(out_dir: Path, modules: dict[str, Any]) -> dict[str, Any]:
+def _resume(out_dir: Path, modules: dict[str, Any], ranks: Ranks) -> dict[str, Any]:
     """The newest checkpoint that verifies, loaded without unpickling: safetensors weights, and the
-    optimizer state with `weights_only=True`."""
+    optimizer state with `weights_only=True` (by every process)."""
     from safetensors.torch import load_model
 
-    clear_partial_checkpoints(out_dir)
-    good = latest_good_checkpoint(out_dir)
+    if ranks.main:
+        clear_partial_checkpoints(out_dir)
+    ranks.barrier()
+    good = latest_good_checkpoint(out_dir, main=ranks.main)
+    ranks.barrier()
     if good is None:
         return {"step": 0, "scores": [], "kls": []}
     step, path = good
@@ -325,11 +397,18 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
     reward model's steps in the same metrics.jsonl) with: ppo/score (mean reward_fn score),
     ppo/kl (summed log pi/pi_ref per response), ppo/reward, ppo/entropy, ppo/policy_loss,
     ppo/value_loss, ppo/clip_frac, ppo/approx_kl, ppo/grad_norm, ppo/response_tokens,
-    ppo/ended_frac, ppo/lr. Seeds torch's global RNG at every step. Returns ppo_steps,
+    ppo/ended_frac, ppo/lr. Under a data-parallel launch (Ranks) each process rolls out its share
+    of a step's prompts and every process takes the same optimizer step; the main process logs
+    and checkpoints. Seeds torch's global RNG at every step. Returns ppo_steps,
     ppo_resumed_from_step, ppo_score_initial (step 1), ppo_score_final and ppo_kl_final (means
     over the last steps)."""
     if not prompts:
         raise ValueError("ppo_train needs at least one prompt")
+    ranks = Ranks.of_launch()
+    if cfg.batch_size % ranks.world or cfg.minibatch_size % ranks.world:
+        raise ValueError(f"ppo's batch_size ({cfg.batch_size}) and minibatch_size ({cfg.minibatch_size}) must "
+                         f"split evenly over the {ranks.world} processes of the launch; make them multiples "
+                         f"of {ranks.world}")
     out_dir, prompts = Path(out_dir), [list(p) for p in prompts]
     device = next(policy.parameters()).device
     policy.eval()  # no dropout: rollout and update log-probs must agree (see module docstring)
@@ -339,17 +418,19 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-5,
                                   weight_decay=cfg.weight_decay)
     modules = {"policy": policy, "value_head": value_head, "optimizer": optimizer}
-    state = _resume(out_dir, modules)
+    state = _resume(out_dir, modules, ranks)
     resumed_from = state["step"]
-    metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
+    if ranks.main:  # the one process that writes metrics.jsonl
+        metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
     while state["step"] < cfg.max_steps:
         step = state["step"]
-        row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, cfg)
+        row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, cfg, ranks)
         state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
                  "kls": state["kls"] + [row["ppo/kl"]]}
-        metrics.log(metrics_step_offset + step + 1, **row)
+        if ranks.main:
+            metrics.log(metrics_step_offset + step + 1, **row)
         if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
-            _save(out_dir, state, modules, cfg.keep_checkpoints)
+            _save(out_dir, state, modules, cfg.keep_checkpoints, ranks)
     recent = slice(-FINAL_WINDOW, None)
     return {"ppo_steps": state["step"], "ppo_resumed_from_step": resumed_from,
             "ppo_score_initial": state["scores"][0],

@@ -208,11 +208,11 @@ def test_the_launchs_mixed_precision_reaches_the_training_loop(monkeypatch):
 
 
 def test_the_cli_refuses_a_bad_launch_before_anything_starts(tmp_path):
-    """One line naming the key, exit 2, before any service starts (PPO's refusal is the config's own)."""
+    """One line naming the key, exit 2, before any service starts."""
     for override, says in [("pretrain.launch.accelerate_config=missing.yaml", "pretrain.launch.accelerate_config"),
-                           ("align.launch.processes=2", "ppo trains in one process")]:
+                           ("align.launch.backend=ray", "align.launch.backend: ray, and RAY_ADDRESS names no")]:
         done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "align.method=ppo",
-                               "pretrain.launch.backend=accelerate", "align.launch.backend=accelerate", override],
+                               "pretrain.launch.backend=accelerate", override],
                               cwd=REPO, env=cli_env(tmp_path / "home"), capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and says in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1

@@ -170,12 +170,12 @@ def test_final_model_loads_with_auto_classes_and_chats(tiny_run):
 @pytest.fixture(scope="module")
 def tiny_preset_methods(tiny_run):
     """The tiny preset as shipped (full pretraining and SFT), aligned with each method; collect and
-    tokenize are reused from the first run. GRPO and DPO train data-parallel, 2 processes under
-    Accelerate (the launch is not part of the key, and their claims must hold under it); PPO
-    trains in one process. Returns method -> the align stage's stats, and the SFT stats."""
+    tokenize are reused from the first run. Every method trains data-parallel, 2 processes under
+    Accelerate (the launch is not part of the key, and the claims must hold under it; inline align
+    is the shared run's). Returns method -> the align stage's stats, and the SFT stats."""
     home, reference_vocab = tiny_run.home, tiny_run.reference_vocab
     two = ["align.launch.backend=accelerate", "align.launch.processes=2"]
-    for method, launch in (("grpo", two), ("dpo", two), ("ppo", [])):
+    for method, launch in (("grpo", two), ("dpo", two), ("ppo", two)):
         gristmill(home, "run", "configs/tiny.yaml", reference_vocab, f"align.method={method}", *launch,
                   "--until", "align", timeout=1800)
     manifests = {stage: [json.loads(p.read_text()) for p in (home / "artifacts" / stage).glob("*/manifest.json")]
@@ -183,7 +183,7 @@ def tiny_preset_methods(tiny_run):
     sft = next(m for m in manifests["sft"] if m["config"]["max_steps"] == 1500)
     aligned = [m for m in manifests["align"] if m["upstream"]["sft"] == sft["key"]]
     assert {m["config"]["method"]: m["meta"]["launch"]["world_size"] for m in aligned} == \
-        {"grpo": 2, "dpo": 2, "ppo": 1}
+        {"grpo": 2, "dpo": 2, "ppo": 2}
     return {**{m["config"]["method"]: m["stats"] for m in aligned}, "sft": sft["stats"]}
 
 

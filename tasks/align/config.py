@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from core.launch import LaunchConfig
 from core.sources import JSONL_SUFFIXES, fingerprint_sources
@@ -139,15 +139,7 @@ class Config(StageConfig):
         description="Settings of method 'ppo' (a reward model, then PPO against it).")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
         "The processes the method (and ppo's reward model) trains in: inline, or data-parallel under "
-        "Accelerate (operational)."))
-
-    @model_validator(mode="after")
-    def _ppo_in_one_process(self) -> Config:
-        if self.method == "ppo" and self.launch.world_size > 1:
-            raise ValueError(f"launch: ppo trains in one process ({self.launch.world_size} asked): its rollouts, "
-                             "reward-model scores and value updates are not split across processes; set "
-                             "align.launch.processes=1 and nodes=1, or choose method dpo or grpo")
-        return self
+        "Accelerate or Ray Train (operational)."))
 
     def hashed_dict(self) -> dict[str, Any]:
         """Only the chosen method's section changes the output."""

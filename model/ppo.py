@@ -70,15 +70,16 @@ class Ranks:
 
     rank: int = 0
     world: int = 1
+    device: str = "cpu"  # of the tensors exchanged: the policy's (NCCL needs CUDA)
 
     @classmethod
-    def of_launch(cls) -> Ranks:
+    def of_launch(cls, device: torch.device) -> Ranks:
         """This process's place in the launch that started it (Accelerate's state joins the
         process group the launcher set up); one process when it was not launched."""
         from accelerate import PartialState
 
         state = PartialState()
-        return cls(state.process_index, state.num_processes)
+        return cls(state.process_index, state.num_processes, str(device))
 
     @property
     def main(self) -> bool:
@@ -88,7 +89,7 @@ class Ranks:
         """Each (scalar) value summed over the processes."""
         if self.world == 1:
             return values
-        stacked = torch.stack([v.detach().float() for v in values])
+        stacked = torch.stack([v.detach().float().to(self.device) for v in values])
         torch.distributed.all_reduce(stacked)
         return tuple(stacked)
 
@@ -404,13 +405,13 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
     over the last steps)."""
     if not prompts:
         raise ValueError("ppo_train needs at least one prompt")
-    ranks = Ranks.of_launch()
+    device = next(policy.parameters()).device
+    ranks = Ranks.of_launch(device)
     if cfg.batch_size % ranks.world or cfg.minibatch_size % ranks.world:
         raise ValueError(f"ppo's batch_size ({cfg.batch_size}) and minibatch_size ({cfg.minibatch_size}) must "
                          f"split evenly over the {ranks.world} processes of the launch; make them multiples "
                          f"of {ranks.world}")
     out_dir, prompts = Path(out_dir), [list(p) for p in prompts]
-    device = next(policy.parameters()).device
     policy.eval()  # no dropout: rollout and update log-probs must agree (see module docstring)
     reference.to(device).eval().requires_grad_(False)
     value_head = ValueHead(policy.config.get_text_config().hidden_size).to(device)

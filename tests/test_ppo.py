@@ -85,6 +85,44 @@ def test_whiten_and_prompt_order():
     assert steps[:2] != steps[2:] and steps == [ppo.prompt_indices(s, 3, 6, seed=0) for s in range(4)]
 
 
+def _one_of_two_ranks(rank: int, port: int, results) -> None:
+    """Rank `rank` of two over gloo: its half of a rollout whitened, its gradient and metric averaged."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ranks = ppo.Ranks(rank, 2)
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 5), (torch.rand(4, 5) > 0.3).float()
+    mine = slice(2 * rank, 2 * rank + 2)
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.full((3,), float(rank + 1))
+    ranks.average_gradients([param])
+    results.put((rank, ppo.whiten(x[mine], mask[mine], ranks=ranks), param.grad, ranks.average({"a": float(rank)})))
+    torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_whiten_and_average_as_one_process_over_the_whole_rollout():
+    """Data-parallel PPO: each rank whitens its rows with the statistics of every rank's, so the
+    halves put together are the one-process whitening of the whole rollout; gradients and metrics
+    are the ranks' means."""
+    import multiprocessing
+
+    from infra.launch import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results, port = context.Queue(), free_port()
+    procs = [context.Process(target=_one_of_two_ranks, args=(rank, port, results)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    got = dict((rank, rest) for rank, *rest in (results.get(timeout=120) for _ in procs))
+    for proc in procs:
+        proc.join(30)
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 5), (torch.rand(4, 5) > 0.3).float()
+    halves = torch.cat([got[0][0], got[1][0]])
+    assert torch.allclose(halves, ppo.whiten(x, mask), atol=1e-6)
+    assert not torch.allclose(got[0][0], ppo.whiten(x[:2], mask[:2]), atol=1e-3)  # not each half alone
+    assert all(torch.equal(got[r][1], torch.full((3,), 1.5)) and got[r][2] == {"a": 0.5} for r in (0, 1))
+
+
 # ---------------------------------------------------------------- the one-token bandit
 
 def _next_token_probs(model, tokenizer) -> torch.Tensor:

@@ -164,9 +164,18 @@ def _evaluate(args: argparse.Namespace) -> int:
         return _fail("--limit and --batch-size must be >= 1, --samples >= 0")
     options = EvalOptions(batch_size=args.batch_size, shots=args.shots, max_new_tokens=args.max_new_tokens,
                           samples=args.samples, include_flagged=args.include_flagged)
+    delimiters = {}
+    for item in args.delimiter:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            return _fail(f"--delimiter {item!r}: expected TASK=TEXT")
+        try:  # JSON string escapes, so a shell can pass \n; strict=False lets a real newline through
+            delimiters[name] = json.loads(f'"{text}"', strict=False)
+        except json.JSONDecodeError:
+            return _fail(f"--delimiter {item!r}: TEXT is not a JSON string body (escape \\ and \")")
     try:
         summary = evaluate_files(args.model_dir, args.task, args.out, fmt=args.format, limit=args.limit,
-                                 device=args.device, options=options,
+                                 delimiters=delimiters, device=args.device, options=options,
                                  warn=lambda message: print(f"gristmill: {message}", file=sys.stderr))
     except (ValueError, OSError) as error:  # EvalDataError is a ValueError naming the file
         return _fail(error)
@@ -291,6 +300,10 @@ def _add_evaluate(commands) -> None:
                                            "mc, hellaswag, mmlu, piqa, winogrande, lambada, gsm8k")
     evaluate.add_argument("--limit", type=int,
                           help="score the first N items of each file (lm-eval's --limit)")
+    evaluate.add_argument("--delimiter", action="append", default=[], metavar="TASK=TEXT",
+                          help="text between query and choice for the llm-foundry multiple-choice file "
+                               "of that task name (JSON escapes: copa_part1='\\nAnswer: '); default: "
+                               "its task's (README: Evaluation); repeat for several")
     evaluate.add_argument("--out", type=Path, default=Path("results.json"),
                           help="results JSON (default results.json); per-item rows go beside it "
                                "in NAME.items.jsonl")

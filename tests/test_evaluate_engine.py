@@ -7,11 +7,13 @@ import math
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from flows.cli import main
 from tasks.evaluate import metrics
+from tasks.evaluate.config import Config
 from tasks.evaluate.engine import EvalOptions, _choice
-from tasks.evaluate.formats import EvalDataError, TaskData, load_task
+from tasks.evaluate.formats import EvalDataError, TaskData, foundry_task, load_task
 from tasks.evaluate.generation import fewshot_prompt, final_number
 
 
@@ -41,6 +43,34 @@ def test_formats_are_recognised_and_prompted_as_lm_eval(shared_data, path, fmt, 
     assert data.items[0].requests[0] == first_request
 
 
+@pytest.mark.parametrize("path, context_end, first_choice", [
+    ("copa/copa_part1.jsonl", "The man turned on the faucet, therefore", "  the toilet filled with water."),
+    ("boolq/boolq_part1.jsonl", "\nQuestion: does ethanol take more energy make that produces?\nAnswer:", " no"),
+    ("arc_challenge/arc_challenge_part1.jsonl", "increase in rotation?\nAnswer:", " Planetary density will decrease."),
+    ("openbookqa/openbookqa_part1.jsonl", "the best way to save money is to", " make more phone calls"),
+])
+def test_llm_foundry_files_take_their_benchmarks_delimiter(shared_data, path, context_end, first_choice):
+    """ARC and BoolQ answer after "\nAnswer:", OpenBookQA continues the sentence, COPA's choices
+    follow two spaces as in lm-eval's copa."""
+    context, continuation = load_task(shared_data / "eval" / path, limit=1).items[0].requests[0]
+    assert context.endswith(context_end) and continuation == first_choice
+
+
+def test_a_delimiter_given_overrides_the_benchmarks(shared_data, tmp_path):
+    copa = shared_data / "eval" / "copa" / "copa_part1.jsonl"
+    assert load_task(copa, limit=1, delimiter="\nAnswer: ").items[0].requests[0] == \
+        ("The man turned on the faucet, therefore\nAnswer:", " the toilet filled with water.")
+    assert load_task(copa, limit=1, delimiter=" ").items[0].requests[0][1] == " the toilet filled with water."
+    mine = _jsonl(tmp_path / "mine.jsonl", [{"query": "Q", "choices": ["a", "b"], "gold": 0}])
+    assert load_task(mine).items[0].requests == (("Q", " a"), ("Q", " b"))  # llm-foundry's default
+    assert foundry_task(tmp_path / "copa" / "test.jsonl") == "copa" and foundry_task(mine) is None
+    with pytest.raises(EvalDataError, match="a delimiter was given but this is a hellaswag file"):
+        load_task(shared_data / "eval" / "hellaswag" / "hellaswag_val_part1.jsonl", limit=1, delimiter=" ")
+    with pytest.raises(ValidationError, match="delimiters: \\['copa'\\] name no file of tasks"):
+        Config(tasks=(str(copa),), delimiters={"copa": " "})
+    assert Config(tasks=(str(copa),), delimiters={"copa_part1": " "}).delimiters == {"copa_part1": " "}
+
+
 def test_piqa_reads_its_labels_and_gsm8k_its_final_number(shared_data):
     piqa = load_task(shared_data / "eval" / "piqa" / "valid_part1.jsonl", limit=3)
     assert [i.gold for i in piqa.items] == [0, 1, 1]  # valid-labels_part1.lst
@@ -51,6 +81,8 @@ def test_piqa_reads_its_labels_and_gsm8k_its_final_number(shared_data):
 def test_mmlu_prompt_and_flagged_items_are_counted(shared_data):
     data = load_task(shared_data / "eval" / "mmlu_redux" / "mmlu_redux_part1.jsonl", limit=20)
     context, continuation = data.items[0].requests[1]
+    assert context.startswith("The following are multiple choice questions (with answers) about abstract algebra.\n\n"
+                              "Statement 1 | If T: V -> W")
     assert context.endswith("\nA. True, True\nB. False, False\nC. True, False\nD. False, True\nAnswer:")
     assert continuation == " B"
 
@@ -71,8 +103,8 @@ def test_choice_scoring_acc_norm_and_chance():
     data = TaskData(name="t", path="t.jsonl", format="mc", kind="choice", items=[], problems={}, records=2)
     from tasks.evaluate.formats import _mc
 
-    data.items = [_mc(0, {"query": "Q", "choices": ["a", "bbbbbbbbbb"], "gold": 1}, None),
-                  _mc(1, {"query": "Q", "choices": ["x", "y", "z"], "gold": 0}, None)]
+    data.items = [_mc(0, {"query": "Q", "choices": ["a", "bbbbbbbbbb"], "gold": 1}, " "),
+                  _mc(1, {"query": "Q", "choices": ["x", "y", "z"], "gold": 0}, " ")]
     lls = {" a": -2.0, " bbbbbbbbbb": -5.0, " x": -1.0, " y": -3.0, " z": -4.0}
 
     class Stub:
@@ -183,6 +215,24 @@ def test_an_unparsable_gsm8k_answer_is_a_counted_problem(tmp_path):
                                            {"question": "?", "answer": "no final line"}])
     data = load_task(path)
     assert [i.gold for i in data.items] == ["2"] and data.problems == {"unparsable_answer": 1}
+
+
+def test_the_delimiter_option_scores_that_task_with_it(tiny_model_dir, tmp_path, shared_data, capsys):
+    from tasks.evaluate.engine import load_model
+    from tasks.evaluate.scoring import LoglikScorer
+
+    copa = shared_data / "eval" / "copa" / "copa_part1.jsonl"
+    code, out = _evaluate(tiny_model_dir, copa, tmp_path, "--limit", "1", "--delimiter", "copa_part1=\\nAnswer: ")
+    assert code == 0
+    row = json.loads(out.with_name("out.items.jsonl").read_text())
+    scorer = LoglikScorer(*load_model(tiny_model_dir, "cpu"), "cpu")
+    pair = ("The man turned on the faucet, therefore\nAnswer:", " the toilet filled with water.")
+    expected = scorer.loglikelihoods([pair])
+    assert row["loglik"][0] == pytest.approx(expected[0][0], abs=1e-4)
+    for bad, says in [("copa=\\nAnswer: ", "a delimiter is given for ['copa'] but no task file has that name"),
+                      ("\\nAnswer: ", "expected TASK=TEXT")]:
+        code, _ = _evaluate(tiny_model_dir, copa, tmp_path, "--delimiter", bad)
+        assert code == 2 and says in capsys.readouterr().err
 
 
 def test_a_model_dir_without_tokenizer_is_an_error_naming_it(tiny_model_dir, tmp_path, shared_data, capsys):

@@ -8,13 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.sources import JSONL_SUFFIXES, fingerprint_sources, source_files
 from core.stage import StageConfig
 from tasks.evaluate.formats import piqa_labels_path, task_name
 
-VERSION = 2  # 2: the benchmark engine (tasks, limit) replaced mc_tasks
+VERSION = 3  # 3: llm-foundry files scored with their task's delimiter; MMLU with its subject line
+# 2: the benchmark engine (tasks, limit) replaced mc_tasks
 
 
 class Config(StageConfig):
@@ -29,6 +30,10 @@ class Config(StageConfig):
     batch_size: int = Field(16, description="Sequences per forward pass / generation batch.")
     tasks: tuple[str, ...] = Field((), description="Benchmark JSONL files scored by the benchmark engine "
                                                    "(formats recognised from their fields: README, Evaluation).")
+    delimiters: dict[str, str] = Field({}, description="Continuation delimiter (text between query and "
+                                       "choice, llm-foundry's continuation_delimiter) by task name, for "
+                                       "llm-foundry multiple-choice files; a file not named here uses its "
+                                       "benchmark's (README, Evaluation).")
     limit: int | None = Field(500, description="Items scored per benchmark file (the first N; None: all).")
     gsm8k_max_new_tokens: int = Field(256, description="Generation budget per GSM8K answer (tokens).")
     gsm8k_samples: int = Field(0, description="Sampled GSM8K answers per problem for pass@k (0: greedy only).")
@@ -71,6 +76,13 @@ class Config(StageConfig):
         if len(set(names)) != len(names):
             raise ValueError(f"tasks: two files share a task name: {sorted({n for n in names if names.count(n) > 1})}")
         return v
+
+    @model_validator(mode="after")
+    def _delimiters_name_tasks(self) -> Config:
+        unknown = sorted(set(self.delimiters) - {task_name(Path(path)) for path in self.tasks})
+        if unknown:
+            raise ValueError(f"delimiters: {unknown} name no file of tasks")
+        return self
 
 
 def fingerprint(config: Config) -> str:

@@ -189,18 +189,31 @@ def format_table(summary: Mapping[str, Any]) -> str:
     return "\n".join([render(header), *map(render, lines), f"core (mean centered accuracy): {_fmt(summary['core'])}"])
 
 
+def load_tasks(paths: Sequence[str | Path], *, fmt: str | None = None, limit: int | None = None,
+               delimiters: Mapping[str, str] | None = None) -> list[TaskData]:
+    """Every file parsed (`load_task`), each mc file with the delimiter `delimiters` gives its
+    task name, if any; EvalDataError when two files share a name or a delimiter names no file."""
+    from tasks.evaluate.formats import load_task, task_name
+
+    delimiters = delimiters or {}
+    names = [task_name(Path(path)) for path in paths]
+    if len(set(names)) != len(names):
+        raise EvalDataError(f"two task files share a name: {sorted(n for n in names if names.count(n) > 1)}")
+    unknown = sorted(set(delimiters) - set(names))
+    if unknown:
+        raise EvalDataError(f"a delimiter is given for {unknown} but no task file has that name; "
+                            f"task names: {names}")
+    return [load_task(path, fmt, limit, delimiters.get(name)) for path, name in zip(paths, names)]
+
+
 def evaluate_files(model_dir: Path, paths: Sequence[str | Path], out: Path, *, fmt: str | None = None,
-                   limit: int | None = None, device: str = "auto", options: EvalOptions = EvalOptions(),
-                   warn: Any = print) -> dict[str, Any]:
+                   limit: int | None = None, delimiters: Mapping[str, str] | None = None, device: str = "auto",
+                   options: EvalOptions = EvalOptions(), warn: Any = print) -> dict[str, Any]:
     """`gristmill evaluate`: parse every file first (a bad one fails before the model loads),
     score each, write `out` and its per-item JSONL; returns the summary written."""
     from model.loop import resolve_device
-    from tasks.evaluate.formats import load_task
 
-    datasets = [load_task(path, fmt, limit) for path in paths]
-    names = [d.name for d in datasets]
-    if len(set(names)) != len(names):
-        raise EvalDataError(f"two task files share a name: {sorted(n for n in names if names.count(n) > 1)}")
+    datasets = load_tasks(paths, fmt=fmt, limit=limit, delimiters=delimiters)
     for data in datasets:
         if limit is not None and data.records < limit:
             warn(f"{data.path}: --limit {limit} but the file has {data.records} records; scoring all of them")

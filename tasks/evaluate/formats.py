@@ -1,18 +1,25 @@
 """Benchmark file formats: each turns one JSONL record into the requests a model answers.
 
 A format is recognised from the fields of a file's first record (`detect`), or forced by name.
-Every format builds its prompts exactly as the lm-evaluation-harness YAML of the same name in
-`lm_eval_tasks/` does, so scores can be checked item by item against lm-eval:
+Every format builds its prompts exactly as lm-evaluation-harness's own task for the benchmark
+does (and as the YAML of the same name in `lm_eval_tasks/`), so scores can be checked item by
+item against lm-eval:
 
 | format     | fields                                   | context → continuation                          |
 |------------|------------------------------------------|-------------------------------------------------|
-| mc         | query, choices, gold (llm-foundry)       | `query + "\\nAnswer:"` → `" " + choice`           |
+| mc         | query, choices, gold (llm-foundry)       | `query + delimiter` → `choice` (below)           |
 | hellaswag  | ctx, endings, label                      | `ctx` → `" " + ending`                           |
 | mmlu       | question, choices, answer (+subject, error_type: MMLU-Redux) | lm-eval's MMLU prompt → `" A"`… |
 | piqa       | goal, sol1, sol2 (+ labels file beside)  | `"Question: " + goal + "\\nAnswer:"` → `" " + sol` |
 | winogrande | context_options, continuation, gold      | each option → `" " + continuation` (partial scoring) |
 | lambada    | context, continuation                    | `context` → `" " + continuation` (greedy match)  |
 | gsm8k      | question, answer (`#### n`)              | few-shot prompt → generated answer               |
+
+An llm-foundry multiple-choice file is scored with the delimiter its benchmark's standard task
+puts between query and choice (`MC_DELIMITERS`, the benchmark recognised from the file's name):
+`"\\nAnswer: "` after a question (ARC, BoolQ, MMLU, PIQA), two spaces for COPA (lm-eval's copa), a
+space otherwise (OpenBookQA, HellaSwag; llm-foundry's default). A delimiter given for the file
+overrides it.
 
 A record that cannot be scored (gold out of range, a field missing, an unparsable answer) is a
 *problem*: counted by reason and shown, never silently scored.
@@ -65,43 +72,59 @@ class TaskData:
 
 ANSWER = "\nAnswer:"
 LETTERS = "ABCDEFGHIJ"
+# Text between an llm-foundry file's query and each choice (llm-foundry's continuation_delimiter;
+# trailing whitespace goes onto the choice, as lm-eval scores " choice"), per benchmark as its
+# standard scorer has it: "\nAnswer: " after a question (llm-foundry's tasks_v0.3.yaml and lm-eval's
+# arc, boolq, mmlu, piqa); for COPA two spaces, as lm-eval's copa scores (its choices start with a
+# space and its target_delimiter adds another; llm-foundry's copa has one). Any other file gets
+# llm-foundry's default, a space (lm-eval's openbookqa and hellaswag too).
+MC_DELIMITERS = {"arc_easy": ANSWER + " ", "arc_challenge": ANSWER + " ", "boolq": ANSWER + " ",
+                 "mmlu": ANSWER + " ", "piqa": ANSWER + " ", "copa": "  "}
+DEFAULT_MC_DELIMITER = " "
+# MMLU's task description, as lm-eval's mmlu_<subject> tasks open every prompt
+MMLU_SUBJECT_LINE = "The following are multiple choice questions (with answers) about {}.\n\n"
 
 
 class ItemProblem(ValueError):
     """One record that cannot be scored; its message is a snake_case reason."""
 
 
-def _choice_item(index: int, context: str, choices: list[Any], gold: Any, **meta: Any) -> Item:
+def _choice_item(index: int, context: str, choices: list[Any], gold: Any, space: str = " ",
+                 **meta: Any) -> Item:
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
         raise ItemProblem("bad_choices")
     if isinstance(gold, str) and gold.strip().lstrip("-").isdigit():
         gold = int(gold)
     if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
         raise ItemProblem("gold_out_of_range")
-    return Item(index=index, kind="choice", gold=gold, requests=tuple((context, " " + c) for c in choices),
+    return Item(index=index, kind="choice", gold=gold, requests=tuple((context, space + c) for c in choices),
                 norm_chars=tuple(len(c) for c in choices), meta=meta)
 
 
-def _mc(index: int, r: dict[str, Any], _: Any) -> Item:
-    return _choice_item(index, r["query"] + ANSWER, r["choices"], r["gold"])
+def _mc(index: int, r: dict[str, Any], delimiter: str) -> Item:
+    head = delimiter.rstrip()  # the delimiter's trailing whitespace opens the continuation
+    return _choice_item(index, r["query"] + head, r["choices"], r["gold"], space=delimiter[len(head):])
 
 
 def _hellaswag(index: int, r: dict[str, Any], _: Any) -> Item:
     return _choice_item(index, r["ctx"], r["endings"], r["label"])
 
 
-def mmlu_prompt(question: str, choices: list[str]) -> str:
-    """lm-eval's MMLU prompt: the question, lettered choices, then "Answer:"."""
+def mmlu_prompt(question: str, choices: list[str], subject: str = "") -> str:
+    """lm-eval's MMLU prompt: its subject line (when the subject is known), the question,
+    lettered choices, then "Answer:"."""
     lines = [question.strip()] + [f"{LETTERS[i]}. {c}" for i, c in enumerate(choices)]
-    return "\n".join(lines) + ANSWER
+    description = MMLU_SUBJECT_LINE.format(subject.replace("_", " ")) if subject else ""
+    return description + "\n".join(lines) + ANSWER
 
 
 def _mmlu(index: int, r: dict[str, Any], _: Any) -> Item:
     choices = r["choices"]
     if not isinstance(choices, list) or not 2 <= len(choices) <= len(LETTERS):
         raise ItemProblem("bad_choices")
-    return _choice_item(index, mmlu_prompt(r["question"], choices), list(LETTERS[:len(choices)]),
-                        r["answer"], subject=r.get("subject", ""), error_type=r.get("error_type", "ok"))
+    subject = r.get("subject", "")
+    return _choice_item(index, mmlu_prompt(r["question"], choices, subject), list(LETTERS[:len(choices)]),
+                        r["answer"], subject=subject, error_type=r.get("error_type", "ok"))
 
 
 def _piqa(index: int, r: dict[str, Any], labels: list[str] | None) -> Item:
@@ -202,11 +225,32 @@ def task_name(path: Path) -> str:
     return re.sub(r"[^a-z0-9]+", "_", stem.lower()).strip("_")
 
 
-def load_task(path: str | Path, fmt: str | None = None, limit: int | None = None) -> TaskData:
-    """Parse the first `limit` records of a benchmark file (all when None) into items.
+def foundry_task(path: Path) -> str | None:
+    """The llm-foundry task (a key of MC_DELIMITERS) a file is, from its name or its folder's:
+    copa_part1.jsonl, copa/test.jsonl and openbook_qa.jsonl are copa, copa and openbook_qa."""
+    for name in (task_name(path), path.parent.name.lower()):
+        for task in MC_DELIMITERS:
+            if name == task or name.startswith(task + "_"):
+                return task
+    return None
+
+
+def mc_delimiter(path: Path, delimiter: str | None = None) -> str:
+    """The delimiter an llm-foundry multiple-choice file is scored with: the one given, else its
+    task's, else llm-foundry's default."""
+    if delimiter is not None:
+        return delimiter
+    return MC_DELIMITERS.get(foundry_task(path) or "", DEFAULT_MC_DELIMITER)
+
+
+def load_task(path: str | Path, fmt: str | None = None, limit: int | None = None,
+              delimiter: str | None = None) -> TaskData:
+    """Parse the first `limit` records of a benchmark file (all when None) into items; an mc
+    file's `delimiter` (None: its task's, `mc_delimiter`) goes between query and choice.
 
     EvalDataError naming the file when it is missing, empty, of no known format, or has no
-    scorable record; records that cannot be scored are counted in `problems`."""
+    scorable record, or when a delimiter is given for a file of another format; records that
+    cannot be scored are counted in `problems`."""
     path = Path(path)
     if not path.is_file():
         raise EvalDataError(f"{path}: no such benchmark file")
@@ -217,7 +261,10 @@ def load_task(path: str | Path, fmt: str | None = None, limit: int | None = None
         raise EvalDataError(f"{path}: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     fmt = fmt or detect(set(records[0]), str(path))
     needed, kind, parse = FORMATS[fmt]
-    extra = None
+    if delimiter is not None and fmt != "mc":
+        raise EvalDataError(f"{path}: a delimiter was given but this is a {fmt} file; "
+                            "only mc files (query, choices, gold) take one")
+    extra: Any = mc_delimiter(path, delimiter) if fmt == "mc" else None
     if fmt == "piqa":
         labels_path = piqa_labels_path(path)
         if not labels_path.is_file():

@@ -39,10 +39,10 @@ from tasks.evaluate.engine import (
     EvalOptions,
     evaluate_task,
     load_model,
+    load_tasks,
     summarize,
     write_results,
 )
-from tasks.evaluate.formats import load_task
 
 log = logging.getLogger("gristmill.evaluate")
 
@@ -144,8 +144,7 @@ def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: 
     options = EvalOptions(batch_size=config.batch_size, max_new_tokens=config.gsm8k_max_new_tokens,
                           samples=config.gsm8k_samples)
     tasks = {}
-    for path in config.tasks:
-        data = load_task(path, limit=config.limit)
+    for data in load_tasks(config.tasks, limit=config.limit, delimiters=config.delimiters):
         done = work / "tasks" / f"{data.name}.json"
         if not done.exists():
             summary, rows = evaluate_task(*model_and_tokenizer(), data, options, device)

@@ -11,7 +11,8 @@ import sys
 BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretrain": "bench.pretrain",
               "dedup": "bench.dedup", "langid": "bench.langid", "clean": "bench.clean",
               "claims": "bench.claims", "chaos": "bench.chaos",
-              "evaluate": "bench.evaluate", "memory": "bench.memory", "verify": "bench.verify",
+              "evaluate": "bench.evaluate", "fidelity": "bench.fidelity", "memory": "bench.memory",
+              "verify": "bench.verify",
               "explain": "bench.explain"}
 
 

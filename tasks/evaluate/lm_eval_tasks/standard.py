@@ -119,20 +119,22 @@ def convert(task: str, records: Iterable[Doc]) -> list[Doc]:
     return [to_doc(r) for r in records]
 
 
-def write_task(task: str, docs: list[Doc], out_dir: Path) -> Path:
-    """`<task>.jsonl` (the docs) and `<task>.yaml` in `out_dir`: lm-eval's own task definition,
-    reading the docs as its only (test) split; returns the YAML's path. Point a TaskManager's
-    include_path at `out_dir` (include_defaults=False keeps it fast) and ask for `task`."""
-    if not re.fullmatch(r"[a-z0-9_]+", task):
-        raise ValueError(f"{task!r} is not an lm-eval task name")
+def write_task(task: str, docs: list[Doc], out_dir: Path, name: str | None = None) -> Path:
+    """`<name>.jsonl` (the docs) and `<name>.yaml` in `out_dir`: lm-eval's own definition of `task`
+    (`name`: the derived task's name, `task` by default), reading the docs as its only (test)
+    split; returns the YAML's path. Point a TaskManager's include_path at `out_dir`
+    (include_defaults=False keeps it fast) and ask for `name`."""
+    name = name or task
+    if not re.fullmatch(r"[a-z0-9_]+", name):
+        raise ValueError(f"{name!r} is not an lm-eval task name")
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = out_dir / f"{task}.jsonl"
+    data = out_dir / f"{name}.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    derived = {"include": str(task_yaml(task)), "task": task, "dataset_path": "json", "dataset_name": None,
+    derived = {"include": str(task_yaml(task)), "task": name, "dataset_path": "json", "dataset_name": None,
                # HF datasets caches even local files; keep that cache beside them, not in $HOME
                "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(out_dir / ".hf_cache")},
                # one split: no training or few-shot split is read (every check here is zero-shot)
                "training_split": None, "validation_split": None, "fewshot_split": None, "test_split": "test"}
-    path = out_dir / f"{task}.yaml"
+    path = out_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(derived, sort_keys=False))
     return path

@@ -136,6 +136,33 @@ def test_aligned_model_is_registered_with_lineage_and_aliases(tiny_run):
     assert {a.path for a in client.list_artifacts(first.run_id, "model")} >= {"model/config.json"}
 
 
+def test_each_runs_models_are_logged_once_and_scored_against_their_data(tiny_run):
+    """The SFT and aligned models are logged models of the stage runs that computed them, and of
+    no reused run; the evaluate run scored each against its data (the val split, the arithmetic
+    problems, each benchmark file)."""
+    home = tiny_run.home
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    experiment = client.get_experiment_by_name("gristmill").experiment_id
+    for stage in ("sft", "align"):
+        key = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["key"]
+        [model] = client.search_logged_models([experiment], filter_string=f"tags.`gristmill.key` = '{key}'")
+        source = client.get_run(model.source_run_id).data.tags
+        assert (model.status, source["gristmill.stage"], source["gristmill.reused"]) == ("READY", stage, "false")
+        assert model.name == f"{stage}-{key}"
+    evaluate = json.loads((committed_dir(home, "evaluate") / "manifest.json").read_text())
+    evaluate_run = client.get_run(evaluate["meta"]["mlflow_run_id"])
+    [aligned] = client.search_logged_models(
+        [experiment], filter_string=f"tags.`gristmill.key` = '{evaluate['upstream']['align']}'")
+    scored = {m.key: m.dataset_name for m in client.get_logged_model(aligned.model_id).metrics}
+    assert scored["aligned_val_ppl"] == f"tokenize-{evaluate['upstream']['tokenize']}"
+    assert scored["aligned_arith_acc"] == "arithmetic-test"
+    assert scored["aligned_arc_easy_part1_acc"] == "arc_easy_part1"
+    assert scored["aligned_val_ppl"] in {d.dataset.name for d in evaluate_run.inputs.dataset_inputs}
+    assert aligned.model_id in {m.model_id for m in evaluate_run.inputs.model_inputs}
+
+
 def test_prefect_shows_the_funnel_and_the_report_card(tiny_run):
     home = tiny_run.home
     import sqlite3

@@ -123,9 +123,9 @@ def _gpu_slot(stage: PlannedStage):
     return concurrency(GPU_LIMIT, occupy=1, strict=True)
 
 
-def _publish(stage: PlannedStage, manifest: Manifest, runtime: Runtime, run_id: str, charts: bool) -> None:
+def _publish(stage: PlannedStage, manifest: Manifest, runtime: Runtime, run_id: str, owner: bool) -> None:
     if (publisher := stage.spec.load_publisher()) is not None:
-        publisher(manifest, runtime.tracker, run_id, charts)
+        publisher(manifest, runtime.tracker, run_id, owner)
 
 
 def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[str, Manifest],
@@ -134,9 +134,9 @@ def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[s
     run_id, backfilled = tracker.record_reused_stage(runtime.parent_run_id, name, stage.key,
                                                      config, upstream, existing)
     try:
-        # Charts live in the run that computed the artifact, unless it never finished.
+        # What a publisher logs lives in the run that computed the artifact, unless it never finished.
         _publish(stage, existing, runtime, run_id if backfilled else existing.meta["mlflow_run_id"],
-                 charts=backfilled)
+                 owner=backfilled)
     except BaseException:
         tracker.end(run_id, ok=False)
         raise
@@ -170,7 +170,8 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
         with _gpu_slot(stage):
             manifest, reused = runtime.store.materialize(
                 name, stage.key, _compute(stage, upstream, runtime, run_id, artifacts, meta or {}))
-        _publish(stage, manifest, runtime, run_id, charts=True)
+        runtime.join()  # reused upstream stages recorded first: a publisher finds what they logged
+        _publish(stage, manifest, runtime, run_id, owner=True)
         tracker.finish_stage(run_id, manifest, artifacts)
         if reused:
             logger.info("%s: reused %s, computed meanwhile by another run", name, manifest.path)

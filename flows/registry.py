@@ -1,18 +1,22 @@
 """The model registry step of a pipeline run: register the aligned model, move the aliases.
 
-After evaluate, the align stage's `model/` is logged into the pipeline's MLflow run and registered
-as a new version of `gristmill-<name>` (`registry.model_name`), tagged with its lineage (the
-artifact key of every stage that produced it: `gristmill.key.<stage>`) and the metrics it is
-judged on (`gristmill.metric.<model>.<metric>`). It takes the alias `candidate`, and `champion`
-only when it beats the current champion on `registry.promote_on` (flows/config.py): no worse on
-every metric and better on at least one; lower is better for loss / ppl / bpb, higher otherwise.
+After evaluate, the align stage's logged model (the MLflow model its run logged:
+infra/tracking/models.py) is registered as a new version of `gristmill-<name>`
+(`registry.model_name`), tagged with its lineage (the artifact key of every stage that produced
+it: `gristmill.key.<stage>`) and the metrics it is judged on (`gristmill.metric.<model>.<metric>`).
+It takes the alias `candidate`, and `champion` only when it beats the current champion on
+`registry.promote_on` (flows/config.py): no worse on every metric and better on at least one;
+lower is better for loss / ppl / bpb, higher otherwise.
 The decision and its reason go into tags on the run (`gristmill.registry.*`) and on the version,
 and into the `pipeline-summary` Prefect artifact.
 
 A re-run whose align and evaluate stages were both reused registers nothing new: the version with
-that lineage takes the candidate alias again and is judged as before. Aliases only; MLflow's
+that lineage takes the candidate alias again and is judged as before. Unless that version predates
+logged models (a plain model directory): then the model is registered again, from its logged
+model, and takes over `champion` when that version held it. Aliases only; MLflow's
 deprecated registry "stages" are never used. Load the champion with
-`mlflow.artifacts.download_artifacts("models:/gristmill-tiny@champion")`.
+`mlflow.pyfunc.load_model("models:/gristmill-tiny@champion")`, or serve it with
+`mlflow models serve -m models:/gristmill-tiny@champion --env-manager local`.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from core.stage import Manifest
 from flows.config import PipelineConfig
+from infra.tracking.models import logged_model
 from infra.tracking.registry import ModelRegistry, ModelVersion
 from infra.tracking.runs import Tracker
 
@@ -110,6 +115,12 @@ def _same_lineage(version: ModelVersion, lineage: Mapping[str, str]) -> bool:
                if stage in ("align", "evaluate"))
 
 
+def _logged(version: ModelVersion) -> bool:
+    """Created from a logged model, so MLflow can load and serve it; a version registered before
+    models were logged holds a plain model directory."""
+    return version.source.startswith("models:/")
+
+
 def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
                          manifests: Mapping[str, Manifest]) -> Decision:
     """Register the aligned model of `manifests` (the stages of one pipeline run, through
@@ -119,8 +130,8 @@ def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
     lineage = {stage: m.key for stage, m in manifests.items()}
     metrics = evaluation_metrics(manifests["evaluate"].path, promote_on)
     registry = ModelRegistry(tracker.uri)
-    known = next((v for v in registry.model_versions(name) if _same_lineage(v, lineage)), None)
-    version = known or registry.register_model(name, run_id, manifests["align"].path / "model", {
+    known = next((v for v in registry.model_versions(name) if _same_lineage(v, lineage) and _logged(v)), None)
+    version = known or registry.register_model(name, logged_model(tracker, "align", manifests["align"].key), {
         **{KEY_TAG + stage: key for stage, key in lineage.items()},
         **{METRIC_TAG + k: repr(v) for k, v in metrics.items()}, "gristmill.pipeline_run_id": run_id})
     registry.set_alias(name, CANDIDATE, version.version)
@@ -129,6 +140,8 @@ def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
         promoted, reason = True, "no champion yet"
     elif champion.version == version.version:
         promoted, reason = False, "already the champion (align and evaluate reused)"
+    elif _same_lineage(champion, lineage):  # and not _logged(champion): the same model, now servable
+        promoted, reason = True, f"the champion's model (version {champion.version}), as an MLflow model"
     else:
         promoted, reason = compare(metrics, _metrics_of(champion), promote_on)
         reason = f"{reason} (champion version {champion.version})"

@@ -41,8 +41,9 @@ class StageSpec:
     upstream: tuple[str, ...] = ()
     uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
     uses_gpu: bool = False  # computed under the `gpu` concurrency limit (flows/pipeline.py)
-    # "module.function" called as f(manifest, tracker, mlflow_run_id, charts) once the stage is
-    # done or reused, to show it in MLflow and Prefect (flows/reports.py); None: nothing to show
+    # "module.function" called as f(manifest, tracker, mlflow_run_id, owner) once the stage is
+    # done or reused, to show it in MLflow and Prefect (flows/reports.py); `owner`: the run is the
+    # one that holds the stage's outputs in MLflow (computed it, or back-fills them); None: nothing
     publisher: str | None = None
 
     def load_run(self) -> Callable[..., StageResult]:
@@ -86,16 +87,17 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec(name="sft", run="tasks.sft.stage.run", config=sft.Config,
               description="Supervised fine-tuning on conversations.",
               version=sft.VERSION, fingerprint=sft.fingerprint,
-              upstream=("tokenize", "pretrain"), uses_gpu=True),
+              upstream=("tokenize", "pretrain"), uses_gpu=True, publisher="flows.reports.publish_model"),
     StageSpec(name="align", run="tasks.align.stage.run", config=align.Config,
               description="Preference alignment.",
               version=align.VERSION, fingerprint=align.fingerprint,
-              upstream=("sft",), uses_gpu=True),
+              upstream=("sft",), uses_gpu=True, publisher="flows.reports.publish_model"),
     # collect: the training text benchmark items are checked against (contamination)
     StageSpec(name="evaluate", run="tasks.evaluate.stage.run", config=evaluate.Config,
               description="Evaluation and report.",
               version=evaluate.VERSION, fingerprint=evaluate.fingerprint,
-              upstream=("collect", "tokenize", "pretrain", "sft", "align"), uses_gpu=True),
+              upstream=("collect", "tokenize", "pretrain", "sft", "align"), uses_gpu=True,
+              publisher="flows.reports.publish_evaluate"),
 )
 STAGE_NAMES = tuple(spec.name for spec in STAGES)
 

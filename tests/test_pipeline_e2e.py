@@ -113,7 +113,8 @@ def test_mlflow_has_parent_and_stage_runs_with_lineage(tiny_run):
 def test_aligned_model_is_registered_with_lineage_and_aliases(tiny_run):
     """The first run's aligned model is version 1 of gristmill-tiny, candidate and champion then (no
     champion before it); the newest version is the candidate; a re-run that reuses align and
-    evaluate registers no new version, so no two versions share that lineage."""
+    evaluate registers no new version, so no two versions share that lineage. Version 1 was
+    created from the logged model of the first run's align stage."""
     home = tiny_run.home
     from mlflow.tracking import MlflowClient
 
@@ -122,18 +123,50 @@ def test_aligned_model_is_registered_with_lineage_and_aliases(tiny_run):
     aliases = {alias: str(v) for alias, v in client.get_registered_model("gristmill-tiny").aliases.items()}
     assert aliases["candidate"] == max(versions, key=int) and aliases["champion"] in versions
     first = client.get_model_version("gristmill-tiny", "1")
+    pipeline_run = first.tags["gristmill.pipeline_run_id"]
     experiment = client.get_experiment_by_name("gristmill").experiment_id
-    stage_runs = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{first.run_id}'")
+    stage_runs = {r.data.tags["gristmill.stage"]: r for r in
+                  client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{pipeline_run}'")}
     assert {stage: first.tags[f"gristmill.key.{stage}"] for stage in STAGES} == {
-        r.data.tags["gristmill.stage"]: r.data.tags["gristmill.key"] for r in stage_runs}
+        stage: r.data.tags["gristmill.key"] for stage, r in stage_runs.items()}
     assert "gristmill.metric.aligned.arith_acc" in first.tags
     lineages = {(v.tags["gristmill.key.align"], v.tags["gristmill.key.evaluate"]) for v in versions.values()}
     assert len(lineages) == len(versions)
-    run = client.get_run(first.run_id)
+    run = client.get_run(pipeline_run)
     assert run.data.tags["gristmill.kind"] == "pipeline"
     assert run.data.tags["gristmill.registry.decision"] == "promoted"
     assert run.data.tags["gristmill.registry.reason"] == "no champion yet"
-    assert {a.path for a in client.list_artifacts(first.run_id, "model")} >= {"model/config.json"}
+    align_run = stage_runs["align"].info.run_id
+    [model] = client.get_run(align_run).outputs.model_outputs
+    assert first.source == f"models:/{model.model_id}" and first.run_id == align_run
+    assert client.get_logged_model(model.model_id).tags["gristmill.key"] == first.tags["gristmill.key.align"]
+
+
+def test_each_runs_models_are_logged_once_and_scored_against_their_data(tiny_run):
+    """The SFT and aligned models are logged models of the stage runs that computed them, and of
+    no reused run; the evaluate run scored each against its data (the val split, the arithmetic
+    problems, each benchmark file)."""
+    home = tiny_run.home
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    experiment = client.get_experiment_by_name("gristmill").experiment_id
+    for stage in ("sft", "align"):
+        key = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["key"]
+        [model] = client.search_logged_models([experiment], filter_string=f"tags.`gristmill.key` = '{key}'")
+        source = client.get_run(model.source_run_id).data.tags
+        assert (model.status, source["gristmill.stage"], source["gristmill.reused"]) == ("READY", stage, "false")
+        assert model.name == f"{stage}-{key}"
+    evaluate = json.loads((committed_dir(home, "evaluate") / "manifest.json").read_text())
+    evaluate_run = client.get_run(evaluate["meta"]["mlflow_run_id"])
+    [aligned] = client.search_logged_models(
+        [experiment], filter_string=f"tags.`gristmill.key` = '{evaluate['upstream']['align']}'")
+    scored = {m.key: m.dataset_name for m in client.get_logged_model(aligned.model_id).metrics}
+    assert scored["aligned_val_ppl"] == f"tokenize-{evaluate['upstream']['tokenize']}"
+    assert scored["aligned_arith_acc"] == "arithmetic-test"
+    assert scored["aligned_arc_easy_part1_acc"] == "arc_easy_part1"
+    assert scored["aligned_val_ppl"] in {d.dataset.name for d in evaluate_run.inputs.dataset_inputs}
+    assert aligned.model_id in {m.model_id for m in evaluate_run.inputs.model_inputs}
 
 
 def test_prefect_shows_the_funnel_and_the_report_card(tiny_run):

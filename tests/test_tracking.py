@@ -3,6 +3,7 @@ run records, the back-fill of a run that never finished, MLflow's batch limits, 
 lineage; and a server that does not answer, told apart from MLflow's other errors by type."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -148,14 +149,14 @@ def test_lineage_survives_another_run_logging_the_same_dataset_at_once(tracker, 
     other = Tracker(tmp_path / "home")
     real, raced = tracker.client.log_inputs, []
 
-    def racing(run_id, datasets):
+    def racing(run_id, datasets, models=()):
         if not raced:  # the other run inserts first; this run's insert then violates the constraint
             raced.append(other.start_stage(other.start_pipeline("other", {}, {}), "tokenize", "t1",
                                            {}, {"collect": collect}))
             raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: "
                                   "datasets.experiment_id, datasets.name, datasets.digest") \
                 from sqlalchemy.exc.IntegrityError("INSERT INTO datasets", {}, None)
-        return real(run_id, datasets=datasets)
+        return real(run_id, datasets=datasets, models=models)
 
     tracker.client.log_inputs = racing
     run_id = tracker.start_stage(tracker.start_pipeline("this", {}, {}), "tokenize", "t1", {},
@@ -180,6 +181,104 @@ def test_a_corpus_version_is_a_dataset_of_its_run_next_to_the_version_it_extends
                         ("corpus-v1", "c1", v1.path.resolve().as_uri(), "parent-corpus-version")}
     assert {k: v for k, v in run.data.tags.items() if k.startswith("gristmill.corpus.")} == {
         "gristmill.corpus.version": "2", "gristmill.corpus.key": "c2", "gristmill.corpus.parent_version": "1"}
+
+
+def test_a_stage_model_is_logged_once_as_a_chat_model(tracker, tmp_path, tiny_model_dir, monkeypatch):
+    """The stage's `model/` becomes a logged model of its run (transformers flavour, chat task),
+    tagged with the artifact; a run that reuses the stage finds it in one search and logs
+    nothing. Loaded through `models:/<id>`, it takes chat messages, renders them with the
+    tokenizer's chat template and answers with the greedy continuation."""
+    import shutil
+
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.chat import prompt_ids
+    from flows.reports import publish_model
+
+    manifest = _manifest(tmp_path / "store", "sft", "s1", None)
+    shutil.copytree(tiny_model_dir, manifest.path / "model")
+    run_id = tracker.start_stage(tracker.start_pipeline("first", {}, {}), "sft", "s1", {}, {})
+    publish_model(manifest, tracker, run_id, True)
+    client = MlflowClient(tracker.uri)
+    [model] = client.search_logged_models([tracker.experiment_id])
+    assert (model.status, model.source_run_id, model.name) == ("READY", run_id, "sft-s1")
+    assert {k: model.tags[k] for k in ("gristmill.stage", "gristmill.key")} == {
+        "gristmill.stage": "sft", "gristmill.key": "s1"}
+    assert [o.model_id for o in client.get_run(run_id).outputs.model_outputs] == [model.model_id]
+
+    calls = Calls(tracker)
+    publish_model(manifest, tracker, run_id, False)  # a reused stage
+    assert calls.names == ["search_logged_models"]
+    assert len(client.search_logged_models([tracker.experiment_id])) == 1
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.uri)
+    loaded = mlflow.pyfunc.load_model(f"models:/{model.model_id}")
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    [reply] = loaded.predict({"messages": messages, "max_tokens": 6})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = prompt_ids(tokenizer, messages)
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    out = hf_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    continuation = out[0, len(prompt):].tolist()
+    assert reply["object"] == "chat.completion" and reply["usage"]["prompt_tokens"] == len(prompt)
+    assert reply["usage"]["completion_tokens"] == len(continuation)
+    assert reply["choices"][0]["message"] == {
+        "role": "assistant", "content": tokenizer.decode(continuation, skip_special_tokens=True).strip()}
+
+
+def test_evaluation_metrics_are_logged_against_the_models_and_the_data(tracker, tmp_path):
+    """The evaluate stage's SFT and aligned scores, each logged against its logged model and the
+    data it was measured on: the val split (the tokenize artifact, in the lineage), the generated
+    arithmetic problems, each benchmark file; `core` against no single one. Only by the run that
+    owns the artifact's outputs."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.reports import measured_on, publish_evaluate
+    from infra.tracking.models import KEY_TAG, STAGE_TAG
+
+    tokenize = _manifest(tmp_path / "store", "tokenize", "t1", None)
+    bench = tmp_path / "hellaswag_part1.jsonl"
+    bench.write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
+    evaluate = Manifest(
+        stage="evaluate", key="e1", path=tmp_path, upstream={"tokenize": "t1", "sft": "s1", "align": "a1"},
+        config={"arith_problems": 20, "arith_seed": 0, "tasks": [str(bench)]}, files={},
+        stats={"base_val_ppl": 9.0, "sft_val_ppl": 7.0, "sft_arith_acc": 0.25, "sft_hellaswag_part1_acc": 0.5,
+               "sft_hellaswag_part1_acc_clean": 0.5, "sft_core": 0.1, "aligned_val_ppl": 6.0,
+               "aligned_arith_acc": 0.4, "aligned_hellaswag_part1_acc": 0.5, "aligned_core": 0.2, "seconds": 3.0})
+    models = {}
+    for stage, key in (("sft", "s1"), ("align", "a1")):
+        models[stage] = tracker.client.create_logged_model(tracker.experiment_id,
+                                                           tags={STAGE_TAG: stage, KEY_TAG: key}).model_id
+        tracker.client.finalize_logged_model(models[stage], "READY")
+    run_id = tracker.start_stage(tracker.start_pipeline("eval", {}, {}), "evaluate", "e1", {}, {"tokenize": tokenize})
+    calls = Calls(tracker)
+    publish_evaluate(evaluate, tracker, run_id, False)  # a reused stage: its computing run has them
+    assert calls.names == []
+    publish_evaluate(evaluate, tracker, run_id, True)
+
+    client = MlflowClient(tracker.uri)
+    arith = measured_on(evaluate, "sft")[1][0]
+    assert arith.name == "arithmetic-test" and len(arith.digest) == 12
+    other_problems = dataclasses.replace(evaluate, config={**evaluate.config, "arith_seed": 1})
+    assert measured_on(other_problems, "sft")[1][0].digest != arith.digest  # another dataset
+    bench_digest = next(d.digest for d, _ in measured_on(evaluate, "sft") if d and d.name == "hellaswag_part1")
+    logged = {(m.key, m.dataset_name, m.dataset_digest, m.value)
+              for m in client.get_logged_model(models["sft"]).metrics}
+    assert logged == {("sft_val_ppl", "tokenize-t1", "t1", 7.0),
+                      ("sft_arith_acc", "arithmetic-test", arith.digest, 0.25),
+                      ("sft_hellaswag_part1_acc", "hellaswag_part1", bench_digest, 0.5),
+                      ("sft_hellaswag_part1_acc_clean", "hellaswag_part1", bench_digest, 0.5),
+                      ("sft_core", None, None, 0.1)}
+    assert {m.key for m in client.get_logged_model(models["align"]).metrics} == {
+        "aligned_val_ppl", "aligned_arith_acc", "aligned_hellaswag_part1_acc", "aligned_core"}
+    run = client.get_run(run_id)
+    assert {i.model_id for i in run.inputs.model_inputs} == set(models.values())
+    assert {(i.dataset.name, i.dataset.source) for i in run.inputs.dataset_inputs} == {
+        ("tokenize-t1", tokenize.path.resolve().as_uri()), ("hellaswag_part1", str(bench)),
+        ("arithmetic-test", "core.arithmetic?split=test&n=20&seed=0")}
 
 
 def _free_port() -> int:

@@ -1,6 +1,7 @@
 """MLflow tracking: the only package that imports mlflow.
 
     runs.py      a pipeline's parent run and its stage runs: params, metrics, lineage; read back
+    models.py    the SFT and aligned models as MLflow logged models; metrics against them
     registry.py  the model registry: versions of the aligned model and their aliases
     corpus.py    a data refresh's corpus versions, as MLflow datasets
 

@@ -1,16 +1,19 @@
 """MLflow's model registry: versions of a registered model, their tags and aliases.
 
 Aliases only (`candidate`, `champion`: flows/registry.py decides); MLflow's deprecated registry
-"stages" are never used. A version's files are a plain HF model directory logged into a run,
-not an MLflow flavor: `mlflow.artifacts.download_artifacts("models:/NAME@champion")` fetches it.
+"stages" are never used. A version is created from a logged model (models.py), its source
+`models:/<model_id>`, so `mlflow.pyfunc.load_model("models:/NAME@champion")` loads it and
+`mlflow models serve -m models:/NAME@champion` serves it.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import mlflow
 from mlflow.exceptions import MlflowException
 
 from infra.tracking import Client
@@ -18,17 +21,31 @@ from infra.tracking import Client
 
 @dataclass(frozen=True, kw_only=True)
 class ModelVersion:
-    """One version of a registered model, as plain data: its number, tags and aliases."""
+    """One version of a registered model, as plain data: its number, source, tags and aliases."""
 
     name: str
     version: str
+    source: str  # models:/<model_id> of its logged model (runs:/<run>/model before models were logged)
     tags: dict[str, str]
     aliases: tuple[str, ...]
 
 
 def _version(mv: Any) -> ModelVersion:
-    return ModelVersion(name=mv.name, version=str(mv.version), tags=dict(mv.tags or {}),
+    return ModelVersion(name=mv.name, version=str(mv.version), source=mv.source, tags=dict(mv.tags or {}),
                         aliases=tuple(mv.aliases or ()))
+
+
+@contextlib.contextmanager
+def _global_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's SQL registry store looks the logged model of a `models:/<model_id>` source up
+    through the process's tracking URI, not its client's (a TODO in its create_model_version):
+    point that at `uri` for the call, then back (MLFLOW_TRACKING_URI as it was)."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)  # None unsets it
 
 
 class ModelRegistry:
@@ -37,18 +54,17 @@ class ModelRegistry:
     def __init__(self, uri: str):
         self.client = Client(uri)
 
-    def register_model(self, name: str, run_id: str, model_dir: Path,
-                       tags: Mapping[str, str]) -> ModelVersion:
-        """Log `model_dir` into run `run_id` as its `model/` artifact and register that as a new
-        version of `name` (the registered model is created on first use)."""
-        self.client.log_artifacts(run_id, str(model_dir), "model")
+    def register_model(self, name: str, model_id: str, tags: Mapping[str, str]) -> ModelVersion:
+        """Register logged model `model_id` as a new version of `name` (the registered model is
+        created on first use); the version's run is the one that logged the model."""
         try:
             self.client.create_registered_model(name)
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        return _version(self.client.create_model_version(name, f"runs:/{run_id}/model", run_id=run_id,
-                                                         tags=dict(tags)))
+        with _global_tracking_uri(self.client.uri):
+            return _version(self.client.create_model_version(name, f"models:/{model_id}", tags=dict(tags),
+                                                             model_id=model_id))
 
     def model_versions(self, name: str) -> list[ModelVersion]:
         """Every version of registered model `name`, oldest first (none when it does not exist);

@@ -25,6 +25,7 @@ from mlflow.entities import (
     Dataset,
     DatasetInput,
     InputTag,
+    LoggedModelInput,
     Metric,
     Param,
     RunStatus,
@@ -69,18 +70,24 @@ def _params(config: Mapping[str, Any]) -> list[Param]:
 def _step_metrics(rows: Iterable[Mapping[str, Any]]) -> list[Metric]:
     """metrics.jsonl rows as MLflow metrics at their steps."""
     stamp = _now_ms()
-    return [Metric(k, v, stamp, int(row["step"])) for row in rows for k, v in _numeric(row).items() if k != "step"]
+    return [Metric(k, v, stamp, int(row["step"])) for row in rows for k, v in numeric(row).items() if k != "step"]
 
 
 def _stage_metrics(manifest: Manifest, with_steps: bool) -> list[Metric]:
     """The manifest's numeric stats (step 0) and, when `with_steps`, its metrics.jsonl rows."""
-    metrics = [Metric(k, v, _now_ms(), 0) for k, v in _numeric(manifest.stats).items()]
+    metrics = [Metric(k, v, _now_ms(), 0) for k, v in numeric(manifest.stats).items()]
     return metrics + (_step_metrics(read_metrics(manifest.path / METRICS_FILE)) if with_steps else [])
 
 
-def _numeric(stats: Mapping[str, Any]) -> dict[str, float]:
+def numeric(stats: Mapping[str, Any]) -> dict[str, float]:
+    """The values MLflow takes as metrics: finite numbers, not booleans."""
     return {k: float(v) for k, v in stats.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def dataset_name(stage: str, key: str) -> str:
+    """The MLflow dataset an upstream artifact is in a stage run's lineage: `<stage>-<key>`."""
+    return f"{stage}-{key}"
 
 
 def artifact_input(name: str, manifest: Manifest, source_type: str, context: str) -> DatasetInput:
@@ -218,15 +225,20 @@ class Tracker:
     def log_file(self, run_id: str, path: Path, folder: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), folder)
 
-    def log_inputs(self, run_id: str, inputs: list[DatasetInput], attempts: int = 3) -> None:
-        """`log_inputs`, tried again when it fails. MLflow looks a dataset up and inserts it when
-        missing in two steps, so two runs logging the same dataset at once (two runs of one config,
-        the second reusing what the first computed) can both insert, and the later one fails on the
-        unique (experiment, name, digest) constraint. The failed transaction changed nothing, and
-        the next try finds the row the other run inserted."""
+    def log_metrics(self, run_id: str, metrics: Sequence[Metric]) -> None:
+        self._log_batches(run_id, metrics=metrics)
+
+    def log_inputs(self, run_id: str, inputs: list[DatasetInput], models: Sequence[LoggedModelInput] = (),
+                   attempts: int = 3) -> None:
+        """`log_inputs` of datasets and logged models, tried again when it fails. MLflow looks a
+        dataset up and inserts it when missing in two steps, so two runs logging the same dataset
+        at once (two runs of one config, the second reusing what the first computed) can both
+        insert, and the later one fails on the unique (experiment, name, digest) constraint.
+        The failed transaction changed nothing, and the next try finds the row the other run
+        inserted."""
         for attempt in range(attempts):
             try:
-                self.client.log_inputs(run_id, datasets=inputs)
+                self.client.log_inputs(run_id, datasets=inputs, models=list(models))
                 return
             except MlflowException:  # TrackingUnavailable (no answer) is not one: it propagates
                 if attempt == attempts - 1:
@@ -247,7 +259,7 @@ class Tracker:
         return self.client.create_run(self.experiment_id, run_name=stage, tags=tags).info.run_id
 
     def _log_lineage(self, run_id: str, upstream: Mapping[str, Manifest]) -> None:
-        inputs = [artifact_input(f"{name}-{m.key}", m, "gristmill-artifact", f"upstream:{name}")
+        inputs = [artifact_input(dataset_name(name, m.key), m, "gristmill-artifact", f"upstream:{name}")
                   for name, m in upstream.items()]
         if inputs:
             self.log_inputs(run_id, inputs)

@@ -54,6 +54,11 @@ class LoopConfig(TrainConfig):
         None, gt=0, description="Target tokens per optimizer step (all processes). When set, batch_size is "
                                 "the micro-batch (sequences per forward pass) and the stage derives the "
                                 "accumulation: grad_accum_steps = tokens_per_step / (batch_size * seq_len).")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw: AdamW for every parameter. muon: Muon for the transformer blocks' "
+                             "matrices, AdamW for the embedding, norms and biases, with one lr and "
+                             "weight_decay (model/optim.py).")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon only: Muon's Nesterov momentum.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine floor).")
     schedule: Literal["cosine", "wsd"] = Field(
         "cosine", description="LR after warmup: cosine decay to the floor, or wsd (warmup-stable-decay: "

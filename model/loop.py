@@ -1,7 +1,7 @@
 """The one training loop of the training stages (pretrain, SFT, and later alignment).
 
 Accelerate runs it on CPU, one GPU, or several processes (`accelerate launch`, `torchrun`, Ray
-Train); AdamW (fused on CUDA) with a warmup+cosine or warmup-stable-decay LR, gradient clipping
+Train); AdamW or Muon (model/optim.py) with a warmup+cosine or warmup-stable-decay LR, gradient clipping
 and optional gradient accumulation, bf16 autocast and optional `torch.compile` on GPU. Resume is
 exact: batches come from `get_batch(index)`, a pure function of (seed, index), and the state of
 model, optimizer, scheduler and RNGs is checkpointed every `checkpoint_every` steps under
@@ -45,6 +45,7 @@ from model.checkpoint import (
     save_checkpoint,
 )
 from model.config import LoopConfig
+from model.optim import make_optimizer
 from model.schedule import lr_multiplier
 from model.throughput import Throughput, device_peak_tflops
 
@@ -148,17 +149,6 @@ def mean_token_loss(model: torch.nn.Module, batches: list[Batch]) -> float:
         total, count = total + loss.item(), count + int(n)
     model.train(was_training)
     return total / max(count, 1)
-
-
-def make_optimizer(model: torch.nn.Module, cfg: LoopConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (embeddings and linear weights); the fused
-    (single-kernel) implementation when the parameters are on CUDA."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
 def make_accelerator(cfg: LoopConfig) -> Accelerator:

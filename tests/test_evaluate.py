@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 import tasks.evaluate.stage as evaluate
+from tasks.evaluate import compression
 from core.stage import Manifest, SerialEngine
 from core.units import bits_per_byte
 from tasks.evaluate.config import fingerprint
@@ -19,14 +20,52 @@ from tasks.evaluate.config import fingerprint
 # --- pure arithmetic ----------------------------------------------------------------------------
 
 def test_bits_per_byte_hand_computed():
-    # 1000 val tokens from 4000 bytes; 500 evaluated tokens cover 2000 bytes. A loss of
-    # ln(2) nats per token is 1 bit per token = 0.25 bits per byte at 4 bytes per token.
-    n_bytes = evaluate.covered_bytes(val_bytes=4000, val_tokens=1000, tokens_evaluated=500)
-    assert n_bytes == 2000
-    assert bits_per_byte(math.log(2), n_bytes / 500) == pytest.approx(0.25)
+    # A loss of ln(2) nats per token is 1 bit per token = 0.25 bits per byte at 4 bytes per token.
+    assert bits_per_byte(math.log(2), 4.0) == pytest.approx(0.25)
     assert bits_per_byte(3.0, 1.0) == pytest.approx(3.0 / math.log(2))
     with pytest.raises(ValueError, match="bytes_per_token"):
         bits_per_byte(1.0, 0.0)
+
+
+def test_token_bytes_are_exact_even_inside_a_character(tiny_tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    text = "naïve café — 日本語 text, ünïcödé"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert compression.token_bytes(tok, ids) == text.encode()
+    # Split after every token: the halves' bytes still add up, though some end inside a character.
+    halves = [compression.token_bytes(tok, ids[:i]) + compression.token_bytes(tok, ids[i:])
+              for i in range(len(ids))]
+    assert set(halves) == {text.encode()}
+    assert any(not _decodes(compression.token_bytes(tok, ids[:i])) for i in range(len(ids)))
+    sep = tok.convert_tokens_to_ids("<|endoftext|>")  # stands for no text
+    assert compression.token_bytes(tok, [sep, *ids, sep]) == text.encode()
+
+
+def _decodes(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_compressors_given_the_text_they_have_read(shared_data):
+    text = (shared_data / "corpus" / "botchan_en.txt").read_bytes()
+    scored, unrelated = text[200_000:210_000], text[:100_000]
+    alone = compression.baselines(scored, b"")
+    assert set(alone) == {"scored_bytes", "train_bytes", "xz_bpb", "zstd_bpb"}
+    assert 1.5 < alone["xz_bpb"] < 5 and 1.5 < alone["zstd_bpb"] < 5  # English prose
+    # Training text that holds the scored bytes makes them nearly free; unrelated text of the same
+    # book helps a little (shared words); random bytes cannot be compressed at all.
+    read = compression.baselines(scored, unrelated + scored)
+    related = compression.baselines(scored, unrelated)
+    for name in ("xz", "zstd"):
+        assert read[f"{name}_given_train_bpb"] < 0.1 < related[f"{name}_given_train_bpb"]
+        assert related[f"{name}_given_train_bpb"] < alone[f"{name}_bpb"]
+    noise = np.random.default_rng(0).bytes(20_000)
+    assert compression.baselines(noise, b"")["xz_bpb"] > 8
+    with pytest.raises(ValueError, match="no bytes"):
+        compression.baselines(b"", text)
 
 
 def test_eval_windows():
@@ -73,12 +112,16 @@ def test_fingerprint_follows_file_contents(tmp_path):
 def _fake_tokenize(root: Path, tokenizer_dir: Path, shared_data: Path) -> Manifest:
     """A tokenize-like output: val.bin from real text with the fixture tokenizer, and its meta."""
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    text = (shared_data / "corpus" / "botchan_en.txt").read_text(encoding="utf-8")
+    text = (shared_data / "corpus" / "botchan_en.txt").read_text(encoding="utf-8-sig")  # no BOM: ASCII, so
+    # decoding to str gives the same bytes as compression.token_bytes
     docs = [text[i: i + 1000] for i in range(0, 12_000, 1000)]
     sep = tok.convert_tokens_to_ids("<|endoftext|>")
     ids = [t for d in docs for t in [*tok.encode(d, add_special_tokens=False), sep]]
     (root / "tokens").mkdir(parents=True)
     np.asarray(ids, dtype=np.uint16).tofile(root / "tokens" / "val.bin")
+    train = tok.encode(text[20_000:60_000], add_special_tokens=False)
+    np.asarray(train, dtype=np.uint16).tofile(root / "tokens" / "train.bin")
+    tok.save_pretrained(root / "tokenizer")
     meta = {"dtype": "uint16", "vocab_size": len(tok), "train_tokens": 0, "val_tokens": len(ids),
             "train_docs": 0, "val_docs": len(docs), "val_bytes": sum(len(d.encode()) for d in docs)}
     (root / "tokens" / "meta.json").write_text(json.dumps(meta))
@@ -146,12 +189,28 @@ def test_random_model_perplexity_near_vocab(stage_run, tiny_model_dir):
     assert result.stats["base_val_bpb"] == pytest.approx(result.stats["aligned_val_bpb"])
 
 
-def test_bpb_consistent_with_loss_and_meta(stage_run):
+def test_bpb_is_over_the_bytes_of_the_scored_tokens(stage_run):
     result, _, inputs = stage_run
-    meta = json.loads((inputs["tokenize"].path / "tokens" / "meta.json").read_text())
-    n_bytes = meta["val_bytes"] * 640 / meta["val_tokens"]
+    tok = AutoTokenizer.from_pretrained(inputs["tokenize"].path / "tokenizer")
+    ids = np.fromfile(inputs["tokenize"].path / "tokens" / "val.bin", dtype=np.uint16)
+    # Tokens 1..640 are the ones predicted (each window's first token is context only).
+    n_bytes = len(tok.decode(ids[1:641].tolist(), skip_special_tokens=True).encode())
+    assert result.stats["sft_val_bytes_covered"] == n_bytes
     expected = result.stats["sft_val_loss"] * 640 / (math.log(2) * n_bytes)
     assert result.stats["sft_val_bpb"] == pytest.approx(expected)
+
+
+def test_compressor_baselines_on_the_same_bytes(stage_run):
+    result, out, _ = stage_run
+    baselines = json.loads((out / "compression.json").read_text())
+    assert baselines["scored_bytes"] == result.stats["base_val_bytes_covered"]
+    assert baselines["train_bytes"] == 40_000  # the whole (small) train split was read
+    for key, value in baselines.items():
+        assert result.stats[f"compression_{key}"] == value
+    for name in ("xz", "zstd"):  # the same book's other chapters help the compressor (1,170 bytes:
+        # the container's header is a good share of the figure alone)
+        assert 1.5 < baselines[f"{name}_given_train_bpb"] < baselines[f"{name}_bpb"] < 8
+    assert json.loads((out / "results.json").read_text())["compression"] == baselines
 
 
 def test_task_scores_are_fractions_with_item_counts(stage_run):
@@ -174,7 +233,7 @@ def test_task_scores_are_fractions_with_item_counts(stage_run):
 
 def test_stage_writes_results_and_the_contamination_marks(stage_run):
     result, out, _ = stage_run
-    assert result.artifacts == ["results.json", "contamination.json"]
+    assert result.artifacts == ["results.json", "contamination.json", "compression.json"]
     marks = json.loads((out / "contamination.json").read_text())
     # every model read the crawl; its one leaked item is marked for each, and nothing else
     assert marks == {label: {"arc_easy_part1": [LEAKED_ITEM], "lambada_openai_part1": []}

@@ -14,7 +14,8 @@ from core.sources import JSONL_SUFFIXES, fingerprint_sources, source_files
 from core.stage import StageConfig
 from tasks.evaluate.formats import piqa_labels_path, task_name
 
-VERSION = 3  # 3: llm-foundry files scored with their task's delimiter; MMLU with its subject line
+VERSION = 3  # 3: llm-foundry files scored with their task's delimiter; MMLU with its subject line;
+# val_bpb over the exact bytes of the scored tokens (it was the split's average bytes per token)
 # 2: the benchmark engine (tasks, limit) replaced mc_tasks
 
 
@@ -24,6 +25,10 @@ class Config(StageConfig):
     seq_len: int = Field(256, description="Tokens per perplexity window (non-overlapping windows); "
                                           "must not exceed the model's max positions.")
     max_eval_tokens: int = Field(262_144, description="Upper bound on val tokens scored for perplexity.")
+    compression_train_mb: float = Field(
+        64.0, ge=0, description="Training text (MiB, from the start of the train split) the compressor "
+                                "baselines read before the val bytes; xz -9e's window is 64 MiB. 0: only "
+                                "the compressors alone.")
     arith_problems: int = Field(100, description="Number of arithmetic test problems per model.")
     arith_seed: int = Field(0, description="Seed choosing which arithmetic test problems are asked.")
     max_new_tokens: int = Field(16, description="Greedy generation budget per arithmetic answer (tokens).")

@@ -2,7 +2,8 @@
 
 For each model (the upstream stages pretrain, sft and align, labelled base / sft / aligned):
 
-1. held-out perplexity and bits per byte on the tokenize stage's `tokens/val.bin`;
+1. held-out perplexity and bits per byte on the tokenize stage's `tokens/val.bin`, beside xz and
+   zstd on the same bytes, alone and given the training text (compression.py, `compression.json`);
 2. accuracy on generated arithmetic test problems (greedy chat generation, `core.arithmetic`);
 3. optionally, benchmark files (`tasks`: HellaSwag, ARC, MMLU-Redux, WinoGrande, LAMBADA, GSM8K...),
    scored by the benchmark engine (engine.py), the one behind `gristmill evaluate`.
@@ -33,6 +34,8 @@ from core.chat import prompt_ids
 from core.stage import Engine, Manifest, StageResult
 from core.units import bits_per_byte
 from model.generate import generate_greedy
+from tasks.evaluate import compression
+from tasks.evaluate.compression import token_bytes
 from tasks.evaluate.config import Config
 from tasks.evaluate.contamination import clean_scores, mark_items
 from tasks.evaluate.engine import (
@@ -46,6 +49,8 @@ from tasks.evaluate.engine import (
 
 log = logging.getLogger("gristmill.evaluate")
 
+COMPRESSION_PREFIX = "compression_"  # evaluate stats of the compressor baselines: compression_xz_bpb...
+
 # --- perplexity and bits per byte ---------------------------------------------------------------
 
 def eval_windows(n_tokens: int, seq_len: int, max_eval_tokens: int) -> tuple[int, int]:
@@ -56,12 +61,6 @@ def eval_windows(n_tokens: int, seq_len: int, max_eval_tokens: int) -> tuple[int
     if window < 1:
         raise ValueError(f"val split has {n_tokens} tokens; need at least 2")
     return window, max(1, min((n_tokens - 1) // window, max_eval_tokens // window))
-
-
-def covered_bytes(val_bytes: int, val_tokens: int, tokens_evaluated: int) -> float:
-    """UTF-8 bytes behind the evaluated tokens, assuming the evaluated prefix has the split's
-    average bytes per token (windows start at the beginning of val.bin)."""
-    return val_bytes * tokens_evaluated / val_tokens
 
 
 def sum_nll(model: Any, tokens: np.ndarray, window: int, n_windows: int, batch_size: int,
@@ -81,16 +80,43 @@ def sum_nll(model: Any, tokens: np.ndarray, window: int, n_windows: int, batch_s
     return total
 
 
-def perplexity(model: Any, tokenize_dir: Path, config: Config, device: str) -> dict[str, float]:
+def val_tokens(tokenize_dir: Path) -> np.ndarray:
     meta = json.loads((tokenize_dir / "tokens" / "meta.json").read_text())
-    tokens = np.memmap(tokenize_dir / "tokens" / "val.bin", dtype=meta["dtype"], mode="r")
+    return np.memmap(tokenize_dir / "tokens" / "val.bin", dtype=meta["dtype"], mode="r")
+
+
+def scored_text(tokenize_dir: Path, config: Config) -> bytes:
+    """The exact bytes perplexity scores: those of the predicted tokens, tokens 1 .. n of val.bin
+    (each window predicts the `window` tokens after its first)."""
+    tokens = val_tokens(tokenize_dir)
+    window, n_windows = eval_windows(len(tokens), config.seq_len, config.max_eval_tokens)
+    return token_bytes(_tokenizer(tokenize_dir), tokens[1 : window * n_windows + 1])
+
+
+def _tokenizer(tokenize_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenize_dir / "tokenizer")
+
+
+def perplexity(model: Any, tokenize_dir: Path, config: Config, device: str, scored_bytes: int
+               ) -> dict[str, float]:
+    tokens = val_tokens(tokenize_dir)
     window, n_windows = eval_windows(len(tokens), config.seq_len, config.max_eval_tokens)
     nll = sum_nll(model, tokens, window, n_windows, config.batch_size, device)
     n_eval = window * n_windows
-    n_bytes = covered_bytes(meta["val_bytes"], meta["val_tokens"], n_eval)
     return {"val_loss": nll / n_eval, "val_ppl": math.exp(nll / n_eval),
-            "val_bpb": bits_per_byte(nll / n_eval, n_bytes / n_eval), "val_tokens_evaluated": n_eval,
-            "val_bytes_covered": n_bytes}
+            "val_bpb": bits_per_byte(nll / n_eval, scored_bytes / n_eval), "val_tokens_evaluated": n_eval,
+            "val_bytes_covered": scored_bytes}
+
+
+def compressor_baselines(tokenize_dir: Path, config: Config) -> dict[str, float]:
+    """xz and zstd on the bytes val_bpb is measured on, alone and given the training text
+    (compression.py), capped at `config.compression_train_mb`."""
+    train = np.memmap(tokenize_dir / "tokens" / "train.bin", dtype=val_tokens(tokenize_dir).dtype, mode="r")
+    cap = int(config.compression_train_mb * 2**20)
+    return compression.baselines(scored_text(tokenize_dir, config),
+                                 compression.train_text(_tokenizer(tokenize_dir), train, cap))
 
 
 # --- arithmetic ---------------------------------------------------------------------------------
@@ -108,7 +134,7 @@ def arithmetic_accuracy(model: Any, tokenizer: Any, config: Config, device: str)
 # --- per model ----------------------------------------------------------------------------------
 
 def _perplexity_and_arithmetic(model: Any, tokenizer: Any, model_dir: Path, tokenize_dir: Path,
-                                config: Config, device: str) -> dict[str, Any]:
+                                config: Config, device: str, scored_bytes: int) -> dict[str, Any]:
     meta = json.loads((tokenize_dir / "tokens" / "meta.json").read_text())
     if len(tokenizer) != meta["vocab_size"]:
         raise ValueError(f"{model_dir}: tokenizer has {len(tokenizer)} tokens but the val split "
@@ -116,13 +142,13 @@ def _perplexity_and_arithmetic(model: Any, tokenizer: Any, model_dir: Path, toke
     if config.seq_len > model.config.max_position_embeddings:
         raise ValueError(f"seq_len={config.seq_len} exceeds the model's max positions "
                          f"({model.config.max_position_embeddings}) in {model_dir}")
-    results: dict[str, Any] = perplexity(model, tokenize_dir, config, device)
+    results: dict[str, Any] = perplexity(model, tokenize_dir, config, device, scored_bytes)
     results.update(arithmetic_accuracy(model, tokenizer, config, device))
     return results
 
 
 def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: str, work: Path,
-                   marked: Mapping[str, list[int]]) -> dict[str, Any]:
+                   marked: Mapping[str, list[int]], scored_bytes: int) -> dict[str, Any]:
     """Perplexity, arithmetic and every benchmark file for one model, each task's score with its
     contaminated items (`marked`: task -> item indices) counted and the clean rest's accuracy.
     Each part is kept in `work` as it finishes (core.json, tasks/<task>.json + its per-item
@@ -139,7 +165,8 @@ def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: 
     if core_file.exists():
         results: dict[str, Any] = json.loads(core_file.read_text())
     else:
-        results = _perplexity_and_arithmetic(*model_and_tokenizer(), model_dir, tokenize_dir, config, device)
+        results = _perplexity_and_arithmetic(*model_and_tokenizer(), model_dir, tokenize_dir, config, device,
+                                             scored_bytes)
         write_results(core_file, results, [])
     options = EvalOptions(batch_size=config.batch_size, max_new_tokens=config.gsm8k_max_new_tokens,
                           samples=config.gsm8k_samples)
@@ -216,6 +243,10 @@ def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest, tok
         marks = mark_items(list(config.tasks), config.limit, [collect, sft, align]) if config.tasks else {}
         contamination.write_text(json.dumps(marks, indent=2, sort_keys=True) + "\n")
     marks = json.loads(contamination.read_text())
+    baselines_file = out_dir / "compression.json"
+    if not baselines_file.exists():  # one figure for every model: it depends on the val split only
+        baselines_file.write_text(json.dumps(compressor_baselines(tokenize_dir, config), indent=2) + "\n")
+    baselines = json.loads(baselines_file.read_text())
     results: dict[str, dict[str, Any]] = {}
     models = {"base": pretrain, "sft": sft, "aligned": align}  # report label -> model, in column order
     for label, trained in models.items():
@@ -225,16 +256,17 @@ def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest, tok
             continue
         log.info("evaluating %s (%s) on %s", label, trained.key, device)
         results[label] = evaluate_model(Path(trained.path) / "model", tokenize_dir, config, device,
-                                        per_model / label, marks.get(label, {}))
+                                        per_model / label, marks.get(label, {}), int(baselines["scored_bytes"]))
         done.write_text(json.dumps(results[label], indent=2, sort_keys=True))
         log.info("%s: ppl %.2f bpb %.4f arith %.3f", label, results[label]["val_ppl"],
                  results[label]["val_bpb"], results[label]["arith_acc"])
 
     upstream = {"tokenize": tokenize.key, "pretrain": pretrain.key, "sft": sft.key, "align": align.key}
     alignment = alignment_summary(align.stats)
-    payload = {"models": results, "alignment": alignment, "upstream": upstream, "device": device}
+    payload = {"models": results, "alignment": alignment, "compression": baselines, "upstream": upstream,
+               "device": device}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    stats = flat_stats(results)
+    stats = flat_stats(results) | {f"{COMPRESSION_PREFIX}{k}": v for k, v in baselines.items()}
     for metric, values in alignment.get("heldout", {}).items():
         stats.update({f"align_heldout_{metric}_{when}": v for when, v in values.items()})
-    return StageResult(stats=stats, artifacts=["results.json", "contamination.json"])
+    return StageResult(stats=stats, artifacts=["results.json", "contamination.json", "compression.json"])

@@ -23,6 +23,7 @@ from core.stage import Manifest, read_metrics
 from flows.registry import lower_is_better
 from flows.reports import FUNNEL, funnel_markdown
 from infra.charts import curves_chart, funnel_chart
+from tasks.evaluate.config import COMPRESSION_PREFIX
 
 MODEL_LABELS = ("base", "sft", "aligned")  # evaluate stats are named "<label>_<metric>"
 # Per training stage, the step-metric columns worth a curve (the rest: lr, grad_norm, tokens/s).
@@ -72,6 +73,33 @@ def _scores_section(evaluate: Manifest) -> Section:
                     "training data; `<task>_acc_clean`: accuracy on the others. Every number comes "
                     "from the evaluate stage "
                     f"(`evaluate-{evaluate.key}`), measured on the same items for each model."])
+
+
+COMPRESSORS = {"xz": "xz -9e", "zstd": "zstd -22"}
+
+
+def _compression_section(evaluate: Manifest, pretrain: Manifest | None) -> Section | None:
+    """Each model's val_bpb beside general-purpose compressors on the same bytes: the baseline that
+    says whether pretraining learned more than xz finds by reading the training text."""
+    got = {k.removeprefix(COMPRESSION_PREFIX): v for k, v in evaluate.stats.items()
+           if k.startswith(COMPRESSION_PREFIX)}
+    if "scored_bytes" not in got:
+        return None
+    train_mb = got["train_bytes"] / 2**20
+    rows = [["predictor", "bits per byte ↓"]]
+    rows += [[f"{label} model", _fmt(evaluate.stats[f"{label}_val_bpb"])] for label in MODEL_LABELS
+             if f"{label}_val_bpb" in evaluate.stats]
+    for name, shown in COMPRESSORS.items():
+        rows.append([f"{shown}, alone", _fmt(got[f"{name}_bpb"])])
+        if f"{name}_given_train_bpb" in got:
+            rows.append([f"{shown}, given {train_mb:.1f} MiB of training text", _fmt(got[f"{name}_given_train_bpb"])])
+    notes = [f"On the {int(got['scored_bytes']):,} bytes of validation text the models' val_bpb scores. "
+             "Given the training text: compress(train + val) − compress(train)."]
+    if pretrain is not None and "flops" in pretrain.stats:
+        trained = pretrain.stats
+        notes.append(f"Pretraining compute: {trained['flops']:.3g} FLOPs "
+                     f"({trained['flops_per_token']:.3g} per token × {trained['tokens_seen']:,} tokens).")
+    return Section(title="Bits per byte against compressors", rows=rows, notes=notes)
 
 
 def _alignment_section(evaluate: Manifest) -> Section | None:
@@ -150,6 +178,8 @@ def build(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title:
     sections: list[Section] = []
     if "evaluate" in manifests:
         sections.append(_scores_section(manifests["evaluate"]))
+    if "evaluate" in manifests and (bpb := _compression_section(manifests["evaluate"], manifests.get("pretrain"))):
+        sections.append(bpb)
     if "evaluate" in manifests and (aligned := _alignment_section(manifests["evaluate"])):
         sections.append(aligned)
     sections += extra or []

@@ -25,31 +25,40 @@ def _groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon over `hidden_matrices`, AdamW over `others`, stepped together as one optimizer."""
+    """Muon over `hidden_matrices`, AdamW over `others`, stepped together as one optimizer. Either
+    side may be empty (LoRA trains adapter matrices only)."""
 
     def __init__(self, hidden_matrices: list[torch.nn.Parameter], others: list[torch.nn.Parameter],
                  cfg: LoopConfig):
-        self.muon = torch.optim.Muon(hidden_matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW(_groups(others, cfg.weight_decay), lr=cfg.lr,
-                                       betas=(cfg.beta1, cfg.beta2))
-        # The same group dicts as the two optimizers', so the LR scheduler's writes reach both.
-        super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
+        self.parts: dict[str, torch.optim.Optimizer] = {}
+        if hidden_matrices:
+            self.parts["muon"] = torch.optim.Muon(hidden_matrices, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                  momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw")
+        if others:
+            self.parts["adamw"] = torch.optim.AdamW(_groups(others, cfg.weight_decay), lr=cfg.lr,
+                                                    betas=(cfg.beta1, cfg.beta2))
+        # The parts' own group dicts, so the LR scheduler's writes reach them.
+        super().__init__(self._parts_groups(), {})
+
+    def _parts_groups(self) -> list[dict[str, Any]]:
+        return [group for part in self.parts.values() for group in part.param_groups]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise ValueError("MuonAdamW takes no closure")
-        self.muon.step()
-        self.adamw.step()
+        for part in self.parts.values():
+            part.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+        return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.muon.load_state_dict(state_dict["muon"])
-        self.adamw.load_state_dict(state_dict["adamw"])
-        self.param_groups = self.muon.param_groups + self.adamw.param_groups  # loading made new dicts
+        if state_dict.keys() != self.parts.keys():
+            raise ValueError(f"optimizer state has parts {sorted(state_dict)}, expected {sorted(self.parts)}")
+        for name, part in self.parts.items():
+            part.load_state_dict(state_dict[name])
+        self.param_groups = self._parts_groups()  # loading made new dicts
 
 
 def make_optimizer(model: torch.nn.Module, cfg: LoopConfig) -> torch.optim.Optimizer:

@@ -30,10 +30,11 @@ def tokenize_dir(tmp_path_factory, tiny_tokenizer_dir, shared_data) -> Path:
     return root
 
 
-def launch(launcher: list[str], tokenize_dir: Path, out_dir: Path) -> tuple[dict, list[dict]]:
+def launch(launcher: list[str], tokenize_dir: Path, out_dir: Path, **overrides) -> tuple[dict, list[dict]]:
     """Run `python -m tasks.pretrain` under `launcher`; returns (summary, metric rows)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [*launcher, "-m", "tasks.pretrain", str(tokenize_dir), str(out_dir), "--config", json.dumps(CONFIG)]
+    cmd = [*launcher, "-m", "tasks.pretrain", str(tokenize_dir), str(out_dir),
+           "--config", json.dumps({**CONFIG, **overrides})]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out_dir / "summary.json").read_text()), read_metrics(out_dir / "metrics.jsonl")
@@ -59,9 +60,10 @@ def test_two_processes_train_the_same_curve_as_one(tokenize_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_train_the_same_curve(tokenize_dir, tmp_path):
-    _, one_rows = launch([sys.executable], tokenize_dir, tmp_path / "one")
+def test_torchrun_two_processes_train_the_same_curve_with_muon(tokenize_dir, tmp_path):
+    """Muon here (AdamW above): each optimizer's data-parallel step equals the single process's."""
+    _, one_rows = launch([sys.executable], tokenize_dir, tmp_path / "one", optimizer="muon")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    two, two_rows = launch(torchrun, tokenize_dir, tmp_path / "two")
+    two, two_rows = launch(torchrun, tokenize_dir, tmp_path / "two", optimizer="muon")
     assert two["world_size"] == 2
     _assert_same_curve(one_rows, two_rows)

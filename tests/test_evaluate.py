@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 import tasks.evaluate.stage as evaluate
-from tasks.evaluate import compression
 from core.stage import Manifest, SerialEngine
 from core.units import bits_per_byte
+from tasks.evaluate import compression
 from tasks.evaluate.config import fingerprint
 
 # --- pure arithmetic ----------------------------------------------------------------------------

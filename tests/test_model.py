@@ -116,6 +116,26 @@ def test_optimizer_is_fused_only_on_cuda(tiny_tokenizer_dir):
     assert not make_optimizer(model, LoopConfig()).defaults["fused"]
 
 
+def test_muon_trains_the_blocks_matrices_and_adamw_the_rest(tiny_tokenizer_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model = build_model(TINY, tok)
+    optimizer = make_optimizer(model, LoopConfig(optimizer="muon", weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    on_muon = {names[id(p)] for g in optimizer.parts["muon"].param_groups for p in g["params"]}
+    on_adamw = {names[id(p)] for g in optimizer.parts["adamw"].param_groups for p in g["params"]}
+    assert on_muon | on_adamw == set(names.values()) and not on_muon & on_adamw
+    assert on_muon and all(".layers." in n and n.endswith("proj.weight") for n in on_muon)
+    assert "model.embed_tokens.weight" in on_adamw and any("norm" in n for n in on_adamw)
+    no_decay = [g for g in optimizer.parts["adamw"].param_groups if g["weight_decay"] == 0.0]
+    assert all(p.dim() == 1 for g in no_decay for p in g["params"])
+    # One set of group dicts: what the LR schedule writes reaches both halves, after a reload too.
+    assert optimizer.param_groups == optimizer.parts["muon"].param_groups + optimizer.parts["adamw"].param_groups
+    optimizer.load_state_dict(optimizer.state_dict())
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5
+    assert {g["lr"] for g in optimizer.parts["muon"].param_groups + optimizer.parts["adamw"].param_groups} == {0.5}
+
+
 def test_build_model_matches_tokenizer(tiny_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     model = build_model(TINY, tok)
@@ -159,14 +179,15 @@ def _losses(work_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(work_dir / "metrics.jsonl")]
 
 
-def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, caplog):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, caplog, optimizer):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    straight = _fit(tok, tmp_path / "a", 6)
+    straight = _fit(tok, tmp_path / "a", 6, optimizer=optimizer)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _fit(tok, tmp_path / "b", 6, crash_at=5)
+        _fit(tok, tmp_path / "b", 6, crash_at=5, optimizer=optimizer)
     assert [s for s, _ in complete_checkpoints(tmp_path / "b")] == [2, 4]
     with caplog.at_level(logging.INFO, logger="gristmill.train"):
-        resumed = _fit(tok, tmp_path / "b", 6)
+        resumed = _fit(tok, tmp_path / "b", 6, optimizer=optimizer)
     assert "resuming from step 4" in caplog.text
     assert resumed["resumed_from_step"] == 4 and straight["resumed_from_step"] == 0
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a")  # exact, step for step
@@ -175,7 +196,7 @@ def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, 
     assert resumed["tokens_seen"] == straight["tokens_seen"] == 6 * 4 * 16
     assert [s for s, _ in complete_checkpoints(tmp_path / "b")] == [4, 6]  # keep_checkpoints=2
     # A crash after training (e.g. during export): the re-run trains nothing and logs nothing new.
-    again = _fit(tok, tmp_path / "b", 6)
+    again = _fit(tok, tmp_path / "b", 6, optimizer=optimizer)
     assert again["resumed_from_step"] == 6 and again["val_loss"] == straight["val_loss"]
     assert again["final_train_loss"] == straight["final_train_loss"]
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
@@ -314,13 +335,15 @@ def test_checkpoint_without_marker_is_ignored(tiny_tokenizer_dir, tmp_path, capl
     assert json.loads((tmp_path / "checkpoints" / "step-0000006" / "checkpoint.json").read_text())["step"] == 6
 
 
-def test_training_lowers_loss_and_changes_parameters(tiny_tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_training_lowers_loss_and_changes_parameters(tiny_tokenizer_dir, tmp_path, optimizer):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     torch.manual_seed(0)
     model = build_model(TINY, tok)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fixed = _random_batch(0)  # one batch, memorised: loss must fall fast
-    cfg = LoopConfig(max_steps=20, batch_size=4, lr=1e-2, warmup_frac=0.0, checkpoint_every=100)
+    cfg = LoopConfig(max_steps=20, batch_size=4, lr=1e-2, warmup_frac=0.0, checkpoint_every=100,
+                     optimizer=optimizer)
     train(model, lambda step: fixed, cfg, tmp_path, MetricsLog(tmp_path))
     losses = _losses(tmp_path)
     assert losses[-1] < 0.7 * losses[0]

@@ -71,6 +71,17 @@ def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
     row = re.search(r"^\| val_ppl ↓ \| (.+?) \| (.+?) \| (.+?) \|", card, re.M)
     assert [float(v.replace(",", "")) for v in row.groups()] == pytest.approx(
         [stats["base_val_ppl"], stats["sft_val_ppl"], stats["aligned_val_ppl"]], rel=1e-3)
+    # val_bpb beside the compressors on the same bytes, and the pretraining compute
+    for predictor, key in (("base model", "base_val_bpb"), ("aligned model", "aligned_val_bpb"),
+                           ("xz -9e, alone", "compression_xz_bpb"), ("zstd -22, alone", "compression_zstd_bpb")):
+        row = re.search(rf"^\| {predictor} \| ([0-9.]+) \|", card, re.M)
+        assert float(row[1]) == pytest.approx(stats[key], abs=1e-4), predictor
+    given = re.search(r"^\| xz -9e, given ([0-9.]+) MiB of training text \| ([0-9.]+) \|", card, re.M)
+    assert float(given[1]) == pytest.approx(stats["compression_train_bytes"] / 2**20, abs=0.05)
+    assert float(given[2]) == pytest.approx(stats["compression_xz_given_train_bpb"], abs=1e-4)
+    pretrain = json.loads(next((home / "artifacts" / "pretrain").glob("*/manifest.json")).read_text())["stats"]
+    assert pretrain["flops"] == pretrain["flops_per_token"] * pretrain["tokens_seen"] > 0
+    assert f"Pretraining compute: {pretrain['flops']:.3g} FLOPs" in card
     for task in ("hellaswag_val_part1", "arc_easy_part1"):  # each score with its contamination
         for metric in ("acc", "acc_clean", "contaminated", "centered_acc"):
             assert re.search(rf"^\| {task}_{metric} \| ", card, re.M), (task, metric)

@@ -397,8 +397,10 @@ def test_lora_with_packing_exports_merged_model_and_adapter(pretrain_manifest, t
 
 def test_lora_resume_after_crash_is_exact(pretrain_manifest, tokenize_manifest, tmp_path, monkeypatch,
                                           caplog):
-    """With pretraining text mixed in (the default), so its windows resume exactly too."""
-    config = _lora_config(max_steps=6, checkpoint_every=2, eval_every=3, max_examples=60)
+    """With pretraining text mixed in (the default), so its windows resume exactly too; with Muon on
+    the adapters' matrices (`optimizer: muon`, available to SFT as to pretraining), whose momentum
+    must come back from the checkpoint as AdamW's moments do (tests/test_model.py)."""
+    config = _lora_config(max_steps=6, checkpoint_every=2, eval_every=3, max_examples=60, optimizer="muon")
     inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
     sft.run(config, tmp_path / "straight", engine=SerialEngine(), **inputs)
 

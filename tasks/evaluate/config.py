@@ -17,6 +17,7 @@ from tasks.evaluate.formats import piqa_labels_path, task_name
 VERSION = 3  # 3: llm-foundry files scored with their task's delimiter; MMLU with its subject line;
 # val_bpb over the exact bytes of the scored tokens (it was the split's average bytes per token)
 # 2: the benchmark engine (tasks, limit) replaced mc_tasks
+COMPRESSION_PREFIX = "compression_"  # the stats of the compressor baselines: compression_xz_bpb...
 
 
 class Config(StageConfig):

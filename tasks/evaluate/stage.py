@@ -36,7 +36,7 @@ from core.units import bits_per_byte
 from model.generate import generate_greedy
 from tasks.evaluate import compression
 from tasks.evaluate.compression import token_bytes
-from tasks.evaluate.config import Config
+from tasks.evaluate.config import COMPRESSION_PREFIX, Config
 from tasks.evaluate.contamination import clean_scores, mark_items
 from tasks.evaluate.engine import (
     EvalOptions,
@@ -48,8 +48,6 @@ from tasks.evaluate.engine import (
 )
 
 log = logging.getLogger("gristmill.evaluate")
-
-COMPRESSION_PREFIX = "compression_"  # evaluate stats of the compressor baselines: compression_xz_bpb...
 
 # --- perplexity and bits per byte ---------------------------------------------------------------
 

@@ -93,8 +93,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
         val_loss = mean_token_loss(m, val_set)
         return {"val_loss": val_loss, "val_bpb": bits_per_byte(val_loss, bytes_per_tok)}
 
+    step_flops = flops_per_token(config.model, len(tokenizer), config.seq_len)
     summary = train(model, get_batch, config, out_dir, MetricsLog(out_dir), evaluate=evaluate, log=log,
-                    flops_per_token=flops_per_token(config.model, len(tokenizer), config.seq_len))
+                    flops_per_token=step_flops)
     unigram = unigram_loss(train_data, read_tokens(tok_root / "tokens", "val"), len(tokenizer))
     log.info("val_loss %.4f nats (%.4f bits/byte); unigram baseline %.4f nats",
              summary["val_loss"], summary["val_bpb"], unigram)
@@ -105,6 +106,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
              "val_bpb": summary["val_bpb"], "unigram_val_loss": unigram,
              "unigram_val_bpb": bits_per_byte(unigram, bytes_per_tok),
              "params": params, "steps": summary["steps"], "tokens_seen": summary["tokens_seen"],
+             "flops_per_token": step_flops, "flops": step_flops * summary["tokens_seen"],
              "tokens_per_s": summary["tokens_per_s"], "resumed_from_step": summary["resumed_from_step"],
              "rollbacks": summary["rollbacks"], "world_size": summary["world_size"],
              **({"mfu": summary["mfu"]} if "mfu" in summary else {})}

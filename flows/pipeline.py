@@ -1,8 +1,9 @@
 """The Prefect flow `pipeline`: six stage tasks in one DAG, passing manifests only.
 
 Each task materializes one stage through the artifact store (reuse when its key is complete,
-otherwise compute into the `.partial` dir and commit) inside an MLflow child run. Run it with
-`gristmill run CONFIG`, or from the Prefect UI once served.
+otherwise compute into the `.partial` dir and commit) inside an MLflow child run. Between collect
+and tokenize the data gates (flows/gates.py) decide whether the run may go on with the collected
+data. Run it with `gristmill run CONFIG`, or from the Prefect UI once served.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 from pipeline_helpers import REPO, cli_env
 
+from flows import history
 from infra.artifacts import ArtifactStore
 
 TINY = "configs/tiny.yaml"
@@ -75,6 +76,9 @@ def test_a_tripped_gate_stops_the_cli_with_exit_3_until_approved(shared_data, tm
     assert tags["gristmill.gates.outcome"] == "approved" and "20.0% > 10.0%" in tags["gristmill.gates.tripped"]
     [card] = (home / "reports" / decision["mlflow_run_id"]).glob("report_card.md")
     assert "## Data gates" in card.read_text() and "approved by approve_gates (--approve-gates)" in card.read_text()
+    card.unlink()  # `gristmill report` rebuilds it, the gates' section from the run's tags
+    rebuilt, _, _ = history.report(home, decision["mlflow_run_id"])
+    assert rebuilt == card and "approved by approve_gates (--approve-gates)" in card.read_text()
 
     published = _cli(home, "refresh", *config)  # approved for that artifact: not asked again
     assert published.returncode == 0 and published.stdout.startswith(f"corpus v1: {collected}"), \

@@ -84,7 +84,7 @@ class GateDecision:
         got = {k.removeprefix(TAG): v for k, v in tags.items() if k.startswith(TAG)}
         if "outcome" not in got or "artifact" not in got:
             return None
-        return cls(outcome=got["outcome"], artifact=got["artifact"],  # type: ignore[arg-type]
+        return cls(outcome=got["outcome"], artifact=got["artifact"],
                    trips=tuple(filter(None, got.get("tripped", "").split("\n"))), by=got.get("by", ""),
                    comment=got.get("comment", ""), at=got.get("at", ""))
 
@@ -170,7 +170,7 @@ def report_markdown(manifest: Manifest, trips: Sequence[Trip]) -> str:
 
 
 def _covering_approval(records: Sequence[Mapping], trips: Sequence[Trip]) -> Mapping | None:
-    """The latest approval that, with the ones before it, covers every trip; None if some trip was
+    """The approval that, with the ones before it, first covers every trip; None while some trip was
     never approved."""
     approved: set[str] = set()
     for record in records:

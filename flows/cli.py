@@ -4,6 +4,7 @@
     gristmill run configs/tiny.yaml sft.lr=3e-4          # dotted overrides; downstream stages re-run
     gristmill run configs/tiny.yaml --until pretrain     # stop after a stage
     gristmill run configs/tiny.yaml --dry-run            # resolved config + reuse/run per stage
+    gristmill run configs/tiny.yaml --approve-gates      # go on past a tripped data gate (collect.gates)
     gristmill report [RUN]                               # report card of a past run (default: latest)
     gristmill compare RUN_A RUN_B                        # config, reuse and metric differences
     gristmill plan 125m                                  # Chinchilla tokens, FLOPs, GPU-hours, cost
@@ -48,7 +49,8 @@ def _supervised(command: str, arguments: dict, stopped_note: str = "") -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(args)
-    arguments = {"config": str(args.config), "overrides": args.overrides, "until": args.until}
+    arguments = {"config": str(args.config), "overrides": args.overrides, "until": args.until,
+                 "approve_gates": args.approve_gates}
     if args.in_process:
         from flows import supervised
 
@@ -98,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _refresh(args: argparse.Namespace) -> int:
-    return _supervised("refresh", {"config": str(args.config), "overrides": args.overrides})
+    return _supervised("refresh", {"config": str(args.config), "overrides": args.overrides,
+                                   "approve_gates": args.approve_gates})
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -232,6 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--explain", action="store_true",
                      help="with --dry-run: for each stage that would run, what differs from the nearest "
                           "artifact of that stage in the store (config keys, upstream, code version, inputs)")
+    _approve_gates_argument(run)
     run.add_argument("--in-process", action="store_true",
                      help="run the pipeline in this process instead of a supervised child "
                           "(for debuggers; Ctrl-C then stops only as fast as Prefect and Ray allow)")
@@ -253,6 +257,7 @@ def _parser() -> argparse.ArgumentParser:
     refresh = _command(commands, _refresh, "refresh", "collect what is new in collect.sources into the "
                                                       "next corpus version, once (README: Data refresh)")
     _config_arguments(refresh, "YAML preset")
+    _approve_gates_argument(refresh)
     verify = _command(commands, _verify, "verify", "re-hash every committed artifact against its manifest")
     verify.add_argument("--stage", help="only this stage's artifacts")
     verify.add_argument("--repair", action="store_true",
@@ -274,6 +279,12 @@ def _config_arguments(command: argparse.ArgumentParser, config_help: str) -> Non
     # A `*` positional without a default counts as required in argparse's usage errors.
     command.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                          help="dotted config overrides")
+
+
+def _approve_gates_argument(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--approve-gates", action="store_true",
+                         help="go on when a data gate trips (collect.gates: what collect removed) instead of "
+                              "stopping with exit 3; recorded as an approval (docs/operations.md: Data gates)")
 
 
 def _add_plan(commands) -> None:

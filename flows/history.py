@@ -13,6 +13,7 @@ from pathlib import Path
 
 from core.stage import Manifest
 from flows import report_card
+from flows.gates import GateDecision
 from flows.registry import Decision
 from flows.stages import STAGE_NAMES
 from infra import env
@@ -58,6 +59,8 @@ def report(home: Path, run: str | None = None) -> tuple[Path, Path, list[str]]:
                           f"{env.artifacts_root(home)} any more")
     notes = [report_card.Section(title="Missing artifacts", notes=[
         "Deleted from the artifact store since the run: " + ", ".join(missing)])] if missing else []
+    if (gates := GateDecision.from_tags(parent["tags"])) and gates.outcome != "passed":
+        notes.append(gates.section())
     if decision := Decision.from_tags(parent["tags"]):
         notes.append(report_card.registry_section(decision.markdown()))
     md, html = publish_report_card(tracker, home, parent["run_id"], parent["name"],

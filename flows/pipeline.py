@@ -1,8 +1,9 @@
 """The Prefect flow `pipeline`: six stage tasks in one DAG, passing manifests only.
 
 Each task materializes one stage through the artifact store (reuse when its key is complete,
-otherwise compute into the `.partial` dir and commit) inside an MLflow child run. Run it with
-`gristmill run CONFIG`, or from the Prefect UI once served.
+otherwise compute into the `.partial` dir and commit) inside an MLflow child run. Between collect
+and tokenize the data gates (flows/gates.py) decide whether the run may go on with the collected
+data. Run it with `gristmill run CONFIG`, or from the Prefect UI once served.
 """
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.states import Failed
 
 from core.launch import LaunchConfig
 from core.stage import METRICS_FILE, Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig, with_overrides
 from flows.dag import PlannedStage, launch_problems_of, manifest_fields, open_store, plan, run_planned
 from flows.explain import explain
+from flows.gates import GateDecision, GatesRejected, GatesStopped, enforce
 from flows.history import publish_report_card
 from flows.launch import launched
 from flows.notify import notify, rollbacks
 from flows.registry import Decision, register_and_promote
-from flows.report_card import registry_section
+from flows.report_card import Section, registry_section
 from infra import env
 from infra.artifacts import ArtifactStore
 from infra.memory import PeakRSS
@@ -202,11 +205,21 @@ def _summary(planned: list[PlannedStage], manifests: Mapping[str, Manifest]) -> 
     return "\n".join(rows)
 
 
+def _report_card(tracker: Tracker, parent: str, run_name: str, planned: list[PlannedStage],
+                 manifests: Mapping[str, Manifest], extra: list[Section]) -> None:
+    """The run's report card, from the stages it has, in MLflow and as the `report-card` artifact."""
+    statuses = {s.spec.name: "reused" if s.complete else "computed" for s in planned if s.spec.name in manifests}
+    card, _ = publish_report_card(tracker, env.gristmill_home(), parent, run_name, manifests, statuses, extra)
+    create_markdown_artifact(card.read_text(), key="report-card",
+                             description="base → SFT → aligned, curves, funnel, time, lineage")
+
+
 @flow(name="pipeline")
 def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None,
-             overrides: list[str] | None = None) -> dict[str, str]:
+             overrides: list[str] | None = None, approve_gates: bool = False) -> dict[str, str]:
     """Run the DAG (up to and including `until`); returns stage -> artifact directory.
-    `overrides` are `key=value` settings applied to `config` (free-form, as on the command line)."""
+    `overrides` are `key=value` settings applied to `config` (free-form, as on the command line);
+    `approve_gates`: go on when a data gate trips (collect.gates), without asking (flows/gates.py)."""
     logger = get_run_logger()
     config = with_overrides(config, overrides or [])
     home = env.gristmill_home()
@@ -229,6 +242,7 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     runtime = Runtime(store, tracker, parent, config, background=is_server(tracker.uri))
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
+    gates: GateDecision | None = None
     run = {"mlflow_run_id": parent, "name": run_name, "prefect_flow_run_id": str(flow_run.id)}
     try:
         reasons = explain(planned, store)
@@ -242,6 +256,9 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
             manifests[stage.spec.name] = run_stage.with_options(
                 task_run_name=f"{stage.spec.name} [{status}]")(stage, upstream, runtime,
                                                                why=reasons.get(stage.spec.name))
+            if stage.spec.name == "collect":  # the data gates: before anything is trained on it
+                gates = enforce(manifests["collect"], config.collect.gates, config.refresh.bytes_per_token,
+                                store, tracker, parent, approve_gates)
             if not stage.complete and (rows := rollbacks(manifests[stage.spec.name])):
                 notify(config.notify, "training.rollback", run, {"stage": stage.spec.name,
                                                                  "rollbacks": rows})
@@ -251,23 +268,27 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
             logger.info("registry: %s", decision.markdown())
     except Exception as error:
         runtime.abandon()
+        if isinstance(error, GatesRejected):  # the card says why, with the data it was about
+            _report_card(tracker, parent, run_name, planned, manifests, [error.decision.section()])
         tracker.end(parent, ok=False)
-        failed = next((s.spec.name for s in planned if s.spec.name not in manifests), None)
+        failed = "collect (data gates)" if isinstance(error, (GatesStopped, GatesRejected)) else \
+            next((s.spec.name for s in planned if s.spec.name not in manifests), None)
         notify(config.notify, "run.failed", run, {"stage": failed,
                                                   "error": f"{type(error).__name__}: {error}"[:2000]})
+        if isinstance(error, (GatesStopped, GatesRejected)):  # a decision, not a crash: no traceback
+            return Failed(message=str(error), data=error)
         raise
     except BaseException:  # Ctrl-C, SIGTERM: the user stopped it, nothing to report
         runtime.abandon()
         tracker.end(parent, ok=False)
         raise
-    summary = _summary(planned, manifests) + (f"\n\n{decision.markdown()}" if decision else "")
+    tripped = gates is not None and gates.outcome != "passed"
+    summary = _summary(planned, manifests) + (f"\n\n{gates.markdown()}" if tripped else "") + \
+        (f"\n\n{decision.markdown()}" if decision else "")
     logging.getLogger("gristmill").info("pipeline summary\n%s", summary)
     create_markdown_artifact(summary, key="pipeline-summary", description="Stages reused or computed")
     tracker.log_text(parent, summary, "summary.md")
-    statuses = {s.spec.name: "reused" if s.complete else "computed" for s in planned}
-    card, _ = publish_report_card(tracker, home, parent, run_name, manifests, statuses,
-                                  [registry_section(decision.markdown())] if decision else [])
-    create_markdown_artifact(card.read_text(), key="report-card",
-                             description="base → SFT → aligned, curves, funnel, time, lineage")
+    extra = ([gates.section()] if tripped else []) + ([registry_section(decision.markdown())] if decision else [])
+    _report_card(tracker, parent, run_name, planned, manifests, extra)
     tracker.end(parent, ok=True)
     return {name: str(m.path) for name, m in manifests.items()}

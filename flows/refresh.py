@@ -13,6 +13,8 @@ A refresh
 3. runs the collect stage (flows/pipeline.run_stage: artifact store, MLflow child run) on only the
    new inputs with `dedup_index_from` = the latest version's collect artifact, so a document that
    near-duplicates anything collected before is removed, and the new index covers all versions;
+   then checks its data gates (flows/gates.py) as a pipeline run does: a gate that trips waits for
+   a person (or `--approve-gates`), and a rejected version is not published;
 4. publishes version N+1: its collect manifest's meta has `corpus_version` and `parent_version`,
    the chain records it with its inputs, and its MLflow run (tag gristmill.kind=refresh) has it as
    dataset `corpus-v<N+1>` and the parent as `corpus-v<N>` (lineage);
@@ -33,10 +35,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
+from prefect.states import Failed
 
 from core.sources import filesystem, parse_source, source_files
 from flows.config import PipelineConfig
 from flows.dag import plan
+from flows.gates import GatesRejected, GatesStopped, enforce
 from flows.pipeline import Runtime, run_stage, start_parent_run
 from infra import env
 from infra.artifacts import CORPUS, ArtifactStore
@@ -64,6 +68,7 @@ class Outcome:
     new_tokens: int = 0  # estimated: clean bytes / refresh.bytes_per_token
     pipeline_run: str | None = None  # the flow run id of the started pipeline
     reason: str = ""  # why the pipeline was or was not started
+    gates: str = ""  # the data gates' outcome (and who approved)
 
     def markdown(self) -> str:
         if not self.published:
@@ -73,7 +78,7 @@ class Outcome:
                 ("parent version", f"v{self.parent_version}" if self.parent_version else "none"),
                 ("new inputs", f"{self.new_inputs:,}"), ("new clean documents", f"{self.new_docs:,}"),
                 ("new clean tokens (est.)", f"{self.new_tokens:,}"), ("collect artifact", self.collect_dir),
-                ("pipeline", started)]
+                ("data gates", self.gates or "not checked"), ("pipeline", started)]
         table = "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
         return f"## Data refresh: corpus v{self.version}\n\n{table}\n\n{self.reason}"
 
@@ -163,8 +168,9 @@ def trigger(config: PipelineConfig, union: list[str], version: int,
                          f"tokens >= refresh.min_new_tokens {settings.min_new_tokens:,}")
 
 
-def refresh(config: PipelineConfig, store: ArtifactStore) -> Outcome:
-    """One refresh (under the corpus lock, so versions follow each other); see the module doc."""
+def refresh(config: PipelineConfig, store: ArtifactStore, approve_gates: bool = False) -> Outcome:
+    """One refresh (under the corpus lock, so versions follow each other); see the module doc.
+    GatesStopped or GatesRejected when the new version's data gates stop it (nothing published)."""
     logger = get_run_logger()
     versions = store.corpus_versions()
     latest = versions[-1] if versions else None
@@ -188,6 +194,8 @@ def refresh(config: PipelineConfig, store: ArtifactStore) -> Outcome:
             f"the {len(new):,} new input files hold no document that passes the filters and is not "
             f"already in {at}; nothing published (they are read again by the next refresh)"))
     try:
+        gates = enforce(manifest, config.collect.gates, config.refresh.bytes_per_token, store, tracker, run_id,
+                        approve_gates)
         stats = manifest.stats
         tokens = int(stats["bytes_out"] / config.refresh.bytes_per_token)
         store.add_corpus_version({
@@ -207,17 +215,22 @@ def refresh(config: PipelineConfig, store: ArtifactStore) -> Outcome:
     tracker.end(run_id, ok=True)
     return Outcome(version=version, new_inputs=len(new), published=True, parent_version=parent_version,
                    collect_dir=str(manifest.path), new_docs=stats["docs_out"], new_tokens=tokens,
-                   pipeline_run=pipeline_run, reason=reason)
+                   pipeline_run=pipeline_run, reason=reason,
+                   gates=gates.outcome + (f" by {gates.by}" if gates.by else ""))
 
 
 @flow(name=DEPLOYMENT)
-def data_refresh(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
+def data_refresh(config: PipelineConfig = PipelineConfig(), approve_gates: bool = False) -> dict[str, Any]:
     """Collect what is new in `config.collect.sources` into the next corpus version and start the
-    pipeline on all versions when `config.refresh` says so."""
+    pipeline on all versions when `config.refresh` says so; `approve_gates`: go on when a data gate
+    trips, without asking (flows/gates.py)."""
     home = env.gristmill_home()
     store = ArtifactStore(env.artifacts_root(home))
-    with store.lock(CORPUS, "refresh"):
-        outcome = refresh(config, store)
+    try:
+        with store.lock(CORPUS, "refresh"):
+            outcome = refresh(config, store, approve_gates)
+    except (GatesStopped, GatesRejected) as error:  # a decision, not a crash: no traceback
+        return Failed(message=str(error), data=error)
     get_run_logger().info("data refresh: %s", outcome.reason if not outcome.published else
                           f"published corpus v{outcome.version}; {outcome.reason}")
     create_markdown_artifact(outcome.markdown(), key="data-refresh", description="What the refresh published")

@@ -5,7 +5,9 @@
 The CLI (flows/cli.py) starts it in a session of its own with the command's parsed arguments;
 it configures the process first (flows/entry.py), watches its supervisor, checks the config (a
 bad one: one line on stderr, exit 2, passed on by the supervisor) and does the work.
-`gristmill run --in-process` calls `run` here in the CLI's own process instead.
+`gristmill run --in-process` calls `run` here in the CLI's own process instead. A data gate that
+trips where no one can be asked (flows/gates.py) ends `run` and `refresh` with one line naming it,
+exit 3 (`GATE_EXIT`); a person's rejection with one line, exit 1.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from infra import env
 
 if TYPE_CHECKING:
     from flows.config import PipelineConfig
+
+GATE_EXIT = 3  # a data gate tripped: approve (--approve-gates) or loosen collect.gates
 
 
 @contextlib.contextmanager
@@ -48,7 +52,15 @@ def _load(config: str, overrides: list[str]) -> PipelineConfig:
     return load_config(Path(config), overrides)
 
 
-def run(config: str, overrides: list[str], until: str | None = None) -> int:
+def _gates(error: Exception) -> int:
+    """The one line of a run stopped at the data gates; its exit code."""
+    from flows.gates import GatesStopped
+
+    print(f"gristmill: {error}", file=sys.stderr)
+    return GATE_EXIT if isinstance(error, GatesStopped) else 1
+
+
+def run(config: str, overrides: list[str], until: str | None = None, approve_gates: bool = False) -> int:
     """Plan the run, start the embedded services a run needs and run the pipeline flow."""
     from flows.config import ConfigError
     from flows.dag import launch_problems_of, open_store, plan
@@ -65,6 +77,7 @@ def run(config: str, overrides: list[str], until: str | None = None) -> int:
         return _fail("; ".join(problems))
     with _importing():
         from core.files import DiskSpaceError
+        from flows.gates import GatesRejected, GatesStopped
         from flows.pipeline import pipeline
         from infra.launch import LaunchFailed
         from infra.services import start_embedded_services
@@ -72,9 +85,11 @@ def run(config: str, overrides: list[str], until: str | None = None) -> int:
 
     try:
         start_embedded_services(home)
-        outputs = pipeline(config=pipeline_config, until=until)
+        outputs = pipeline(config=pipeline_config, until=until, approve_gates=approve_gates)
     except KeyboardInterrupt:  # Ctrl-C relayed by the supervisor, which reports it in one line
         return 130
+    except (GatesStopped, GatesRejected) as error:
+        return _gates(error)
     except (TrackingUnavailable, DiskSpaceError, LaunchFailed) as error:  # after the log's traceback, one line
         cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
         print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
@@ -100,7 +115,7 @@ def serve(config: str, overrides: list[str]) -> int:
     return 0
 
 
-def refresh(config: str, overrides: list[str]) -> int:
+def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> int:
     """Collect what is new in collect.sources into the next corpus version, once (flows/refresh.py)."""
     from flows.config import ConfigError
 
@@ -109,14 +124,17 @@ def refresh(config: str, overrides: list[str]) -> int:
     except ConfigError as error:
         return _fail(error)
     with _importing():
+        from flows.gates import GatesRejected, GatesStopped
         from flows.refresh import data_refresh
         from infra.services import start_embedded_services
 
     try:
         start_embedded_services(env.gristmill_home())
-        outcome = data_refresh(config=pipeline_config)
+        outcome = data_refresh(config=pipeline_config, approve_gates=approve_gates)
     except KeyboardInterrupt:
         return 130
+    except (GatesStopped, GatesRejected) as error:
+        return _gates(error)
     except (ValueError, FileNotFoundError) as error:  # a missing or empty source, named
         return _fail(error)
     print(outcome["reason"] if not outcome["published"] else

@@ -3,6 +3,8 @@
     <root>/<stage>/<stage>-<key>/            a committed output; manifest.json is written last
     <root>/<stage>/<stage>-<key>.partial/    work in progress, kept across crashes so a stage resumes
     <root>/<stage>/<stage>-<key>.lock        an flock, so two runs of one key never both compute
+    <root>/<stage>/<stage>-<key>.gates.jsonl decisions on the output's data gates (flows/gates.py),
+                                             beside it: the output itself never changes
     <root>/corpus/versions.jsonl             the corpus versions published by data refreshes
 
 A key is a hash of the stage name and version, its hashed config, the keys of its upstream
@@ -197,6 +199,25 @@ class ArtifactStore:
             shutil.rmtree(final)
         os.replace(partial, final)
         return self.load(stage, key)
+
+    # --- data gates: a person's decisions on an output whose numbers tripped a gate (flows/gates.py) ---
+
+    def gate_decisions(self, stage: str, key: str) -> list[dict[str, Any]]:
+        """Every decision recorded on (stage, key)'s gates, oldest first."""
+        path = self._gates_file(stage, key)
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def add_gate_decision(self, stage: str, key: str, record: dict[str, Any]) -> None:
+        """Append one decision: one line, written with a single append."""
+        path = self._gates_file(stage, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as out:
+            out.write(canonical_json(record) + "\n")
+
+    def _gates_file(self, stage: str, key: str) -> Path:
+        return self.root / stage / f"{stage}-{key}.gates.jsonl"
 
     # --- corpus versions: collect artifacts chained by data refreshes (flows/refresh.py) ---
 

@@ -111,9 +111,9 @@ def test_run_serve_and_refresh_start_their_own_child_with_the_parsed_arguments(m
     assert [argv[:4] for argv in started] == [[sys.executable, "-m", "flows.supervised", command]
                                               for command in ("run", "serve", "refresh")]
     assert [json.loads(argv[4]) for argv in started] == [
-        {"config": str(TINY), "overrides": ["sft.lr=1e-3"], "until": "pretrain"},
+        {"config": str(TINY), "overrides": ["sft.lr=1e-3"], "until": "pretrain", "approve_gates": False},
         {"config": str(TINY), "overrides": ["sft.lr=1e-3", 'refresh.cron="0 4 * * 2"']},
-        {"config": str(TINY), "overrides": ["collect.num_workers=1"]}]
+        {"config": str(TINY), "overrides": ["collect.num_workers=1"], "approve_gates": False}]
 
 
 def test_key_values_are_only_taken_by_commands_with_overrides(capsys):

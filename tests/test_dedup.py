@@ -177,7 +177,7 @@ def test_clusters_are_transitive_and_the_first_document_survives():
     assert result.keep.tolist() == [True, True, False, False]
     assert result.representative == [None, None, "1", "1"]
     assert result.cluster.tolist() == [-1, 0, 0, 0]
-    assert (result.near_duplicates, result.clusters) == (2, 1)
+    assert (result.near_duplicates, result.clusters, result.largest_cluster) == (2, 1, 3)
 
 
 def test_big_bucket_of_copies_keeps_one():
@@ -187,6 +187,7 @@ def test_big_bucket_of_copies_keeps_one():
     result = near_dedup(texts, CFG, SerialEngine())
     assert result.keep.tolist() == [True] * 6 + [False] * 29
     assert result.clusters == 1 and set(result.representative[6:]) == {"5"}
+    assert result.largest_cluster == 30 and result.counts()["largest_cluster"] == 30  # the collect stat
     assert result.candidate_pairs <= 30 * dedup._PAIRED_PER_BUCKET
 
 
@@ -243,6 +244,7 @@ def test_index_round_trip_and_refresh(tmp_path):
     assert second.keep.tolist() == [True, False, False]
     assert second.representative == [None, "old-4", "n-0"]
     assert (second.removed_by_index, second.near_duplicates) == (1, 2)
+    assert second.largest_cluster == 2  # old-4 + its copy: an index member counts
     assert list(second.index.ids) == [f"old-{i}" for i in range(20)] + ["n-0"]
 
     second.index.save(tmp_path / "v2")  # refreshes chain: the v2 index knows run 2's docs

@@ -19,10 +19,14 @@ def test_the_served_deployment_has_a_typed_form(served):
     deployment = served.deployment
     assert deployment["name"] == "pipeline" and deployment["parameters"]["config"]["name"] == "tiny"
     schema = deployment["parameter_openapi_schema"]
-    assert set(schema["properties"]) == {"config", "until", "overrides"}
+    assert set(schema["properties"]) == {"config", "until", "overrides", "approve_gates"}
+    assert schema["properties"]["approve_gates"]["default"] is False
     config_form = schema["definitions"]["PipelineConfig"]["properties"]
     assert config_form["sft"]["description"] == "Supervised fine-tuning on conversations."
     pretrain = schema["definitions"][config_form["pretrain"]["$ref"].split("/")[-1]]["properties"]
+    collect = schema["definitions"][config_form["collect"]["$ref"].split("/")[-1]]["properties"]
+    gates = schema["definitions"][collect["gates"]["$ref"].split("/")[-1]]["properties"]
+    assert gates["max_removed_fraction"]["default"] == 0.99 and gates["min_kept_tokens"]["description"]
     assert pretrain["max_steps"]["type"] == "integer" and pretrain["max_steps"]["description"]
     # the served defaults are the config file with the command line's overrides (FAST)
     assert deployment["parameters"]["config"]["pretrain"]["max_steps"] == 60

@@ -2,7 +2,8 @@
 a Custom run with a field changed completes and records the value in MLflow, and its flow run page
 shows the stage task runs, the `pipeline-summary` and `report-card` artifacts and the link to the
 MLflow run; a run that fails in pretrain after a checkpoint, retried with the UI's Retry, completes
-as the same flow run with the finished stages reused and pretrain resumed from its checkpoint.
+as the same flow run with the finished stages reused and pretrain resumed from its checkpoint; a
+run whose data gate trips pauses, and Resume with approve lets it complete, without, fails it.
 
 Headless Chromium is Debian's `chromium-headless-shell` (`.ci/run` installs it), driven by
 Playwright; every request to a host other than 127.0.0.1 is aborted. The screenshots of each step
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
@@ -22,12 +24,15 @@ import pytest
 from pipeline_helpers import REPO, committed_dir
 from serve_helpers import (
     DIRECT,
+    TERMINAL,
     api,
     mlflow_params,
     mlflow_parents,
     wait,
     wait_finished,
 )
+
+from infra.artifacts import ArtifactStore
 
 pytestmark = pytest.mark.slow
 # The browser itself: /usr/bin/chromium-headless-shell is a shell script around it.
@@ -177,3 +182,92 @@ def test_a_run_failed_in_pretrain_is_retried_from_the_ui_reusing_what_finished(s
         rows = {r.split("|")[1].strip(): r.split("|")[3].strip() for r in summary["data"].splitlines()[2:]
                 if r.startswith("|")}
         assert rows == {"collect": "reused", "tokenize": "reused", "pretrain": "computed"}, summary["data"]
+
+
+def _paused(served, overrides: list[str]) -> str:
+    """A run of the deployment through tokenize whose data gates trip on the served collect
+    artifact (the custom run's, reused; its tokenizer too), once it waits paused for a person."""
+    run = api(served.api, f"/deployments/{served.deployment['id']}/create_flow_run", {
+        "parameters": {"until": "tokenize", "overrides": ["tokenize.vocab_size=2048", *overrides]}})
+    wait(lambda: (state := api(served.api, f"/flow_runs/{run['id']}")["state"]["type"]) == "PAUSED"
+         or (state in TERMINAL and pytest.fail(f"{state}: {served.log.read_text()[-3000:]}")), 600,
+         "the run to pause at the data gates")
+    return run["id"]
+
+
+def _resume(page, approve: bool, comment: str, gate: str) -> None:
+    """On the paused run's page: Resume, the gate shown, approve on or off, a comment, Submit."""
+    page.get_by_role("button", name="Resume", exact=True).click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text(f"collect.gates.{gate}").first.wait_for()  # the tripped gate, with its numbers
+    if approve:
+        dialog.get_by_role("switch").click()
+    dialog.locator("textarea").fill(comment)
+    with page.expect_response(re.compile(r"/flow_runs/[^/]+/resume$")) as resumed:
+        dialog.get_by_role("button", name="Submit").click()
+    assert resumed.value.json()["status"] == "ACCEPT", resumed.value.json()
+
+
+def _gate_record(served, flow_run_id: str) -> dict:
+    [collect] = {p.parent for p in (served.home / "artifacts" / "collect").glob("*/manifest.json")}
+    records = ArtifactStore(served.home / "artifacts").gate_decisions("collect", collect.name.rsplit("-", 1)[1])
+    [record] = [r for r in records if r["prefect_flow_run_id"] == flow_run_id]
+    return record
+
+
+def test_a_tripped_data_gate_approved_in_the_ui_lets_the_run_complete(served, browser_page, tmp_path):
+    page = browser_page
+    with screenshots(page, tmp_path / "screenshots", "gate-approved") as shot:
+        flow_run_id = _paused(served, ["collect.gates.max_removed_fraction=0.1"])
+        assert _task_runs(served, flow_run_id) == ["collect [reuse]"]  # tokenize waits
+        [artifact] = api(served.api, "/artifacts/filter", {
+            "artifacts": {"key": {"any_": ["collect-gates"]}, "flow_run_id": {"any_": [flow_run_id]}}})
+        assert "collect.gates.max_removed_fraction" in artifact["data"] and "### Samples of what was removed" \
+            in artifact["data"] and "~~~text" in artifact["data"]
+        _open_flow_run(page, served, flow_run_id, "Paused")
+        shot("paused")
+        _resume(page, approve=True, comment="the demo docs lose their tables, as expected",
+                gate="max_removed_fraction")
+        shot("resumed")
+
+        run = wait_finished(served, flow_run_id)
+        assert run["state"]["type"] == "COMPLETED", served.log.read_text()[-3000:]
+        assert [name.split()[0] for name in _task_runs(served, flow_run_id)] == ["collect", "tokenize"]
+        record = _gate_record(served, flow_run_id)
+        assert (record["outcome"], record["by"], record["comment"]) == (
+            "approved", "a person in the Prefect UI", "the demo docs lose their tables, as expected")
+        [parent] = mlflow_parents(served.home, flow_run_id)
+        with sqlite3.connect(served.home / "mlflow.db") as db:
+            tags = dict(db.execute("select key, value from tags where run_uuid = ?", (parent,)))
+        assert (tags["gristmill.gates.outcome"], tags["gristmill.gates.by"]) == ("approved", record["by"])
+        card = (served.home / "reports" / parent / "report_card.md").read_text()
+        assert "## Data gates" in card and '"the demo docs lose their tables, as expected"' in card
+        _open_flow_run(page, served, flow_run_id, "Completed")
+        page.get_by_text("Artifacts", exact=True).click()
+        page.get_by_text("collect-gates").first.wait_for()
+        shot("completed")
+
+
+def test_a_tripped_data_gate_rejected_in_the_ui_fails_the_run_with_the_reason(served, browser_page, tmp_path):
+    page = browser_page
+    with screenshots(page, tmp_path / "screenshots", "gate-rejected") as shot:
+        flow_run_id = _paused(served, ["collect.gates.max_reason_fraction=0.01"])
+        _open_flow_run(page, served, flow_run_id, "Paused")
+        _resume(page, approve=False, comment="too much removed for one reason", gate="max_reason_fraction")
+        run = wait_finished(served, flow_run_id)
+        assert run["state"]["type"] == "FAILED", served.log.read_text()[-3000:]
+        assert run["state"]["message"].startswith(
+            'data gate rejected by a person in the Prefect UI: "too much removed for one reason"; '
+            "collect.gates.max_reason_fraction: source 'demo:python-docs', "), run["state"]["message"]
+        assert _task_runs(served, flow_run_id) == ["collect [reuse]"]  # nothing trained on it
+        assert _gate_record(served, flow_run_id)["outcome"] == "rejected"
+        [parent] = mlflow_parents(served.home, flow_run_id)
+        with sqlite3.connect(served.home / "mlflow.db") as db:
+            tags = dict(db.execute("select key, value from tags where run_uuid = ?", (parent,)))
+            status = db.execute("select status from runs where run_uuid = ?", (parent,)).fetchone()[0]
+        assert (tags["gristmill.gates.outcome"], status) == ("rejected", "FAILED")
+        assert "rejected by a person in the Prefect UI" in \
+            (served.home / "reports" / parent / "report_card.md").read_text()
+        _open_flow_run(page, served, flow_run_id, "Failed")
+        page.get_by_text("too much removed for one reason").first.wait_for()  # the state's message
+        shot("failed")

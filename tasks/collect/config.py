@@ -20,6 +20,7 @@ from core.stage import StageConfig
 from tasks.collect import demo_crawl
 from tasks.collect.common_crawl import DEFAULT_BASE_URL
 from tasks.collect.dedup import DedupConfig
+from tasks.collect.gates import GatesConfig
 from tasks.collect.langid import model_languages
 from tasks.collect.mixing import MixConfig
 from tasks.collect.pii import PII_KINDS, PiiKind
@@ -206,7 +207,7 @@ class Config(CleaningConfig):
     """Where the raw text comes from and how it is cleaned, deduplicated and mixed."""
 
     unhashed_fields: ClassVar[frozenset[str]] = frozenset(
-        {"num_workers", "cc_base_url", "download_retries", "download_timeout_s", "review_samples"})
+        {"num_workers", "cc_base_url", "download_retries", "download_timeout_s", "review_samples", "gates"})
 
     sources: list[str] = Field(
         default_factory=lambda: [demo_crawl.DEMO_SOURCE],
@@ -240,6 +241,11 @@ class Config(CleaningConfig):
         10_000, ge=1, description="Documents per output docs/part-*.jsonl.gz file.")
     review_samples: int = Field(20, ge=0, description="Documents (or quarantined records) kept "
                                                       "per drop reason in review/ for inspection.")
+    gates: GatesConfig = Field(
+        default_factory=GatesConfig,
+        description="Data gates: limits on what collect removed, checked before tokenize; one that trips waits "
+                    "for a person to approve or reject (docs/operations.md#data-gates). Not hashed: they "
+                    "change no output.")
     num_workers: int = Field(
         2, ge=1,
         description="Parallel workers the engine may use (not hashed: output is the same).")

@@ -228,10 +228,11 @@ class DedupResult:
     verified_pairs: int  # candidate pairs with Jaccard >= threshold
     near_duplicates: int  # documents removed
     clusters: int  # clusters with 2+ members, at least one from this input
+    largest_cluster: int  # members of the largest of them (index documents included); 0: none
     removed_by_index: int  # removed documents whose survivor is in the index
 
     def counts(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in ("near_duplicates", "clusters",
+        return {name: getattr(self, name) for name in ("near_duplicates", "clusters", "largest_cluster",
                                                        "candidate_pairs", "verified_pairs",
                                                        "removed_by_index")}
 
@@ -319,4 +320,5 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         index=index.extend([ids[i] for i in kept], sigs[kept], keys[kept]),
         candidate_pairs=len(candidates), verified_pairs=len(verified),
         near_duplicates=int((~keep).sum()), clusters=len(cluster_roots),
+        largest_cluster=int(sizes[cluster_roots].max()) if len(cluster_roots) else 0,
         removed_by_index=int((~keep & (root < m)).sum()))

@@ -241,7 +241,9 @@ class Relayed:
         if current is None or (current.what.rpartition(": ")[2], current.unit, current.total) != (what, unit, total):
             if current is not None:  # the ranks moved on to another loop (a reward model, then PPO)
                 current.close()
-            self.reporter = current = self._context.run(Reporter, what, unit).start(total, done)
+            self.reporter = current = self._context.run(Reporter, what, unit)
+            current.latest = latest
+            current.start(total, done)
         current.advance(done - current.done, **latest)
         return True
 

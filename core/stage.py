@@ -112,7 +112,7 @@ class SerialEngine:
 
 def map_progress(fn: Callable, units: int) -> Reporter:
     """The progress of an engine's map of `fn` over `units` work units (core/progress.py), started."""
-    return Reporter(getattr(fn, "__name__", "map"), unit="unit", log=_map_log).start(units)
+    return Reporter(getattr(fn, "__name__", "map").strip("_") or "map", unit="unit", log=_map_log).start(units)
 
 
 class MetricsLog:

@@ -161,6 +161,36 @@ def test_a_launched_ranks_progress_is_relayed_to_its_parent(monkeypatch, capsys)
     assert (sink.seen[-1].what, sink.seen[-1].total, sink.seen[-1].final) == ("sft: train", 50, True)
 
 
+def test_the_stage_task_takes_progress_out_of_its_ranks_output_and_marks_their_progress_lines():
+    """What flows/launch.py does with each line a launcher relays (`[rankN]:` in front): relay
+    lines feed the stage's reporter, a rank's progress lines (marked by flows/launched.py's log
+    format) reach the task log marked again, everything else as it came."""
+    from flows.launch import _relay
+
+    rank_output = io.StringIO()
+    handler = logging.StreamHandler(rank_output)
+    handler.addFilter(progress.mark_progress_lines)
+    handler.setFormatter(logging.Formatter("%(progress_mark)s%(levelname)s %(name)s: %(message)s"))
+    rank_log = logging.getLogger("gristmill.test.rank")
+    rank_log.handlers, rank_log.propagate = [handler], False
+    rank_log.warning("step 20/50 loss 2.8000", extra={PROGRESS_LINE: True})
+    rank_log.warning("saved a checkpoint")
+    snapshot = Snapshot("train", "step", 20, 50, 4.0, 5.0, {"loss": 2.8})
+    lines = [f"[rank0]:{progress.RELAY_PREFIX}{snapshot.to_json()}",
+             *(f"[rank0]:{line}" for line in rank_output.getvalue().splitlines()), "[rank1]:rank 1 of 2 on node n"]
+    task_log, _, kept = _logger("task", io.StringIO())
+    sink = Recorder()
+    with progress.scope("sft", sink), Relayed() as relayed:
+        for line in lines:
+            _relay(line, relayed, task_log)
+    assert [(r.getMessage(), getattr(r, PROGRESS_LINE, False)) for r in kept] == [
+        ("[rank0]:WARNING gristmill.test.rank: step 20/50 loss 2.8000", True),
+        ("[rank0]:WARNING gristmill.test.rank: saved a checkpoint", False),
+        ("[rank1]:rank 1 of 2 on node n", False)]
+    first = sink.seen[0]
+    assert (first.what, first.done, first.total, dict(first.latest)) == ("sft: train", 20, 50, {"loss": 2.8})
+
+
 def test_the_serial_engine_counts_the_units_of_a_map(monkeypatch, caplog):
     def shout(word: str) -> str:
         return word.upper()

@@ -44,7 +44,8 @@ class StageArtifact:
         self.every_s = ARTIFACT_EVERY_S if every_s is None else every_s
         self.artifact_id: UUID | None = None
         self.pushed = 0  # API calls that succeeded
-        self._latest: tuple[float, str] = (0.0, f"{stage}: starting")
+        self._starting = (0.0, f"{stage}: starting")
+        self._latest: tuple[float, str] = self._starting
         self._sent: tuple[float, str] | None = None
         self._warned = False
         self._stop = threading.Event()
@@ -62,8 +63,9 @@ class StageArtifact:
     def finish(self, ok: bool) -> None:
         """The last update: 100% once the stage computed, else where it stopped."""
         percent, line = self._latest
-        self._latest = (100.0, f"{self.stage}: done in {time.monotonic() - self._t0:.1f} s ({line})") if ok \
-            else (percent, f"{line} (stopped)")
+        took = f"{self.stage}: done in {time.monotonic() - self._t0:.1f} s"
+        reported = self._latest != self._starting  # a reporter ran: its last line says where it ended
+        self._latest = (100.0, f"{took} ({line})" if reported else took) if ok else (percent, f"{line} (stopped)")
         self._stop.set()
         self._thread.join(FINISH_WAIT_S)
         if self._thread.is_alive():

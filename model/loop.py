@@ -15,6 +15,9 @@ Faults: a non-finite loss or gradient norm, or a loss spike (above the rolling m
 complete checkpoint and skips the batches between it and the offending one. Skipping is a
 persistent offset (batch index = step + skip_offset) kept in the checkpoint marker, so a resume
 after a rollback stays exact. After `max_rollbacks` rollbacks the run stops with TrainingDiverged.
+
+Progress: the main process reports every step and its loss to a core.progress reporter (a console
+bar on a terminal, the stage's Prefect progress artifact, a relay to the parent of launched ranks).
 """
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ def test_prefect_shows_the_funnel_and_the_report_card(tiny_run):
     with sqlite3.connect(home / "prefect" / "prefect.db") as db:
         rows = list(db.execute("select key, data from artifact"))
         # newest first, so each key keeps the shared run's own (the first run in this home)
-        progress = {key: (json.loads(data), description) for key, data, description in db.execute(
+        progress = {key: (float(data), description) for key, data, description in db.execute(
             "select key, data, description from artifact where type = 'progress' order by created desc")}
     artifacts = dict(rows)
     assert {"collect-funnel", "pipeline-summary", "report-card"} <= set(artifacts)

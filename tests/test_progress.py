@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 
 import pytest
@@ -230,12 +231,21 @@ def test_the_artifact_never_fails_or_stalls_a_stage(monkeypatch, caplog):
         "progress artifact progress-sft not updated (ConnectionError: all connection attempts failed); "
         "the stage carries on"]
 
-    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", lambda *a, **k: time.sleep(30))
+    answer = threading.Event()
+
+    def hanging_api(*args, **kwargs):
+        answer.wait(60)
+        raise ConnectionError("timed out")
+
+    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", hanging_api)
     monkeypatch.setattr(flow_progress, "FINISH_WAIT_S", 0.5)
     hanging = flow_progress.StageArtifact("align")
     started = time.monotonic()
     hanging.finish(ok=True)
     assert time.monotonic() - started < 2
+    answer.set()  # the API gives up: the thread ends (with the API still this test's)
+    hanging._thread.join(10)
+    assert not hanging._thread.is_alive() and hanging.pushed == 0
 
 
 @pytest.mark.slow  # starts a Prefect server

@@ -13,7 +13,7 @@ BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretr
               "claims": "bench.claims", "chaos": "bench.chaos",
               "evaluate": "bench.evaluate", "fidelity": "bench.fidelity", "memory": "bench.memory",
               "verify": "bench.verify",
-              "explain": "bench.explain"}
+              "explain": "bench.explain", "progress": "bench.progress"}
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ wraps them with the artifact store and tracking.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +29,15 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from core.progress import Reporter
+
 # Step-wise metrics a stage appends as JSON lines ({"step": int, "<name>": float, ...}); the
 # tracking layer replays them into the stage's MLflow run.
 METRICS_FILE = "metrics.jsonl"
 
 T = TypeVar("T")
 R = TypeVar("R")
+_map_log = logging.getLogger("gristmill.map")
 
 
 class StageConfig(BaseModel):
@@ -98,7 +102,17 @@ class SerialEngine:
     """In-process engine for tests and for stages too small to be worth a cluster."""
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        return [fn(item) for item in items]
+        results = []
+        with map_progress(fn, len(items)) as progress:
+            for item in items:
+                results.append(fn(item))
+                progress.advance(1)
+        return results
+
+
+def map_progress(fn: Callable, units: int) -> Reporter:
+    """The progress of an engine's map of `fn` over `units` work units (core/progress.py), started."""
+    return Reporter(getattr(fn, "__name__", "map").strip("_") or "map", unit="unit", log=_map_log).start(units)
 
 
 class MetricsLog:

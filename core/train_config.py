@@ -39,4 +39,5 @@ class TrainConfig(StageConfig):
         50, gt=0, description="Save a resumable checkpoint every N steps (and after the last).")
     keep_checkpoints: int = Field(2, gt=0, description="Most recent complete checkpoints kept on disk while training.")
     log_every: int = Field(10, gt=0, description="Log a one-line progress summary every N steps "
-                                                  "(metrics.jsonl gets every step).")
+                                                  "(metrics.jsonl gets every step; on a terminal a progress "
+                                                  "bar replaces these lines on the console).")

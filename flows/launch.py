@@ -20,11 +20,12 @@ import shlex
 import tempfile
 from pathlib import Path
 
+from core import progress
 from core.launch import REPO, on_cuda
 from core.stage import StageResult
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, stage_device
-from infra.launch import accelerate_argv, ray_argv, run_launcher
+from infra.launch import PREFIX, accelerate_argv, ray_argv, run_launcher
 
 
 def _cuda(stage: PlannedStage) -> bool:
@@ -46,9 +47,26 @@ def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
         argv = launcher(launch, worker, cuda=_cuda(stage), log_dir=scratch / "logs")
         logger.info("%s: %d x %d processes (%s) into %s: %s", stage.spec.name, launch.nodes, launch.processes,
                     launch.backend, partial_dir, shlex.join(argv))
-        run_launcher(argv, on_line=lambda line: logger.info("%s", line), env=dict(os.environ))
+        # Rank 0 relays its progress (core/progress.py): drawn here, on this console and in the
+        # stage's Prefect artifact; its periodic progress lines are marked as such again.
+        with progress.Relayed() as relayed:
+            run_launcher(argv, on_line=lambda line: _relay(line, relayed, logger),
+                         env={**os.environ, progress.RELAY_VAR: "1"})
         result = json.loads((scratch / "result.json").read_text())
     return StageResult(stats=result["stats"], artifacts=result["artifacts"])
+
+
+def _relay(line: str, relayed: progress.Relayed, logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """One line of the ranks' output: progress to `relayed`, the rest to the task log."""
+    rank = PREFIX.match(line)
+    text = rank.group(2) if rank else line
+    if relayed.feed(text):
+        return
+    if text.startswith(progress.PROGRESS_MARK):
+        line = line.replace(progress.PROGRESS_MARK, "", 1)
+        logger.info("%s", line, extra={progress.PROGRESS_LINE: True})
+    else:
+        logger.info("%s", line)
 
 
 def per_node_command(stage: PlannedStage, config_path: str, overrides: list[str], nodes: int) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import flows.entry  # noqa: F401  first: configures the process before anything else is imported
+from core import progress
 from core.stage import Manifest, SerialEngine
 from flows.config import PipelineConfigBase, load_config
 from flows.dag import PlannedStage, manifest_fields, open_store, plan, run_planned
@@ -79,8 +80,10 @@ def _main(argv: Sequence[str] | None) -> int:
     done.add_argument("--result", type=Path, help="rank 0 writes the stage's stats here")
     done.add_argument("--commit", action="store_true", help="rank 0 commits the manifest")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    output = logging.StreamHandler(sys.stdout)
+    output.addFilter(progress.mark_progress_lines)  # the parent tells progress lines apart by their mark
+    logging.basicConfig(level=logging.INFO, handlers=[output], force=True,
+                        format="%(progress_mark)s%(asctime)s %(levelname)s %(name)s: %(message)s")
     rank = int(os.environ.get("RANK", "0"))
     config = load_config(Path(args.config), args.overrides)
     store = open_store(config, env.gristmill_home())

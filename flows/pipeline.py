@@ -28,6 +28,7 @@ from flows.gates import GateDecision, GatesRejected, GatesStopped, enforce
 from flows.history import publish_report_card
 from flows.launch import launched
 from flows.notify import notify, rollbacks
+from flows.progress import stage_progress
 from flows.registry import Decision, register_and_promote
 from flows.report_card import Section, registry_section
 from infra import env
@@ -89,8 +90,10 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
     launch: LaunchConfig | None = getattr(stage.config, "launch", None)
 
     def compute(partial_dir) -> dict[str, Any]:
-        # the stage's memory, its Ray workers' and launched ranks' included
-        with PeakRSS() as peak, runtime.tracker.follow_metrics(run_id, partial_dir / METRICS_FILE):
+        # the stage's memory, its Ray workers' and launched ranks' included; its progress on the
+        # console and as the Prefect artifact progress-<stage> (flows/progress.py)
+        with PeakRSS() as peak, runtime.tracker.follow_metrics(run_id, partial_dir / METRICS_FILE), \
+                stage_progress(stage.spec.name):
             if launch is not None and launch.backend != "inline":
                 result = launched(stage, runtime.config, partial_dir, get_run_logger())
             else:

@@ -20,6 +20,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from core.stage import SerialEngine, map_progress
 from infra import env
 
 env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
@@ -38,6 +39,9 @@ class _Worker:
 
     def call(self, fn: Callable[[T], R], item: T) -> R:
         return fn(item)
+
+    def call_at(self, fn: Callable[[T], R], index: int, item: T) -> tuple[int, R]:
+        return index, fn(item)
 
 
 class RayEngine:
@@ -71,13 +75,20 @@ class RayEngine:
         if len(items) == 1 and not self._actors and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
             # One call has nothing to run beside it: starting a local Ray for it (docs/benchmarks.md;
             # e.g. the tiny preset's one tokenize shard) costs more than the call.
-            return [fn(items[0])]
+            return SerialEngine().map(fn, items)
         self.start()
         if not self._actors:
             self._actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS).remote()
                             for _ in range(self.num_workers)]
         pool = ActorPool(self._actors[: len(items)])
-        return list(pool.map(lambda actor, item: actor.call.remote(fn, item), items))
+        results: list = [None] * len(items)
+        # Units are counted as they finish, in whatever order; results are put back in input order.
+        with map_progress(fn, len(items)) as progress:
+            for index, result in pool.map_unordered(lambda actor, job: actor.call_at.remote(fn, *job),
+                                                    list(enumerate(items))):
+                results[index] = result
+                progress.advance(1)
+        return results
 
     def shutdown(self) -> None:
         """Stop the actors, and the local Ray instance this engine started (a joined cluster is

@@ -15,6 +15,9 @@ Faults: a non-finite loss or gradient norm, or a loss spike (above the rolling m
 complete checkpoint and skips the batches between it and the offending one. Skipping is a
 persistent offset (batch index = step + skip_offset) kept in the checkpoint marker, so a resume
 after a rollback stays exact. After `max_rollbacks` rollbacks the run stops with TrainingDiverged.
+
+Progress: the main process reports every step and its loss to a core.progress reporter (a console
+bar on a terminal, the stage's Prefect progress artifact, a relay to the parent of launched ranks).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from core.launch import PRECISION_VAR
+from core.progress import PROGRESS_LINE, Reporter
 from core.stage import MetricsLog
 from model.checkpoint import (
     clear_partial_checkpoints,
@@ -329,37 +333,44 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     peak_tflops = device_peak_tflops(cfg.peak_tflops, accelerator.device)
     meter = Throughput(flops_per_token, peak_tflops, accelerator.num_processes)
     t0, tokens_now = time.perf_counter(), 0
-    while state["step"] < cfg.max_steps:
-        step_start = time.perf_counter()
-        batch = _shard(with_label_totals(get_batch(state["step"] + state["skip_offset"])), accelerator)
-        lr = scheduler.get_last_lr()[0]
-        loss, grad_norm = _train_step(model, optimizer, scheduler, batch, loss_fn, cfg, accelerator)
-        reason = _anomaly(loss, grad_norm, state["loss_window"], cfg)
-        if reason:
-            state = _rollback(accelerator, scheduler, work_dir, metrics, state, loss, reason, cfg, log)
-            continue
-        tokens = _tokens_in(batch) * accelerator.num_processes
-        meter.add(tokens, time.perf_counter() - step_start)
-        tokens_now, done = tokens_now + tokens, state["step"] + 1
-        state = {**state, "step": done, "tokens_seen": state["tokens_seen"] + tokens,
-                 "recent_losses": (state["recent_losses"] + [loss])[-RECENT_LOSSES:],
-                 "loss_window": (state["loss_window"] + [loss])[-cfg.spike_window:]}
-        row = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
-        if _due(done, cfg.log_every, cfg.max_steps):
-            row.update(meter.report())
-        if evaluate is not None and _due(done, cfg.eval_every, cfg.max_steps):
-            with accelerator.autocast():
-                state["eval"] = evaluate(accelerator.unwrap_model(model))
-            row.update(state["eval"])
-        if accelerator.is_main_process:
-            metrics.log(done, **row)
-        if _due(done, cfg.log_every, cfg.max_steps):
-            log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f%s%s", done, cfg.max_steps, loss,
-                     lr, grad_norm, row["tokens_per_s"], f" mfu {row['mfu']:.1%}" if "mfu" in row else "",
-                     "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()))
-        # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
-        if _due(done, cfg.checkpoint_every, cfg.max_steps):
-            _save_checkpoint(accelerator, model, scheduler, work_dir, state, cfg.keep_checkpoints)
+    # The console bar / Prefect artifact / relay of the main process (core/progress.py); its line
+    # every log_every steps stays in the log, and on the console when no bar replaces it.
+    with Reporter("train", unit="step", enabled=accelerator.is_main_process) as progress:
+        progress.start(cfg.max_steps, done=state["step"])
+        while state["step"] < cfg.max_steps:
+            step_start = time.perf_counter()
+            batch = _shard(with_label_totals(get_batch(state["step"] + state["skip_offset"])), accelerator)
+            lr = scheduler.get_last_lr()[0]
+            loss, grad_norm = _train_step(model, optimizer, scheduler, batch, loss_fn, cfg, accelerator)
+            reason = _anomaly(loss, grad_norm, state["loss_window"], cfg)
+            if reason:
+                before = state["step"]
+                state = _rollback(accelerator, scheduler, work_dir, metrics, state, loss, reason, cfg, log)
+                progress.advance(state["step"] - before)
+                continue
+            tokens = _tokens_in(batch) * accelerator.num_processes
+            meter.add(tokens, time.perf_counter() - step_start)
+            tokens_now, done = tokens_now + tokens, state["step"] + 1
+            state = {**state, "step": done, "tokens_seen": state["tokens_seen"] + tokens,
+                     "recent_losses": (state["recent_losses"] + [loss])[-RECENT_LOSSES:],
+                     "loss_window": (state["loss_window"] + [loss])[-cfg.spike_window:]}
+            row = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+            if _due(done, cfg.log_every, cfg.max_steps):
+                row.update(meter.report())
+            if evaluate is not None and _due(done, cfg.eval_every, cfg.max_steps):
+                with accelerator.autocast():
+                    state["eval"] = evaluate(accelerator.unwrap_model(model))
+                row.update(state["eval"])
+            if accelerator.is_main_process:
+                metrics.log(done, **row)
+            progress.advance(1, loss=loss)
+            if _due(done, cfg.log_every, cfg.max_steps):
+                log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f%s%s", done, cfg.max_steps, loss,
+                         lr, grad_norm, row["tokens_per_s"], f" mfu {row['mfu']:.1%}" if "mfu" in row else "",
+                         "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()), extra={PROGRESS_LINE: True})
+            # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
+            if _due(done, cfg.checkpoint_every, cfg.max_steps):
+                _save_checkpoint(accelerator, model, scheduler, work_dir, state, cfg.keep_checkpoints)
     elapsed = time.perf_counter() - t0
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     recent = state["recent_losses"]

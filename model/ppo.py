@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from core.chat import Message, prompt_ids
+from core.progress import Reporter
 from core.stage import MetricsLog
 from model.checkpoint import (
     clear_partial_checkpoints,
@@ -423,15 +424,18 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
     resumed_from = state["step"]
     if ranks.main:  # the one process that writes metrics.jsonl
         metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
-    while state["step"] < cfg.max_steps:
-        step = state["step"]
-        row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, cfg, ranks)
-        state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
-                 "kls": state["kls"] + [row["ppo/kl"]]}
-        if ranks.main:
-            metrics.log(metrics_step_offset + step + 1, **row)
-        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
-            _save(out_dir, state, modules, cfg.keep_checkpoints, ranks)
+    with Reporter("ppo", unit="step", enabled=ranks.main) as progress:
+        progress.start(cfg.max_steps, done=resumed_from)
+        while state["step"] < cfg.max_steps:
+            step = state["step"]
+            row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, cfg, ranks)
+            state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
+                     "kls": state["kls"] + [row["ppo/kl"]]}
+            if ranks.main:
+                metrics.log(metrics_step_offset + step + 1, **row)
+            progress.advance(1, score=row["ppo/score"], kl=row["ppo/kl"])
+            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
+                _save(out_dir, state, modules, cfg.keep_checkpoints, ranks)
     recent = slice(-FINAL_WINDOW, None)
     return {"ppo_steps": state["step"], "ppo_resumed_from_step": resumed_from,
             "ppo_score_initial": state["scores"][0],

@@ -175,8 +175,16 @@ def test_prefect_shows_the_funnel_and_the_report_card(tiny_run):
 
     with sqlite3.connect(home / "prefect" / "prefect.db") as db:
         rows = list(db.execute("select key, data from artifact"))
+        # newest first, so each key keeps the shared run's own (the first run in this home)
+        progress = {key: (float(data), description) for key, data, description in db.execute(
+            "select key, data, description from artifact where type = 'progress' order by created desc")}
     artifacts = dict(rows)
     assert {"collect-funnel", "pipeline-summary", "report-card"} <= set(artifacts)
+    # every stage computed, and each left its progress artifact at 100% (flows/progress.py)
+    assert {key: value for key, (value, _) in progress.items()} == {f"progress-{s}": 100.0 for s in STAGES}
+    assert all(description.startswith(f"{key.removeprefix('progress-')}: done in ")
+               for key, (_, description) in progress.items()), progress
+    assert "sft: train 30/30 steps (100%)" in progress["progress-sft"][1]  # the loop's last step
     assert "| quality_heuristics |" in artifacts["collect-funnel"]
     summaries = [data for key, data in rows if key == "pipeline-summary"]
     assert any("**Model registry:** `gristmill-tiny` version 1: `candidate`, promoted to `champion`" in s

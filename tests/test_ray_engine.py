@@ -2,14 +2,18 @@
 restarted and the call retried, and a local Ray leaves no session directory behind."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
+from core import progress
 from infra.ray_engine import RayEngine
 
 
-def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_removed(tmp_path):
+def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_removed(tmp_path, monkeypatch, caplog):
+    """... and the map reports its units as they finish (core/progress.py), each once."""
     def square_killing_once(n: int) -> int:  # nested, so Ray ships it by value to the workers
         """The first call for 3 kills its own worker process, as an OOM killer would."""
         marker = tmp_path / f"killed-{n}"
@@ -18,9 +22,17 @@ def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_remov
             os.kill(os.getpid(), signal.SIGKILL)
         return n * n
 
+    seen = []
+    monkeypatch.setattr(progress, "REFRESH_S", 0.0)  # every unit reported, to see each
     engine = RayEngine(num_workers=2)
     try:
-        assert engine.map(square_killing_once, list(range(8))) == [n * n for n in range(8)]
+        with caplog.at_level(logging.INFO, "gristmill.map"), progress.scope("collect", SimpleNamespace(
+                update=seen.append)):
+            assert engine.map(square_killing_once, list(range(8))) == [n * n for n in range(8)]
+        assert [(s.done, s.total) for s in seen] == [(n, 8) for n in range(9)] + [(8, 8)]
+        assert seen[-1].final and seen[-1].what == "collect: square_killing_once" and seen[-1].unit == "unit"
+        assert [r.getMessage().split(",")[0] for r in caplog.records if r.name == "gristmill.map"] == [
+            "collect: square_killing_once 8/8 units (100%)"]
         assert (tmp_path / "killed-3").exists()  # the fault did happen
         session = engine._session_dir
         assert session and Path(session).is_dir()

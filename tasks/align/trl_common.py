@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from core.progress import PROGRESS_LINE, Reporter
 from core.stage import MetricsLog
 from core.train_config import TrainConfig
 from model.config import LoraConfig
@@ -47,16 +48,26 @@ def _metrics_callback(metrics: MetricsLog, prefix: str, log_every: int) -> Any:
 
     class _ToMetricsLog(TrainerCallback):
         """Each step's logged numbers (loss, rewards, margins, KL, ...) as <prefix><name> in
-        metrics.jsonl, and a progress line every `log_every` steps; the end-of-training summary
-        (no 'loss') is left to the stage stats."""
+        metrics.jsonl, the steps on the console bar / Prefect artifact (core/progress.py) and a
+        progress line every `log_every` steps; the end-of-training summary (no 'loss') is left to
+        the stage stats."""
+
+        progress: Reporter | None = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.progress = Reporter((prefix or "train").rstrip("/_"), unit="step",
+                                     enabled=state.is_world_process_zero).start(state.max_steps, state.global_step)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "loss" not in logs or not state.is_world_process_zero:
                 return
             row = {f"{prefix}{k}": float(v) for k, v in logs.items() if isinstance(v, (int, float)) and k != "epoch"}
             metrics.log(state.global_step, **row)
+            if self.progress is not None:
+                self.progress.advance(state.global_step - self.progress.done, loss=float(logs["loss"]))
             if state.global_step % log_every == 0 or state.global_step == state.max_steps:
-                log.info("%sstep %d/%d loss %.4f", prefix, state.global_step, state.max_steps, logs["loss"])
+                log.info("%sstep %d/%d loss %.4f", prefix, state.global_step, state.max_steps, logs["loss"],
+                         extra={PROGRESS_LINE: True})
 
     return _ToMetricsLog()
 
@@ -81,8 +92,13 @@ def train_resumably(trainer: Any, config: TrainConfig, metrics: MetricsLog,
     if resume_from:
         log.info("resuming from %s", resume_from)
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(_metrics_callback(metrics, prefix, config.log_every))
-    return trainer.train(resume_from_checkpoint=resume_from), resumed_step
+    callback = _metrics_callback(metrics, prefix, config.log_every)
+    trainer.add_callback(callback)
+    try:
+        return trainer.train(resume_from_checkpoint=resume_from), resumed_step
+    finally:
+        if callback.progress is not None:  # the bar ends, and the console's log handlers come back
+            callback.progress.close()
 
 
 def with_lora(model: torch.nn.Module, lora: LoraConfig | None, seed: int) -> torch.nn.Module:

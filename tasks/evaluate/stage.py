@@ -31,6 +31,7 @@ import numpy as np
 
 import core.arithmetic as arithmetic
 from core.chat import prompt_ids
+from core.progress import Reporter
 from core.stage import Engine, Manifest, StageResult
 from core.units import bits_per_byte
 from model.generate import generate_greedy
@@ -146,12 +147,14 @@ def _perplexity_and_arithmetic(model: Any, tokenizer: Any, model_dir: Path, toke
 
 
 def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: str, work: Path,
-                   marked: Mapping[str, list[int]], scored_bytes: int) -> dict[str, Any]:
+                   marked: Mapping[str, list[int]], scored_bytes: int,
+                   progress: Reporter | None = None) -> dict[str, Any]:
     """Perplexity, arithmetic and every benchmark file for one model, each task's score with its
     contaminated items (`marked`: task -> item indices) counted and the clean rest's accuracy.
     Each part is kept in `work` as it finishes (core.json, tasks/<task>.json + its per-item
     JSONL, each written atomically), so a killed run resumes with the next part; the model is
-    loaded only if a part is missing."""
+    loaded only if a part is missing. `progress` advances by one per part."""
+    progress = progress or Reporter("parts", enabled=False)
     loaded: list[tuple[Any, Any]] = []
 
     def model_and_tokenizer() -> tuple[Any, Any]:
@@ -166,6 +169,7 @@ def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: 
         results = _perplexity_and_arithmetic(*model_and_tokenizer(), model_dir, tokenize_dir, config, device,
                                              scored_bytes)
         write_results(core_file, results, [])
+    progress.advance(1)
     options = EvalOptions(batch_size=config.batch_size, max_new_tokens=config.gsm8k_max_new_tokens,
                           samples=config.gsm8k_samples)
     tasks = {}
@@ -178,6 +182,7 @@ def evaluate_model(model_dir: Path, tokenize_dir: Path, config: Config, device: 
         rows = [json.loads(line) for line in done.with_name(f"{data.name}.items.jsonl").open()]
         tasks[data.name] = {**json.loads(done.read_text()),
                             **clean_scores(rows, marked.get(data.name, []))}
+        progress.advance(1)
     return {**results, **summarize(tasks)}
 
 
@@ -247,17 +252,22 @@ def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest, tok
     baselines = json.loads(baselines_file.read_text())
     results: dict[str, dict[str, Any]] = {}
     models = {"base": pretrain, "sft": sft, "aligned": align}  # report label -> model, in column order
-    for label, trained in models.items():
-        done = per_model / f"{label}.json"
-        if done.exists():  # finished before a crash; same config, so the same result
-            results[label] = json.loads(done.read_text())
-            continue
-        log.info("evaluating %s (%s) on %s", label, trained.key, device)
-        results[label] = evaluate_model(Path(trained.path) / "model", tokenize_dir, config, device,
-                                        per_model / label, marks.get(label, {}), int(baselines["scored_bytes"]))
-        done.write_text(json.dumps(results[label], indent=2, sort_keys=True))
-        log.info("%s: ppl %.2f bpb %.4f arith %.3f", label, results[label]["val_ppl"],
-                 results[label]["val_bpb"], results[label]["arith_acc"])
+    parts = 1 + len(config.tasks)  # per model: perplexity and arithmetic, then each benchmark file
+    with Reporter("parts", unit="part") as progress:
+        progress.start(len(models) * parts)
+        for label, trained in models.items():
+            done = per_model / f"{label}.json"
+            if done.exists():  # finished before a crash; same config, so the same result
+                results[label] = json.loads(done.read_text())
+                progress.advance(parts)
+                continue
+            log.info("evaluating %s (%s) on %s", label, trained.key, device)
+            results[label] = evaluate_model(Path(trained.path) / "model", tokenize_dir, config, device,
+                                            per_model / label, marks.get(label, {}),
+                                            int(baselines["scored_bytes"]), progress)
+            done.write_text(json.dumps(results[label], indent=2, sort_keys=True))
+            log.info("%s: ppl %.2f bpb %.4f arith %.3f", label, results[label]["val_ppl"],
+                     results[label]["val_bpb"], results[label]["arith_acc"])
 
     upstream = {"tokenize": tokenize.key, "pretrain": pretrain.key, "sft": sft.key, "align": align.key}
     alignment = alignment_summary(align.stats)

@@ -63,11 +63,16 @@ def _interleaved_medians(runs: dict[str, Callable[[], None]], repeats: int) -> d
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench evaluate", description=__doc__.split("\n")[0])
+def model_and_data_arguments(parser: argparse.ArgumentParser, items: int, items_help: str) -> None:
+    """The arguments this benchmark shares with `bench fidelity`: the model, the data and how many items."""
     parser.add_argument("--model", type=Path, help="HF causal-LM dir (default: a random tiny Llama)")
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
-    parser.add_argument("--items", type=int, default=40, help="items per log-likelihood task")
+    parser.add_argument("--items", type=int, default=items, help=items_help)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench evaluate", description=__doc__.split("\n")[0])
+    model_and_data_arguments(parser, 40, "items per log-likelihood task")
     parser.add_argument("--gen-items", type=int, default=8, help="GSM8K items")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)

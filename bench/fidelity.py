@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.evaluate import REPO, build_model
+from bench.evaluate import build_model, model_and_data_arguments
 
 FILES = {"copa": "copa/copa_part1.jsonl", "boolq": "boolq/boolq_part1.jsonl", "piqa": "piqa/valid_part1.jsonl",
          "winogrande": "winogrande/winogrande_part1.jsonl",
@@ -99,9 +99,7 @@ def compare(name: str, a: Scores, b: Scores) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench fidelity", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, help="HF causal-LM dir (default: a random tiny Llama)")
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
-    parser.add_argument("--items", type=int, default=50, help="first records of each file")
+    model_and_data_arguments(parser, 50, "first records of each file")
     parser.add_argument("--train-steps", type=int, default=300, help="training of the default model (0: random)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)

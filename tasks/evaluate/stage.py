@@ -84,12 +84,12 @@ def val_tokens(tokenize_dir: Path) -> np.ndarray:
     return np.memmap(tokenize_dir / "tokens" / "val.bin", dtype=meta["dtype"], mode="r")
 
 
-def scored_text(tokenize_dir: Path, config: Config) -> bytes:
+def scored_text(tokenize_dir: Path, config: Config, tokenizer: Any) -> bytes:
     """The exact bytes perplexity scores: those of the predicted tokens, tokens 1 .. n of val.bin
     (each window predicts the `window` tokens after its first)."""
     tokens = val_tokens(tokenize_dir)
     window, n_windows = eval_windows(len(tokens), config.seq_len, config.max_eval_tokens)
-    return token_bytes(_tokenizer(tokenize_dir), tokens[1 : window * n_windows + 1])
+    return token_bytes(tokenizer, tokens[1 : window * n_windows + 1])
 
 
 def _tokenizer(tokenize_dir: Path) -> Any:
@@ -114,8 +114,9 @@ def compressor_baselines(tokenize_dir: Path, config: Config) -> dict[str, float]
     (compression.py), capped at `config.compression_train_mb`."""
     train = np.memmap(tokenize_dir / "tokens" / "train.bin", dtype=val_tokens(tokenize_dir).dtype, mode="r")
     cap = int(config.compression_train_mb * 2**20)
-    return compression.baselines(scored_text(tokenize_dir, config),
-                                 compression.train_text(_tokenizer(tokenize_dir), train, cap))
+    tokenizer = _tokenizer(tokenize_dir)
+    return compression.baselines(scored_text(tokenize_dir, config, tokenizer),
+                                 compression.train_text(tokenizer, train, cap))
 
 
 # --- arithmetic ---------------------------------------------------------------------------------

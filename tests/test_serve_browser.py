@@ -205,7 +205,8 @@ def _resume(page, approve: bool, comment: str, gate: str) -> None:
     dialog.locator("textarea").fill(comment)
     with page.expect_response(re.compile(r"/flow_runs/[^/]+/resume$")) as resumed:
         dialog.get_by_role("button", name="Submit").click()
-    assert resumed.value.json()["status"] == "ACCEPT", resumed.value.json()
+    response = resumed.value
+    assert response.ok and response.json()["status"] == "ACCEPT", (response.status, response.text())
 
 
 def _gate_record(served, flow_run_id: str) -> dict:

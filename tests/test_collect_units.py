@@ -7,11 +7,15 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
+import random
 from pathlib import Path
 
 import pydantic
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import bench.fuzz as fuzz
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
 from tasks.collect.readers import WHOLE, Part, RawDoc, Skipped, read_file, split_file
@@ -125,6 +129,21 @@ def test_parquet_parts_are_runs_of_row_groups(shared_data, tmp_path):
         assert events == whole  # row numbers count from the file's first row
         assert len(parts) > 1 and parts[0].start == 0 and parts[-1].end == 7  # 7 row groups
     assert split_file(path, 1) == [Part(g, g + 1) for g in range(7)]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(sorted(fuzz.FAULTS)), seed=st.integers(0, 2**16),
+       n_parts=st.integers(2, 12))
+def test_fuzzed_inputs_read_the_same_in_parts(tmp_path_factory, kind, seed, n_parts):
+    """Damaged and odd files of every kind (bench/fuzz.py's faults): whatever a file holds, its
+    parts read the whole file's events."""
+    made = fuzz.FAULTS[kind](random.Random(seed), fuzz.PROSE)
+    path = tmp_path_factory.mktemp("fuzz") / made.name
+    path.write_bytes(made.data)
+    whole = list(read_file(path, max_doc_bytes=fuzz.MAX_DOC_BYTES))
+    unit_bytes = max(1, len(made.data) // n_parts)
+    assert _in_parts(path, unit_bytes, max_doc_bytes=fuzz.MAX_DOC_BYTES)[1] == whole
 
 
 # --- the stage -------------------------------------------------------------------------------

@@ -131,6 +131,20 @@ def test_parquet_parts_are_runs_of_row_groups(shared_data, tmp_path):
     assert split_file(path, 1) == [Part(g, g + 1) for g in range(7)]
 
 
+def test_a_damaged_row_group_is_one_error_and_the_next_is_read(shared_data, tmp_path):
+    import pyarrow.parquet as pq
+
+    path = _parquet(tmp_path / "docs.parquet", shared_data, rows_per_group=3)
+    page = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset  # rows 3-5's text
+    data = bytearray(path.read_bytes())
+    data[page:page + 8] = b"\xff" * 8  # a page header that cannot be decoded
+    path.write_bytes(data)
+    whole = list(read_file(path))
+    assert [e.where.rsplit("#", 1)[1] for e in whole] == ["0", "1", "2", "3", *map(str, range(6, 20))]
+    assert whole[3].reason == "error_corrupt_parquet" and all(isinstance(e, RawDoc) for e in whole[4:])
+    assert _in_parts(path, 1)[1] == whole
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(sorted(fuzz.FAULTS)), seed=st.integers(0, 2**16),

@@ -67,6 +67,12 @@ def filesystem(path: str):
         raise ImportError(f"source {path!r}: {exc}") from None
 
 
+def file_size(path: str | Path) -> int:
+    """Size in bytes of a file, local or any fsspec URL."""
+    fs, fs_path = filesystem(str(path))
+    return fs.size(fs_path)
+
+
 def source_files(source: str, suffixes: tuple[str, ...] | None = None) -> list[Path | str]:
     """The files of a file, directory or glob source (any fsspec URL), sorted; with `suffixes`,
     only files ending in one of them (case-insensitive). Local files come back as Path, others as

@@ -233,6 +233,6 @@ def test_run_fuzz_is_deterministic_and_every_trial_survives(tmp_path):
 def test_a_trial_catches_a_reader_that_loses_a_record(tmp_path, monkeypatch):
     real = readers.read_jsonl
     monkeypatch.setattr(readers, "read_jsonl",
-                        lambda f, name, max_bytes: itertools.islice(real(f, name, max_bytes), 1, None))
+                        lambda f, name, max_bytes, part: itertools.islice(real(f, name, max_bytes, part), 1, None))
     trial = fuzz.run_trial([], tmp_path)  # the intact JSONL source alone, its first record lost
     assert not trial.survived and trial.records_unread == 1 and trial.docs_lost == 0

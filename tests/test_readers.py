@@ -298,12 +298,13 @@ def test_bad_lines_are_quarantined(dolma_jsonl, tmp_path):
     bad.write_bytes(b"\n".join(lines) + b"\n")
     reasons, docs, skipped = _read(bad)
     assert reasons == {"error_bad_json": 2, "error_invalid_utf8": 1, "error_missing_text": 1}
-    assert len(docs) == 1 and docs[0].where == f"{bad}:4"
+    starts = [sum(len(line) + 1 for line in lines[:i]) for i in range(len(lines))]  # byte offsets
+    assert len(docs) == 1 and docs[0].where == f"{bad}@{starts[3]}"
     assert [(s.where, s.sample) for s in skipped] == [
-        (f"{bad}:1", b"this is not json\n"), (f"{bad}:2", b'{"text": "caf\xe9 \xff"}\n'),
-        (f"{bad}:3", b"[1, 2]\n"), (f"{bad}:6", b"{\n")]
+        (f"{bad}@0", b"this is not json\n"), (f"{bad}@{starts[1]}", b'{"text": "caf\xe9 \xff"}\n'),
+        (f"{bad}@{starts[2]}", b"[1, 2]\n"), (f"{bad}@{starts[5]}", b"{\n")]
     assert json.loads(json.dumps(quarantine_record(skipped[1]))) == {
-        "reason": "error_invalid_utf8", "where": f"{bad}:2", "nbytes": 19,
+        "reason": "error_invalid_utf8", "where": f"{bad}@17", "nbytes": 19,
         "sample": '{"text": "caf\\xe9 \\xff"}\n'}
 
 
@@ -325,7 +326,7 @@ def test_fifty_megabyte_documents_are_skipped_fast(html_page, tmp_path):
         f.write(b'{"text": "' + big_text + b'"}\n{"text": "small"}\n')
     reasons, docs, skipped = _read(jsonl)
     assert reasons == {"skipped_too_large": 1} and [d.payload for d in docs] == ["small"]
-    assert skipped[0].nbytes == len(big_text) + 13 and skipped[0].where == f"{jsonl}:1"
+    assert skipped[0].nbytes == len(big_text) + 13 and skipped[0].where == f"{jsonl}@0"
     warc = _warc(tmp_path / "big.warc", [("response", "200 OK", "text/html", big_text),
                                          ("response", "200 OK", "text/html", html_page)],
                  gzipped=False)

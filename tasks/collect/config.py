@@ -207,7 +207,8 @@ class Config(CleaningConfig):
     """Where the raw text comes from and how it is cleaned, deduplicated and mixed."""
 
     unhashed_fields: ClassVar[frozenset[str]] = frozenset(
-        {"num_workers", "cc_base_url", "download_retries", "download_timeout_s", "review_samples", "gates"})
+        {"num_workers", "cc_base_url", "download_retries", "download_timeout_s", "review_samples", "gates",
+         "unit_mb"})
 
     sources: list[str] = Field(
         default_factory=lambda: [demo_crawl.DEMO_SOURCE],
@@ -249,6 +250,14 @@ class Config(CleaningConfig):
     num_workers: int = Field(
         2, ge=1,
         description="Parallel workers the engine may use (not hashed: output is the same).")
+    unit_mb: float = Field(
+        64.0, gt=0,
+        description="Size of a work unit, MB on disk: a larger input file is read by several "
+                    "units in parallel (plain .jsonl in line-aligned byte ranges, WARC/WET in "
+                    "runs of whole records, Parquet in runs of row groups); a smaller one, a "
+                    "compressed single stream (.jsonl.gz/.zst, .txt.gz: not seekable), an Arrow "
+                    "or text file and a 'cc:' download are one unit each. Units are also what a "
+                    "killed run resumes by. Not hashed: the output is the same for any size.")
 
     @model_validator(mode="after")
     def _check_sources(self) -> Config:

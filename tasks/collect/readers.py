@@ -17,13 +17,22 @@ Formats, by file suffix:
 Every document passes two guards in `read_file`: larger than `max_doc_bytes` → skipped_too_large;
 binary content → skipped_binary. Quarantine: a `Skipped` that carries a `sample` (errors and
 binary payloads) is input worth a look; `where` names the file and the place in it
-(`file@<byte offset>` for WARC, `file:<line>` for JSON lines, `file#<row>` for tables).
+(`file@<byte offset>` of the record or line for WARC and JSON lines: in the decompressed stream of
+a .jsonl.gz/.zst; `file#<row>` for tables).
+
+Large files are read in parts (`split_file`; a `Part` is the records that start in a byte range
+or the row groups in a range), one work unit each: plain JSON lines in line-aligned byte ranges,
+WARC/WET in runs of whole records, Parquet in runs of row groups. Reading the whole file is
+reading its one part, so the parts together yield the same events, in the same order. A
+compressed single stream (.jsonl.gz/.zst, .txt.gz) cannot be entered in the middle, and Arrow and
+text files are small or one document: they stay one part.
 """
 from __future__ import annotations
 
 import codecs
 import gzip
 import io
+import itertools
 import json
 import logging
 import zlib
@@ -31,10 +40,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from core.sources import filesystem, source_files
+from core.sources import file_size, filesystem, source_files
 from tasks.collect.records import (
     FILE_LEVEL_ERRORS,
     SAMPLE_BYTES,
+    WHOLE,
+    Part,
     RawDoc,
     Reader,
     ReadEvent,
@@ -43,14 +54,16 @@ from tasks.collect.records import (
     quarantine_record,
     record_event,
 )
-from tasks.collect.tables import read_arrow, read_parquet
-from tasks.collect.warc import read_warc
+from tasks.collect.tables import parquet_parts, read_arrow, read_parquet
+from tasks.collect.warc import read_warc, warc_parts
 
 # The reader API: the record types (records.py) are re-exported, readers' users need both.
 __all__ = [
     "FILE_LEVEL_ERRORS",
     "SUPPORTED_SUFFIXES",
     "TEXT_SUFFIXES",
+    "WHOLE",
+    "Part",
     "RawDoc",
     "ReadEvent",
     "Skipped",
@@ -60,6 +73,7 @@ __all__ = [
     "quarantine_record",
     "read_file",
     "resolve_source",
+    "split_file",
 ]
 
 WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz")  # Common Crawl WET: *.warc.wet.gz
@@ -105,9 +119,10 @@ def _reader_for(name: str) -> Reader:
                      f"(expected one of {', '.join(SUPPORTED_SUFFIXES)})")
 
 
-def read_file(path: str | Path, *,
-              max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES) -> Iterator[ReadEvent]:
-    """Events of one input file (a local path or fsspec URL); an empty file is one error."""
+def read_file(path: str | Path, *, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+              part: Part = WHOLE) -> Iterator[ReadEvent]:
+    """Events of one input file (a local path or fsspec URL), or of one part of it from
+    `split_file`; an empty file is one error."""
     name = str(path)
     reader = _reader_for(name)
     fs, fs_path = filesystem(name)
@@ -115,8 +130,28 @@ def read_file(path: str | Path, *,
         yield Skipped(reason="error_empty_file", nbytes=0, where=name)
         return
     with fs.open(fs_path, "rb") as f:
-        for event in reader(f, name, max_doc_bytes):
+        for event in reader(f, name, max_doc_bytes, part):
             yield guard(event, max_doc_bytes) if isinstance(event, RawDoc) else event
+
+
+def split_file(path: str | Path, unit_bytes: int) -> list[Part]:
+    """The parts of an input file that work units read separately, each about `unit_bytes` on
+    disk; a file no larger, or one that cannot be entered in the middle, is one part."""
+    name, size = str(path), file_size(path)
+    lowered = name.lower()
+    if size <= unit_bytes:
+        return [WHOLE]
+    if lowered.endswith(".jsonl"):  # the one JSON-lines suffix that is not compressed
+        n_parts = -(-size // unit_bytes)
+        bounds = [size * i // n_parts for i in range(n_parts + 1)]
+        return [Part(a, b) for a, b in itertools.pairwise(bounds)]
+    splitter = warc_parts if lowered.endswith(WARC_SUFFIXES) else \
+        parquet_parts if lowered.endswith(".parquet") else None
+    if splitter is None:
+        return [WHOLE]
+    fs, fs_path = filesystem(name)
+    with fs.open(fs_path, "rb") as f:
+        return splitter(f, unit_bytes)
 
 
 def is_binary(payload: bytes | str) -> bool:
@@ -249,38 +284,51 @@ def _jsonl_event(line: bytes, where: str) -> ReadEvent:
     return record_event(record, len(line), where, line)
 
 
-def _lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
-    """(line number, line, its size in bytes); the line is None when it is longer than
-    max_line_bytes, and is then skipped in 1 MiB pieces instead of held in memory."""
-    lineno = 0
-    while line := stream.readline(max_line_bytes + 1):
-        lineno += 1
-        if len(line) <= max_line_bytes:
-            yield lineno, line, len(line)
-            continue
-        nbytes = len(line)
-        while not line.endswith(b"\n") and (line := stream.readline(1 << 20)):
-            nbytes += len(line)
-        yield lineno, None, nbytes
+def _rest_of_line(stream: IO[bytes], line: bytes) -> int:
+    """Bytes of the rest of a line that began with `line`, read in 1 MiB pieces, not held."""
+    nbytes = len(line)
+    while not line.endswith(b"\n") and (line := stream.readline(1 << 20)):
+        nbytes += len(line)
+    return nbytes
 
 
-def read_jsonl(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
-    """dolma-style JSON lines, plain, gzip or zstd; a line over max_doc_bytes is skipped."""
+def _lines(stream: IO[bytes], max_line_bytes: int,
+           part: Part) -> Iterator[tuple[int, bytes | None, int]]:
+    """(offset, line, its size in bytes) of the lines that start in `part`; the line is None when
+    it is longer than max_line_bytes, and is then skipped instead of held in memory. A line that
+    starts before the part belongs to the part before; the last line may end after the part."""
+    offset = part.start
+    if offset > 0:  # the line ending at offset - 1, if any, is the previous part's
+        stream.seek(offset - 1)
+        offset += _rest_of_line(stream, stream.readline(1)) - 1
+    while (part.end is None or offset < part.end) and (line := stream.readline(max_line_bytes + 1)):
+        nbytes = len(line) if len(line) <= max_line_bytes else _rest_of_line(stream, line)
+        yield offset, line if nbytes <= max_line_bytes else None, nbytes
+        offset += nbytes
+
+
+def read_jsonl(f: IO[bytes], name: str, max_doc_bytes: int,
+               part: Part = WHOLE) -> Iterator[ReadEvent]:
+    """dolma-style JSON lines, plain, gzip or zstd; a line over max_doc_bytes is skipped. A part
+    (of a plain file only: a compressed stream is not seekable) reads the lines starting in it."""
     def events() -> Iterator[ReadEvent]:
-        for lineno, line, nbytes in _lines(open_decompressed(f, name), max_doc_bytes):
+        for offset, line, nbytes in _lines(open_decompressed(f, name), max_doc_bytes, part):
+            where = f"{name}@{offset}"
             if line is None:
-                yield Skipped(reason="skipped_too_large", nbytes=nbytes, where=f"{name}:{lineno}")
+                yield Skipped(reason="skipped_too_large", nbytes=nbytes, where=where)
                 continue
-            if lineno == 1:  # a UTF-8 byte order mark (Windows tools write one) is not JSON
+            if offset == 0:  # a UTF-8 byte order mark (Windows tools write one) is not JSON
                 line = line.removeprefix(codecs.BOM_UTF8)
             if line.strip():
-                yield _jsonl_event(line, f"{name}:{lineno}")
+                yield _jsonl_event(line, where)
 
     yield from _stream_events(events(), name)
 
 
-def read_text(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
-    """A whole plain-text file as one document (its URL is the file's path or URL)."""
+def read_text(f: IO[bytes], name: str, max_doc_bytes: int,
+              part: Part = WHOLE) -> Iterator[ReadEvent]:
+    """A whole plain-text file as one document (its URL is the file's path or URL); never split
+    (one part)."""
     def events() -> Iterator[ReadEvent]:
         stream = open_decompressed(f, name)
         data = stream.read(max_doc_bytes + 1)

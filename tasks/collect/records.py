@@ -4,8 +4,9 @@ module (readers, warc, tables, demo_crawl), which is why it sits apart from them
 """
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -42,12 +43,38 @@ class Skipped:
 
     reason: str
     nbytes: int = 0
-    where: str = ""  # file and place in it: file@<byte offset>, file:<line>, file#<row>
+    where: str = ""  # file and place in it: file@<byte offset> (WARC, JSON lines), file#<row>
     sample: bytes | None = None  # first SAMPLE_BYTES of the input, set where it is quarantined
 
 
+@dataclass(frozen=True)
+class Part:
+    """The piece of an input file that one work unit reads: the records that *start* in
+    [start, end), so the parts of a file together read each record once, as reading it whole
+    does. Byte offsets for JSON lines and WARC/WET, row-group indices for Parquet; `end` None
+    reads to the end of the file."""
+
+    start: int = 0
+    end: int | None = None
+
+
+WHOLE = Part()
 ReadEvent = RawDoc | Skipped
-Reader = Callable[[IO[bytes], str, int], Iterator[ReadEvent]]
+Reader = Callable[[IO[bytes], str, int, Part], Iterator[ReadEvent]]
+
+
+def runs(sizes: Sequence[int], unit_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges [i, j) of `sizes` (records, row groups) that each reach
+    `unit_bytes`, the last one taking what is left: where a file is cut into parts."""
+    if not sizes:
+        return []
+    bounds, total = [0], 0
+    for i, size in enumerate(sizes[:-1], start=1):
+        total += size
+        if total >= unit_bytes:
+            bounds.append(i)
+            total = 0
+    return list(itertools.pairwise([*bounds, len(sizes)]))
 
 
 def quarantine(reason: str, nbytes: int, where: str, data: bytes | str) -> Skipped:

@@ -21,12 +21,15 @@ read their own chunks and candidate pairs, decontamination streams them, and the
 written by copying lines. What grows with the corpus is per document: its `DocRef` and exact-dedup
 hash and near dedup's signatures, band keys and index while it runs (sizes: docs/benchmarks.md).
 
-Parallelism and resume: one work unit per input file (or per chunk of demo packages), mapped by
-the injected engine. Each unit writes its events to `units/unit-%05d.jsonl.gz` in out_dir (the
-stage's partial dir) when it finishes, so a killed run redoes only unfinished units; Common Crawl
-files download inside the unit (resumable) and are deleted once it is done. Units are merged in
-input order and the corpus-level steps are deterministic, so the output does not depend on the
-engine or the worker count.
+Parallelism and resume: one work unit per part of an input file (a file larger than `unit_mb`
+splits into several: readers.split_file, computed on the engine as a WARC's needs a pass over it;
+per chunk of demo packages; per Common Crawl file, which downloads inside its unit), mapped by the
+injected engine. Each unit writes its events to `units/unit-<index>-<identity>.jsonl.gz` in out_dir
+(the stage's partial dir) when it finishes, named after what it read (source, file, part), so a
+killed run redoes only unfinished units, even when a changed `unit_mb` or `num_workers` (not
+hashed) plans different ones; Common Crawl files are deleted once their unit is done. Units are
+merged in input order and the corpus-level steps are deterministic, so the output does not depend
+on the engine, the worker count or the unit size.
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ from typing import Any
 from core.decontam import DecontamConfig, build_index
 from core.decontam import drop_reason as contamination_reason
 from core.files import ensure_free_space, iter_jsonl
-from core.sources import parse_source
-from core.stage import Engine, StageResult
+from core.sources import file_size, parse_source
+from core.stage import Engine, SerialEngine, StageResult
 from tasks.collect import demo_crawl
 from tasks.collect.cleaning import clean_document
 from tasks.collect.common_crawl import (
@@ -75,9 +78,12 @@ from tasks.collect.quality_model import (
 )
 from tasks.collect.quality_model import drop_reason as quality_reason
 from tasks.collect.readers import (
+    WHOLE,
+    Part,
     extract_text,
     read_file,
     resolve_source,
+    split_file,
 )
 from tasks.collect.records import ReadEvent, Skipped, quarantine_record
 from tasks.collect.spool import Spool
@@ -89,21 +95,38 @@ UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
 SPOOL_FILE = "kept.jsonl"  # in UNITS_DIR: the kept documents during the corpus-level steps
 
 
-# ---------------------------------------------------------------- work units (per input file)
+# ---------------------------------------------------------------- work units (per part of a file)
 
 @dataclass(frozen=True, kw_only=True)
 class WorkUnit:
-    """One picklable piece of work: a file of a source, or a chunk of demo packages."""
+    """One picklable piece of work: a file (or part of one) of a source, or a chunk of demo
+    packages."""
 
     config: Config
     source: str
-    index: int = 0  # position in the plan: names its result file
+    index: int = 0  # position in the plan: orders the result files
     path: str | None = None  # local path or fsspec URL
+    part: Part = WHOLE  # the part of the file this unit reads
     url: str | None = None  # a remote file downloaded to `path` first ('cc:' sources)
     packages: tuple[tuple[str, str], ...] = ()
 
 
-def _source_units(config: Config, text: str, download_dir: Path) -> list[dict[str, Any]]:
+def _split(job: tuple[str, int]) -> list[Part]:
+    return split_file(*job)
+
+
+def _file_units(config: Config, text: str, engine: Engine) -> list[dict[str, Any]]:
+    """A file source's files, each as one unit or, when larger than `unit_mb`, several."""
+    files = [str(p) for p in resolve_source(text)]
+    unit_bytes = max(1, round(config.unit_mb * 1_000_000))
+    parts: dict[str, list[Part]] = {path: [WHOLE] for path in files}
+    large = [path for path in files if file_size(path) > unit_bytes]
+    if large:  # a WARC's parts need a pass over it: on the engine, not the driver
+        parts.update(zip(large, engine.map(_split, [(path, unit_bytes) for path in large])))
+    return [{"path": path, "part": part} for path in files for part in parts[path]]
+
+
+def _source_units(config: Config, text: str, download_dir: Path, engine: Engine) -> list[dict[str, Any]]:
     source = parse_source(text)
     if source.kind == "demo":
         source.demo([demo_crawl.DEMO_NAME], "source")
@@ -115,14 +138,15 @@ def _source_units(config: Config, text: str, download_dir: Path) -> list[dict[st
         urls = list_files(CommonCrawlSource.parse(text), config.cc_base_url,
                           retries=config.download_retries, timeout_s=config.download_timeout_s)
         return [{"url": url, "path": str(local_path(url, download_dir))} for url in urls]
-    return [{"path": str(p)} for p in resolve_source(text)]
+    return _file_units(config, text, engine)
 
 
-def plan_units(config: Config, download_dir: Path) -> list[WorkUnit]:
-    """Work units in deterministic input order; ValueError naming a source that has no input."""
+def plan_units(config: Config, download_dir: Path, engine: Engine | None = None) -> list[WorkUnit]:
+    """Work units in deterministic input order; ValueError naming a source that has no input.
+    `engine` splits large files (default: in this process)."""
     units: list[WorkUnit] = []
     for source in config.sources:
-        for fields in _source_units(config, source, download_dir):
+        for fields in _source_units(config, source, download_dir, engine or SerialEngine()):
             units.append(WorkUnit(config=config, source=source, index=len(units), **fields))
     return units
 
@@ -133,7 +157,7 @@ def _unit_records(unit: WorkUnit) -> Iterator[ReadEvent]:
     if unit.url is not None:
         download(unit.url, Path(unit.path), retries=unit.config.download_retries,
                  timeout_s=unit.config.download_timeout_s)
-    return read_file(unit.path, max_doc_bytes=unit.config.max_doc_bytes)
+    return read_file(unit.path, max_doc_bytes=unit.config.max_doc_bytes, part=unit.part)
 
 
 def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
@@ -168,7 +192,11 @@ def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
 
 
 def unit_result_path(units_dir: Path, unit: WorkUnit) -> Path:
-    return units_dir / f"unit-{unit.index:05d}.jsonl.gz"
+    """Named by the unit's place in the plan and a digest of what it reads, so a result is reused
+    only by a unit that reads the same, whatever plan an earlier attempt had."""
+    identity = json.dumps([unit.source, unit.path, unit.url, unit.part.start, unit.part.end,
+                           unit.packages])
+    return units_dir / f"unit-{unit.index:05d}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}.jsonl.gz"
 
 
 def process_unit(job: tuple[WorkUnit, str]) -> str:
@@ -325,7 +353,7 @@ def write_shards(docs: Sequence[DocRef], spool: Spool, docs_dir: Path, docs_per_
 def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     """Read and clean every source, then dedup, decontaminate and mix into out_dir/docs."""
     out_dir = Path(out_dir)
-    units = plan_units(config, out_dir / DOWNLOADS_DIR)
+    units = plan_units(config, out_dir / DOWNLOADS_DIR, engine)
     log.info("collect: %d work units from %d sources", len(units), len(config.sources))
     funnel = Funnel(config.review_samples)
     results = run_units(units, out_dir / UNITS_DIR, engine)

@@ -4,29 +4,34 @@ Columns are the JSON-lines ones: `text` (required), `id`, `url`, `metadata` (a s
 wins). A Hugging Face `datasets` folder written by `save_to_disk` holds its rows in Arrow stream
 files (`data-00000-of-0000N.arrow`, in order) beside JSON state, so pointing a source at the
 folder reads it without importing `datasets`; Arrow IPC *file* format (magic `ARROW1`) works too.
+
+A Parquet file is read row group by row group: a large one in parts of whole row groups
+(`parquet_parts`), and a row group that cannot be decoded is one error, the next one read.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from typing import IO
 
-from tasks.collect.records import ReadEvent, Skipped, quarantine, record_event
+from tasks.collect.records import WHOLE, Part, ReadEvent, Skipped, quarantine, record_event, runs
 
 COLUMNS = ("text", "id", "url", "metadata")  # read only what a document needs
 BATCH_ROWS = 1024
 ARROW_FILE_MAGIC = b"ARROW1"
 
 
-def _rows(batches: Iterable, names: list[str], name: str, fmt: str) -> Iterator[ReadEvent]:
-    """Events of the rows of record batches; a batch that cannot be decoded ends the file with
-    one error, a bad value in one is one quarantined row."""
+def _no_text_column(names: list[str], name: str) -> Skipped | None:
+    if "text" in names:
+        return None
+    return Skipped(reason="error_no_text_column", nbytes=0, where=f"{name} (columns: {', '.join(names)})")
+
+
+def _rows(batches: Iterable, names: list[str], name: str, fmt: str, row: int = 0) -> Iterator[ReadEvent]:
+    """Events of the rows of record batches, the first being row `row` of the file; a batch that
+    cannot be decoded ends them with one error, a bad value in one is one quarantined row."""
     import pyarrow as pa
 
-    if "text" not in names:
-        yield Skipped(reason="error_no_text_column", nbytes=0, where=f"{name} (columns: {', '.join(names)})")
-        return
     columns = [c for c in COLUMNS if c in names]
-    row = 0
     try:
         for batch in batches:
             for event in _batch_events(batch.select(columns), name, row):
@@ -58,8 +63,10 @@ def _batch_events(batch, name: str, first_row: int) -> Iterator[ReadEvent]:
         yield record_event(record, nbytes, f"{name}#{first_row + i}")
 
 
-def read_parquet(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
-    """Rows of a Parquet file, BATCH_ROWS at a time (max_doc_bytes is applied by read_file)."""
+def read_parquet(f: IO[bytes], name: str, max_doc_bytes: int,
+                 part: Part = WHOLE) -> Iterator[ReadEvent]:
+    """Rows of a Parquet file's row groups (those in `part`), BATCH_ROWS at a time
+    (max_doc_bytes is applied by read_file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -69,12 +76,37 @@ def read_parquet(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEv
         yield quarantine("error_corrupt_parquet", 0, name, str(exc))
         return
     names = table.schema_arrow.names
+    if (missing := _no_text_column(names, name)) is not None:
+        yield missing
+        return
     columns = [c for c in COLUMNS if c in names]
-    yield from _rows(table.iter_batches(BATCH_ROWS, columns=columns), names, name, "parquet")
+    groups = range(table.num_row_groups)[part.start:part.end]
+    row = sum(table.metadata.row_group(g).num_rows for g in range(groups.start))
+    for group in groups:  # row numbers come from the metadata: a damaged group shifts none
+        yield from _rows(table.iter_batches(BATCH_ROWS, row_groups=[group], columns=columns),
+                         names, name, "parquet", row)
+        row += table.metadata.row_group(group).num_rows
 
 
-def read_arrow(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
-    """Rows of an Arrow IPC stream (what `datasets` writes) or IPC file."""
+def parquet_parts(f: IO[bytes], unit_bytes: int) -> list[Part]:
+    """Runs of whole row groups of about `unit_bytes` each (compressed, as on disk); a file whose
+    metadata cannot be read is one part (read_parquet reports it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.ParquetFile(f).metadata
+    except (pa.ArrowException, OSError):
+        return [WHOLE]
+    sizes = [sum(metadata.row_group(g).column(c).total_compressed_size
+                 for c in range(metadata.num_columns)) for g in range(metadata.num_row_groups)]
+    cuts = runs(sizes, unit_bytes)
+    return [Part(i, j) for i, j in cuts] if len(cuts) > 1 else [WHOLE]
+
+
+def read_arrow(f: IO[bytes], name: str, max_doc_bytes: int,
+               part: Part = WHOLE) -> Iterator[ReadEvent]:
+    """Rows of an Arrow IPC stream (what `datasets` writes) or IPC file; never split (one part)."""
     import pyarrow as pa
 
     is_file_format = f.read(len(ARROW_FILE_MAGIC)) == ARROW_FILE_MAGIC
@@ -88,5 +120,8 @@ def read_arrow(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEven
             batches = iter(reader)
     except (pa.ArrowException, OSError) as exc:
         yield quarantine("error_corrupt_arrow", 0, name, str(exc))
+        return
+    if (missing := _no_text_column(reader.schema.names, name)) is not None:
+        yield missing
         return
     yield from _rows(batches, reader.schema.names, name, "arrow")

@@ -8,13 +8,26 @@ revisit, warcinfo, resource...; `_unknown` for a type WARC 1.1 does not define, 
 A damaged stretch (corrupt gzip member, garbled record header) is counted once as
 `error_corrupt_warc`, and reading resumes at the next record boundary found after it: the next
 gzip member header, or the next line starting `WARC/1.` in an uncompressed file.
+
+A large file is read in parts (`warc_parts`): runs of whole records, cut at the offsets of record
+starts (gzip members of a .warc.gz) found by one pass over the file's record framing.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import IO
 
-from tasks.collect.records import SAMPLE_BYTES, RawDoc, ReadEvent, Skipped, quarantine
+from tasks.collect.records import (
+    SAMPLE_BYTES,
+    WHOLE,
+    Part,
+    RawDoc,
+    ReadEvent,
+    Skipped,
+    quarantine,
+    runs,
+)
 
 HTML_MIMES = frozenset({"text/html", "application/xhtml+xml"})
 WARC_TYPES = frozenset({"warcinfo", "response", "resource", "request", "metadata", "revisit",
@@ -112,14 +125,18 @@ class _NotWarc(Exception):
     """warcio parsed a record as ARC: what it does with bytes that are not a WARC record."""
 
 
-def _records(f: IO[bytes], name: str, max_doc_bytes: int, state: dict) -> Iterator[ReadEvent]:
-    """Events from the current position until the end or the first damage, which raises;
-    state["records"].offset is the start of the record being read (or parsed) in the file,
-    state["last"] that of the last record whose event was yielded."""
+def _records(f: IO[bytes], name: str, max_doc_bytes: int, state: dict,
+             end: int | None) -> Iterator[ReadEvent]:
+    """Events from the current position until the end (of the file, or the first record starting
+    at `end` or later) or the first damage, which raises; state["records"].offset is the start of
+    the record being read (or parsed) in the file, state["last"] that of the last record whose
+    event was yielded."""
     from warcio.archiveiterator import ArchiveIterator
 
     records = state["records"] = ArchiveIterator(f)
     for record in records:
+        if end is not None and records.offset >= end:  # the next part's first record
+            return
         if not record.format.startswith("warc"):
             raise _NotWarc(record.format)
         event = warc_event(record, f"{name}@{records.offset}", max_doc_bytes)
@@ -127,18 +144,20 @@ def _records(f: IO[bytes], name: str, max_doc_bytes: int, state: dict) -> Iterat
         yield event
 
 
-def read_warc(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent]:
-    """Records of a WARC/WET file, resynchronizing after each damaged stretch."""
+def read_warc(f: IO[bytes], name: str, max_doc_bytes: int,
+              part: Part = WHOLE) -> Iterator[ReadEvent]:
+    """Records of a WARC/WET file (those starting in `part`, whose start is a record's offset
+    from `warc_parts`), resynchronizing after each damaged stretch."""
     gzipped = f.read(2) == GZIP_MEMBER[:2]
     f.seek(0, 2)
     size = f.tell()
     marker, skip = (GZIP_MEMBER, 0) if gzipped else (WARC_LINE, 1)
-    start: int | None = 0
-    while start is not None:
+    start: int | None = part.start
+    while start is not None and (part.end is None or start < part.end):
         f.seek(start)
         state: dict = {}
         try:
-            yield from _records(f, name, max_doc_bytes, state)
+            yield from _records(f, name, max_doc_bytes, state, part.end)
             return
         except _NotWarc:
             if start == 0:  # the file does not start as a WARC: not one at all
@@ -157,3 +176,29 @@ def read_warc(f: IO[bytes], name: str, max_doc_bytes: int) -> Iterator[ReadEvent
         yield quarantine("error_corrupt_warc", 0, f"{name}@{bad}", _peek(f, bad))
         found = _find(f, marker, bad + 1)
         start = None if found is None else found + skip
+
+
+def warc_parts(f: IO[bytes], unit_bytes: int) -> list[Part]:
+    """Runs of whole records of about `unit_bytes` each, cut at record offsets found by reading
+    the record framing once (warcio decompresses the payloads, nothing parses them). A file that
+    is not a clean WARC (damage, a length that does not match, several records in one gzip
+    stream) is one part: its damaged stretches are read as reading it whole reads them."""
+    from warcio.archiveiterator import ArchiveIterator
+
+    offsets = []
+    try:
+        records = ArchiveIterator(f)
+        for record in records:
+            if not record.format.startswith("warc"):
+                return [WHOLE]
+            offsets.append(records.offset)
+    except Exception:  # whatever warcio raises on damage (see read_warc)
+        return [WHOLE]
+    if records.err_count:  # a record whose Content-Length did not end at a record boundary
+        return [WHOLE]
+    f.seek(0, 2)
+    sizes = [b - a for a, b in itertools.pairwise([*offsets, f.tell()])]
+    cuts = runs(sizes, unit_bytes)
+    if len(cuts) < 2:
+        return [WHOLE]
+    return [Part(offsets[i], offsets[j] if j < len(offsets) else None) for i, j in cuts]

@@ -110,9 +110,14 @@ class SerialEngine:
         return results
 
 
+def map_name(fn: Callable) -> str:
+    """What an engine's map of `fn` is called in progress and logs: the function's name."""
+    return getattr(fn, "__name__", "map").strip("_") or "map"
+
+
 def map_progress(fn: Callable, units: int) -> Reporter:
     """The progress of an engine's map of `fn` over `units` work units (core/progress.py), started."""
-    return Reporter(getattr(fn, "__name__", "map").strip("_") or "map", unit="unit", log=_map_log).start(units)
+    return Reporter(map_name(fn), unit="unit", log=_map_log).start(units)
 
 
 class MetricsLog:

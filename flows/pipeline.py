@@ -102,6 +102,9 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
                     result = run_planned(stage, upstream, partial_dir, engine=engine)
                 finally:
                     getattr(engine, "shutdown", lambda: None)()
+                # where a Ray engine's work units ran: {map: {node id: units}}, a multi-node run's record
+                if units_per_node := getattr(engine, "units_per_node", None):
+                    result.stats["units_per_node"] = units_per_node
         artifacts.extend(result.artifacts)
         result.stats["peak_rss_mb"] = peak.mb
         return manifest_fields(stage, upstream, result, {

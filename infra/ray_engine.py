@@ -6,6 +6,9 @@ by `RAY_ADDRESS` when set (e.g. KubeRay), else starts Ray locally on first use; 
 item before that runs in this process (a local Ray would only add its start-up). The actors live
 from the first map to `shutdown()`, so a stage that maps several times (collect: units, then
 MinHash signatures and buckets) pays their start-up and warm caches (spaCy, fastText) once.
+The actors are placed on a cluster's nodes in turn (Ray would otherwise pack them onto one), and the
+engine counts which node ran each unit: `units_per_node`, logged after each map and kept in the
+stage's manifest stats by the flow layer.
 A worker that dies (OOM, a kill) is restarted and its call retried: the mapped functions are
 pure, so a retry gives the same result. A local Ray listens on 127.0.0.1 only (its head also
 runs Ray's API server, `dashboard.py`, even without the dashboard: it serves Ray's state API,
@@ -17,15 +20,17 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from core.stage import SerialEngine, map_progress
+from core.stage import SerialEngine, map_name, map_progress
 from infra import env
 
 env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
 import ray  # noqa: E402
 from ray.util import ActorPool  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -37,11 +42,16 @@ MAX_RESTARTS = 3  # of a worker that died, each time retrying the call it was ru
 class _Worker:
     """A long-lived worker process; functions arrive pickled with each call."""
 
+    def __init__(self) -> None:
+        # asked again when a worker that died is restarted, possibly on another node
+        self.node_id = ray.get_runtime_context().get_node_id()
+
     def call(self, fn: Callable[[T], R], item: T) -> R:
         return fn(item)
 
-    def call_at(self, fn: Callable[[T], R], index: int, item: T) -> tuple[int, R]:
-        return index, fn(item)
+    def call_at(self, fn: Callable[[T], R], index: int, item: T) -> tuple[int, str, R]:
+        """(index, the node that ran it, result)."""
+        return index, self.node_id, fn(item)
 
 
 class RayEngine:
@@ -54,6 +64,8 @@ class RayEngine:
         self._started_here = False
         self._session_dir: str | None = None
         self._actors: list = []
+        # map name (the mapped function's) -> Ray node id -> units that node ran, over this engine's maps
+        self.units_per_node: dict[str, Counter[str]] = {}
 
     def start(self) -> None:
         """Join the cluster named by RAY_ADDRESS, or start a local Ray; idempotent."""
@@ -78,16 +90,22 @@ class RayEngine:
             return SerialEngine().map(fn, items)
         self.start()
         if not self._actors:
-            self._actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS).remote()
-                            for _ in range(self.num_workers)]
+            self._actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
+                                            scheduling_strategy=placement).remote()
+                            for placement in _placements(self.num_workers)]
         pool = ActorPool(self._actors[: len(items)])
         results: list = [None] * len(items)
+        nodes: Counter[str] = Counter()
         # Units are counted as they finish, in whatever order; results are put back in input order.
         with map_progress(fn, len(items)) as progress:
-            for index, result in pool.map_unordered(lambda actor, job: actor.call_at.remote(fn, *job),
-                                                    list(enumerate(items))):
+            for index, node, result in pool.map_unordered(lambda actor, job: actor.call_at.remote(fn, *job),
+                                                          list(enumerate(items))):
                 results[index] = result
+                nodes[node] += 1
                 progress.advance(1)
+        self.units_per_node.setdefault(map_name(fn), Counter()).update(nodes)
+        log.info("%s: %d units, per Ray node: %s", map_name(fn), len(items),
+                 ", ".join(f"{node[:8]} {n}" for node, n in sorted(nodes.items())))
         return results
 
     def shutdown(self) -> None:
@@ -102,6 +120,18 @@ class RayEngine:
             self._started_here = False
             if self._session_dir:
                 shutil.rmtree(self._session_dir, ignore_errors=True)
+
+
+def _placements(count: int) -> list[str | NodeAffinitySchedulingStrategy]:
+    """Ray scheduling strategies for `count` actors: on a cluster of several nodes, its nodes with
+    CPUs in turn, so every node works. Ray's default packs the actors onto one node, and its SPREAD
+    is best effort: with a head and a second node it put both actors on one node in one map of
+    three. Soft: a node that is gone or cannot take its actor leaves it (and its restarts) to Ray.
+    On one node: Ray's default, as before."""
+    nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) > 0]
+    if len(nodes) < 2:
+        return ["DEFAULT"] * count
+    return [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) for i in range(count)]
 
 
 def _session_dir() -> str | None:

@@ -1,5 +1,6 @@
 """A Ray cluster of two nodes on this machine, both on 127.0.0.1: a head, and a second node joined
-to it (each with its own CPUs, temp dir and pinned ports), for tests of the multi-node paths.
+to it (each with its own CPUs, temp dir and pinned ports), for tests of the multi-node paths; they
+share one start through the session fixture `two_ray_nodes` (conftest.py).
 
 Ray refuses a second node on one host while its single-machine switch keeps addresses on
 loopback (infra/env.py), and without the switch it binds every interface; the second node is

@@ -1,5 +1,6 @@
 """The Ray engine: results in input order whatever the worker count, a worker killed mid-call is
-restarted and the call retried, and a local Ray leaves no session directory behind."""
+restarted and the call retried, the node of each unit counted, and a local Ray leaves no session
+directory behind."""
 from __future__ import annotations
 
 import logging
@@ -34,6 +35,8 @@ def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_remov
         assert [r.getMessage().split(",")[0] for r in caplog.records if r.name == "gristmill.map"] == [
             "collect: square_killing_once 8/8 units (100%)"]
         assert (tmp_path / "killed-3").exists()  # the fault did happen
+        placed = engine.units_per_node["square_killing_once"]
+        assert len(placed) == 1 and sum(placed.values()) == 8, placed  # a retried unit counts once
         session = engine._session_dir
         assert session and Path(session).is_dir()
     finally:

@@ -12,7 +12,7 @@ BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretr
               "dedup": "bench.dedup", "langid": "bench.langid", "clean": "bench.clean",
               "claims": "bench.claims", "chaos": "bench.chaos",
               "evaluate": "bench.evaluate", "fidelity": "bench.fidelity", "memory": "bench.memory",
-              "verify": "bench.verify",
+              "verify": "bench.verify", "recipe": "bench.recipe",
               "explain": "bench.explain", "progress": "bench.progress"}
 
 

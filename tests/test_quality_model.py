@@ -135,7 +135,7 @@ def test_reference_sources_txt_jsonl_and_errors(tmp_path):
     with pytest.raises(ValueError, match="demo:nope"):
         load_reference_texts(["demo:nope"], 10, 0)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"error_missing_text at .*bad\.jsonl:1"):
+    with pytest.raises(ValueError, match=r"error_missing_text at .*bad\.jsonl@0"):
         load_reference_texts([str(tmp_path / "bad.jsonl")], 10, 0)
     with pytest.raises(ValueError, match="at least 2 positives"):
         train_quality_model(["one"], ["a", "b"], QualityConfig())

@@ -79,7 +79,10 @@ def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
     given = re.search(r"^\| xz -9e, given ([0-9.]+) MiB of training text \| ([0-9.]+) \|", card, re.M)
     assert float(given[1]) == pytest.approx(stats["compression_train_bytes"] / 2**20, abs=0.05)
     assert float(given[2]) == pytest.approx(stats["compression_xz_given_train_bpb"], abs=1e-4)
-    pretrain = json.loads(next((home / "artifacts" / "pretrain").glob("*/manifest.json")).read_text())["stats"]
+    # the evaluated base model's pretraining (another test pretrains the full preset in this home)
+    pretrain_key = evaluate["upstream"]["pretrain"]
+    pretrain = json.loads((home / "artifacts" / "pretrain" / f"pretrain-{pretrain_key}" / "manifest.json")
+                          .read_text())["stats"]
     assert pretrain["flops"] == pretrain["flops_per_token"] * pretrain["tokens_seen"] > 0
     assert f"Pretraining compute: {pretrain['flops']:.3g} FLOPs" in card
     for task in ("hellaswag_val_part1", "arc_easy_part1"):  # each score with its contamination

@@ -305,17 +305,18 @@ def _start(home: Path, spec: Spec) -> dict:
     return record
 
 
-def up(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), timeout_s: float = 180.0) -> list[State]:
-    """Start each service that is not already alive, then wait until all answer their health
-    check. A service that exits or stays unhealthy past `timeout_s` is stopped and reported as
-    failed (its log says why); the others keep running."""
+def up(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), timeout_s: float = 180.0,
+       names: tuple[str, ...] = NAMES) -> list[State]:
+    """Start each of the services `names` that is not already alive, then wait until all answer
+    their health check. A service that exits or stays unhealthy past `timeout_s` is stopped and
+    reported as failed (its log says why); the others keep running."""
     ports.check()
     home = Path(home).resolve()
     services_dir(home).mkdir(parents=True, exist_ok=True)
     states: dict[str, State] = {}
     waiting: dict[str, dict] = {}
     with locked(home, STACK_LOCK):  # two `up`s at once would both start everything
-        for spec in specs(home, host, ports):
+        for spec in (s for s in specs(home, host, ports) if s.name in names):
             record = _read(home, spec.name)
             if _leader(record) is not None:
                 waiting[spec.name] = record

@@ -127,6 +127,23 @@ def two_ray_nodes(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """One Prefect server (`gristmill up`'s, alone) for the end-to-end tests that run the pipeline
+    many times: each run then skips starting and stopping Prefect's temporary server, the largest
+    share of a reused run's time (docs/benchmarks.md). The shared tiny run, the interrupt and data
+    gate tests keep the embedded server. Yields the environment a run uses it with."""
+    from infra import stack
+
+    home = tmp_path_factory.mktemp("prefect") / "home"
+    try:
+        states = stack.up(home, ports=stack.Ports.free(), names=("prefect",))
+        assert [s.state for s in states] == ["running"], stack.format_states(states)
+        yield {k: v for s in states for k, v in s.export.items()}
+    finally:
+        stack.down(home)
+
+
+@pytest.fixture(scope="session")
 def served(tmp_path_factory):
     """The stack and `gristmill serve` of the tiny preset (tests/serve_helpers.py), started once
     for the tests that drive the `pipeline` deployment: starting them costs minutes on 2 cores."""

@@ -15,8 +15,11 @@ __all__ = ["FAST", "REPO", "STAGES", "TinyRun", "checkpoint_steps", "cli_env", "
            "gristmill", "plan_of"]
 
 
-def gristmill(home: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=cli_env(home),
+def gristmill(home: Path, *args: str, timeout: int = 1200,
+              services: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`gristmill ARGS` in `home`, with the external services `services` (see cli_env); asserts it
+    succeeded."""
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=cli_env(home, services),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"gristmill {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc

@@ -429,13 +429,13 @@ def test_missing_extractor_dependency_fails_loudly(shared_data, tmp_path, monkey
 
 @pytest.mark.slow
 def test_collect_on_two_ray_nodes_runs_units_on_both_and_writes_the_local_runs_bytes(tiny_run, two_ray_nodes,
-                                                                                    tmp_path):
+                                                                                    prefect_server, tmp_path):
     """The real CLI's collect with RAY_ADDRESS naming a head and a second node (tests/ray_cluster.py):
     its work units run on both nodes (the manifest's `units_per_node`, the map's log line), and it
     commits the shared local-Ray run's artifact, under the same key, byte for byte."""
     home = tmp_path / "home"
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
-                           "--until", "collect"], cwd=REPO, env=cli_env(home, two_ray_nodes),
+                           "--until", "collect"], cwd=REPO, env=cli_env(home, {**two_ray_nodes, **prefect_server}),
                           capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

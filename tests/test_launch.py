@@ -99,7 +99,7 @@ def _stops_on(signum: signal.Signals, proc: subprocess.Popen, ranks: dict[int, p
 
 
 @pytest.mark.slow
-def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(tiny_run, tmp_path):
+def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(tiny_run, prefect_server, tmp_path):
     """Against the shared (inline, one-process) run, in a home holding its collect and tokenize:
 
     1. pretrain with 2 Accelerate processes from the DAG: Ctrl-C after a checkpoint stops the
@@ -116,7 +116,7 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
             "pretrain.checkpoint_every=20", "--until", "pretrain"]
 
     def start_and_await_a_checkpoint() -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
-        return _start_and_await_a_checkpoint(args, home, cli_env(home), lambda proc: _ranks(proc.pid))
+        return _start_and_await_a_checkpoint(args, home, cli_env(home, prefect_server), lambda proc: _ranks(proc.pid))
 
     _stops_on(signal.SIGINT, *start_and_await_a_checkpoint())
     proc, ranks = start_and_await_a_checkpoint()  # a rank killed: the stage fails in one line
@@ -129,7 +129,8 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     assert "resuming from step" in out + err  # from the checkpoint the Ctrl-C left
     assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
 
-    rerun = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *two, "--until", "pretrain")
+    rerun = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *two, "--until", "pretrain",
+                      services=prefect_server)
     _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run.home, killed_at,
                                   {"backend": "accelerate", "processes": 2, "nodes": 1, "world_size": 2})
 
@@ -159,7 +160,7 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     # Ranks hold different numbers of assistant tokens; each one's loss is its share of the global
     # batch's mean, so the curve is the one-process run's.
     _same_training(home, tiny_run.home, "sft", held_out="heldout_loss")
-    log = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "sft")
+    log = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "sft", services=prefect_server)
     assert "sft: reused" in log.stdout + log.stderr
 
 
@@ -271,7 +272,7 @@ def _ray_ranks(home: Path) -> dict[int, psutil.Process]:
 
 
 @pytest.mark.slow
-def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, two_ray_nodes, tmp_path):
+def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, two_ray_nodes, prefect_server, tmp_path):
     """pretrain with `backend: ray`, one process on each of two Ray nodes (a head and a second
     node on this machine): the two workers run on different nodes, their lines reach the run's
     output with the rank in front; SIGTERM (what a cancel sends) stops the run and both workers
@@ -282,7 +283,7 @@ def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, two_r
     on_ray = ["pretrain.launch.backend=ray", "pretrain.launch.processes=1", "pretrain.launch.nodes=2"]
     args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *on_ray,
             "pretrain.checkpoint_every=20", "--until", "pretrain"]
-    env = cli_env(home, two_ray_nodes)
+    env = cli_env(home, {**two_ray_nodes, **prefect_server})
     _stops_on(signal.SIGTERM, *_start_and_await_a_checkpoint(args, home, env, lambda _: _ray_ranks(home)))
 
     proc, ranks = _start_and_await_a_checkpoint(args, home, env, lambda _: _ray_ranks(home))

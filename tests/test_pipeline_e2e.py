@@ -209,7 +209,7 @@ def test_final_model_loads_with_auto_classes_and_chats(tiny_run):
 # ---------------------------------------------------------------- the alignment claims, tiny preset
 
 @pytest.fixture(scope="module")
-def tiny_preset_methods(tiny_run):
+def tiny_preset_methods(tiny_run, prefect_server):
     """The tiny preset as shipped (full pretraining and SFT), aligned with each method; collect and
     tokenize are reused from the first run. Every method trains data-parallel, 2 processes under
     Accelerate (the launch is not part of the key, and the claims must hold under it; inline align
@@ -218,7 +218,7 @@ def tiny_preset_methods(tiny_run):
     two = ["align.launch.backend=accelerate", "align.launch.processes=2"]
     for method, launch in (("grpo", two), ("dpo", two), ("ppo", two)):
         gristmill(home, "run", "configs/tiny.yaml", reference_vocab, f"align.method={method}", *launch,
-                  "--until", "align", timeout=1800)
+                  "--until", "align", timeout=1800, services=prefect_server)
     manifests = {stage: [json.loads(p.read_text()) for p in (home / "artifacts" / stage).glob("*/manifest.json")]
                  for stage in ("sft", "align")}
     sft = next(m for m in manifests["sft"] if m["config"]["max_steps"] == 1500)

@@ -132,7 +132,7 @@ def test_serve_refresh_cron_sets_the_schedule(monkeypatch):
 
 
 @pytest.mark.slow
-def test_refreshes_publish_versions_that_dedup_against_earlier_ones(shared_data, tmp_path):
+def test_refreshes_publish_versions_that_dedup_against_earlier_ones(shared_data, prefect_server, tmp_path):
     """Three `gristmill refresh` runs: all new (v1), nothing new, one new file holding a
     near-copy of a v1 document and three new documents (v2, the near-copy removed)."""
     originals = _originals(shared_data, 8)
@@ -140,10 +140,10 @@ def test_refreshes_publish_versions_that_dedup_against_earlier_ones(shared_data,
     incoming.mkdir()
     _write_jsonl(incoming / "week1.jsonl", originals[:5])
     args = ["refresh", TINY, _sources(incoming)]
-    first = gristmill(home, *args).stdout
+    first = gristmill(home, *args, services=prefect_server).stdout
     assert first.startswith("corpus v1: ") and "refresh.min_new_tokens 1,000,000" in first
 
-    second = gristmill(home, *args).stdout
+    second = gristmill(home, *args, services=prefect_server).stdout
     assert "nothing new since corpus v1: all 1 input files" in second
     store = ArtifactStore(home / "artifacts")
     started = time.monotonic()  # what the flow does before it answers "nothing new"
@@ -152,9 +152,9 @@ def test_refreshes_publish_versions_that_dedup_against_earlier_ones(shared_data,
     assert time.monotonic() - started < 2
 
     _write_jsonl(incoming / "week2.jsonl", [_edited(originals[1]), *originals[5:]])
-    third = gristmill(home, *args, "refresh.min_new_tokens=0").stdout
+    third = gristmill(home, *args, "refresh.min_new_tokens=0", services=prefect_server).stdout
     assert third.startswith("corpus v2: ")
-    # threshold met; the embedded Prefect server has no `pipeline` deployment to start: said so
+    # threshold met; the test's Prefect server has no `pipeline` deployment to start: said so
     assert "no deployment 'pipeline/pipeline'" in third
     v1, v2 = store.corpus_versions()
     assert (v2["version"], v2["parent_version"], list(v2["inputs"])) == (2, 1, [str(incoming / "week2.jsonl")])
@@ -165,7 +165,7 @@ def test_refreshes_publish_versions_that_dedup_against_earlier_ones(shared_data,
     assert json.loads(third.split("collect.sources=", 1)[1].strip().strip("'")) == \
         refresh.corpus_sources(store, [v1, v2])
     (incoming / "week1.jsonl").touch()  # re-uploaded: taken again, every document already in v1
-    fourth = gristmill(home, *args).stdout
+    fourth = gristmill(home, *args, services=prefect_server).stdout
     assert "1 new input files hold no document that passes the filters and is not already in " \
            "corpus v2; nothing published" in fourth
     assert [v["version"] for v in store.corpus_versions()] == [1, 2]

@@ -51,13 +51,13 @@ def test_scores_table_puts_each_models_value_under_its_column(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_tiny_runs_card_report_and_compare(tiny_run, tmp_path):
+def test_the_tiny_runs_card_report_and_compare(tiny_run, prefect_server, tmp_path):
     from mlflow.tracking import MlflowClient
 
     home = tiny_run.home
     # the shared run once more, now the latest run of this home, every stage reused (other tests
     # may have run other configurations here since)
-    gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides)
+    gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, services=prefect_server)
     client = MlflowClient(f"sqlite:///{home}/mlflow.db")
     experiment = client.get_experiment_by_name("gristmill")
     parents = sorted(client.search_runs([experiment.experiment_id],

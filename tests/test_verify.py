@@ -17,7 +17,8 @@ from infra.artifacts import SMALL_FILE_BYTES
 
 
 @pytest.mark.slow
-def test_verify_finds_a_flipped_byte_in_every_stage_and_repair_lets_the_next_run_recompute(tiny_run, tmp_path):
+def test_verify_finds_a_flipped_byte_in_every_stage_and_repair_lets_the_next_run_recompute(tiny_run, prefect_server,
+                                                                                           tmp_path):
     home = tmp_path / "home"
     shared = _outputs(tiny_run.proc.stdout)  # this run's own outputs (other tests add more to its home)
     flipped = {}
@@ -55,7 +56,7 @@ def test_verify_finds_a_flipped_byte_in_every_stage_and_repair_lets_the_next_run
     assert len(list((home / "artifacts" / "collect").glob("collect-*.corrupt-*"))) == 1
     assert "verified 0 artifact(s)" in verify().stdout
 
-    gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "tokenize")
+    gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "tokenize", services=prefect_server)
     for stage in ("collect", "tokenize"):  # recomputed, under the same key, to the same bytes
         assert _digests(home / "artifacts" / stage / shared[stage].name) == _digests(shared[stage])
 

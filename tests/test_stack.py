@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -178,6 +179,17 @@ def test_a_run_pointed_at_a_loopback_ray_keeps_it_loopback(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
+def _status_once_healthy(home: Path, timeout_s: float = 60) -> dict[str, stack.State]:
+    """`status` soon after `up`: each health probe waits 3 s, which a loaded machine's server can
+    miss (it then says `starting`), so ask again until all answer or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {s.name: s for s in stack.status(home)}
+        if all(s.healthy for s in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(1)
+
+
 def test_up_status_down(tmp_path_factory, monkeypatch, capsys):
     home = tmp_path_factory.mktemp("stack")
     monkeypatch.setenv("GRISTMILL_HOME", str(home))
@@ -191,7 +203,7 @@ def test_up_status_down(tmp_path_factory, monkeypatch, capsys):
     try:
         assert cli.main(["up", *_port_flags(ports)]) == 0
         assert "basic auth is on" in capsys.readouterr().out
-        first = {s.name: s for s in stack.status(home)}
+        first = _status_once_healthy(home)
         assert {n: (s.state, s.healthy) for n, s in first.items()} == {
             n: ("running", True) for n in ("prefect", "mlflow", "ray")}
         records = {n: json.loads((home / "services" / f"{n}.json").read_text()) for n in first}

@@ -240,6 +240,45 @@ def test_resume_with_another_unit_size_reuses_only_the_same_parts(shared_data, t
     assert resumed.stats == fresh.stats and _files(tmp_path / "out") == _files(tmp_path / "fresh")
 
 
+class ChangesInputs(SerialEngine):
+    """Runs `change()` after the plan and before the units read their files, as another process
+    deleting or rewriting an input mid-run would."""
+
+    def __init__(self, change):
+        self.change = change
+
+    def map(self, fn, items):
+        if fn is collect.process_unit:
+            self.change()
+        return super().map(fn, items)
+
+
+def test_an_input_gone_or_resized_after_listing_is_a_counted_error_per_unit(shared_data, tmp_path):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    real = _real_lines(shared_data)
+    gone, cut, kept = (inputs / f"{name}.jsonl" for name in ("gone", "cut", "kept"))
+    for path, lines in ((gone, real[:8]), (cut, real[8:16]), (kept, real[16:24])):
+        path.write_bytes(b"".join(lines))
+    config = {"sources": [str(inputs)], "unit_mb": cut.stat().st_size / 3 / 1e6}  # cut: 3 or more units
+    units = collect.plan_units(collect.Config(**config), tmp_path)
+    n_units = {p: sum(u.path == str(p) for u in units) for p in (gone, cut, kept)}
+    planned = {p: p.stat().st_size for p in (gone, cut)}
+
+    def change() -> None:
+        gone.unlink()
+        cut.write_bytes(cut.read_bytes()[: planned[cut] // 2])  # truncated mid-record
+
+    result = _run(tmp_path / "out", ChangesInputs(change), **config)  # the stage checks its accounting
+    assert result.stats["error_input_changed"] == n_units[cut] >= 3
+    assert result.stats["error_input_missing"] == n_units[gone] >= 1
+    funnel = json.loads((tmp_path / "out" / "funnel.json").read_text())
+    assert funnel["accounting"]["balanced"], funnel["accounting"]
+    # the bytes of each listed file are counted once; the file left alone reads as it does alone
+    only_kept = _run(tmp_path / "alone", sources=[str(kept)])
+    assert result.stats["docs_out"] == only_kept.stats["docs_out"] > 0
+
+
 def test_unit_size_is_validated_and_not_hashed():
     assert collect.Config(unit_mb=0.001).hashed_dict() == collect.Config().hashed_dict()
     assert "unit_mb" not in collect.Config().hashed_dict()

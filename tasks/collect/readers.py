@@ -92,6 +92,7 @@ _CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\v\f\r\x1b") + b"\
 # trafilatura logs an ERROR for every page it cannot parse; with millions of records that drowns
 # the stage log, and such pages are counted anyway (skipped_no_text).
 logging.getLogger("trafilatura").setLevel(logging.CRITICAL)
+log = logging.getLogger(__name__)
 
 def is_supported(path: str | Path) -> bool:
     return str(path).lower().endswith(SUPPORTED_SUFFIXES)
@@ -120,16 +121,32 @@ def _reader_for(name: str) -> Reader:
 
 
 def read_file(path: str | Path, *, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
-              part: Part = WHOLE) -> Iterator[ReadEvent]:
+              part: Part = WHOLE, planned_size: int | None = None) -> Iterator[ReadEvent]:
     """Events of one input file (a local path or fsspec URL), or of one part of it from
-    `split_file`; an empty file is one error."""
+    `split_file`. One error, and nothing read, for an empty file, and for a file gone
+    (error_input_missing) or of another size (error_input_changed) than `planned_size`, its size
+    when the run listed it: the run's key was computed from what it held then, and parts cut from
+    another size no longer start at records. Each part of such a file is one error; the part that
+    starts the file counts its planned bytes."""
     name = str(path)
     reader = _reader_for(name)
     fs, fs_path = filesystem(name)
-    if fs.size(fs_path) == 0:
-        yield Skipped(reason="error_empty_file", nbytes=0, where=name)
+    planned_bytes = (planned_size or 0) if part.start == 0 else 0
+    try:
+        size = fs.size(fs_path)
+        if planned_size is not None and size != planned_size:
+            log.warning("%s: %d bytes now, %d when the run listed it; not read", name, size, planned_size)
+            yield Skipped(reason="error_input_changed", nbytes=planned_bytes, where=name)
+            return
+        if size == 0:
+            yield Skipped(reason="error_empty_file", nbytes=0, where=name)
+            return
+        f = fs.open(fs_path, "rb")
+    except FileNotFoundError:
+        log.warning("%s: gone since the run listed it; not read", name)
+        yield Skipped(reason="error_input_missing", nbytes=planned_bytes, where=name)
         return
-    with fs.open(fs_path, "rb") as f:
+    with f:
         for event in reader(f, name, max_doc_bytes, part):
             yield guard(event, max_doc_bytes) if isinstance(event, RawDoc) else event
 
@@ -137,7 +154,11 @@ def read_file(path: str | Path, *, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
 def split_file(path: str | Path, unit_bytes: int) -> list[Part]:
     """The parts of an input file that work units read separately, each about `unit_bytes` on
     disk; a file no larger, or one that cannot be entered in the middle, is one part."""
-    name, size = str(path), file_size(path)
+    name = str(path)
+    try:
+        size = file_size(path)
+    except FileNotFoundError:  # gone since it was listed: its one unit says so (read_file)
+        return [WHOLE]
     lowered = name.lower()
     if size <= unit_bytes:
         return [WHOLE]

@@ -107,6 +107,7 @@ class WorkUnit:
     index: int = 0  # position in the plan: orders the result files
     path: str | None = None  # local path or fsspec URL
     part: Part = WHOLE  # the part of the file this unit reads
+    size: int | None = None  # the file's size when the plan was made (None: downloaded first)
     url: str | None = None  # a remote file downloaded to `path` first ('cc:' sources)
     packages: tuple[tuple[str, str], ...] = ()
 
@@ -117,13 +118,13 @@ def _split(job: tuple[str, int]) -> list[Part]:
 
 def _file_units(config: Config, text: str, engine: Engine) -> list[dict[str, Any]]:
     """A file source's files, each as one unit or, when larger than `unit_mb`, several."""
-    files = [str(p) for p in resolve_source(text)]
+    sizes = {str(p): file_size(p) for p in resolve_source(text)}
     unit_bytes = max(1, round(config.unit_mb * 1_000_000))
-    parts: dict[str, list[Part]] = {path: [WHOLE] for path in files}
-    large = [path for path in files if file_size(path) > unit_bytes]
+    parts: dict[str, list[Part]] = {path: [WHOLE] for path in sizes}
+    large = [path for path, size in sizes.items() if size > unit_bytes]
     if large:  # a WARC's parts need a pass over it: on the engine, not the driver
         parts.update(zip(large, engine.map(_split, [(path, unit_bytes) for path in large])))
-    return [{"path": path, "part": part} for path in files for part in parts[path]]
+    return [{"path": path, "part": part, "size": size} for path, size in sizes.items() for part in parts[path]]
 
 
 def _source_units(config: Config, text: str, download_dir: Path, engine: Engine) -> list[dict[str, Any]]:
@@ -157,7 +158,7 @@ def _unit_records(unit: WorkUnit) -> Iterator[ReadEvent]:
     if unit.url is not None:
         download(unit.url, Path(unit.path), retries=unit.config.download_retries,
                  timeout_s=unit.config.download_timeout_s)
-    return read_file(unit.path, max_doc_bytes=unit.config.max_doc_bytes, part=unit.part)
+    return read_file(unit.path, max_doc_bytes=unit.config.max_doc_bytes, part=unit.part, planned_size=unit.size)
 
 
 def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:

@@ -1,13 +1,14 @@
 """The pretraining recipe against compressors: val_bpb per change and per FLOP budget.
 
-    python -m bench recipe TOKENIZE_DIR [--changes NAME ...] [--steps 150 300 600 1200]
-                           [--val-windows 160] [--target-bpb 1.891] [--out DIR]
+    python -m bench recipe TOKENIZE_DIR [--changes NAME ...] [--seeds 0,1,2,3,4]
+                           [--steps 150 300 600 1200] [--val-windows 160] [--target-bpb 1.891] [--out DIR]
 
 TOKENIZE_DIR is a tokenize artifact (`gristmill run configs/tiny.yaml --until tokenize`). Each run
-is `python -m tasks.pretrain TOKENIZE_DIR OUT --config JSON`, one at a time, seed 0: first each
-change in `CHANGES` on top of `RECIPE` (the best recipe measured, docs/benchmarks.md) over the tiny
-preset's `pretrain:` section (configs/tiny.yaml), then the recipe at each of `--steps` (the FLOP
-curve; the cosine schedule spans each run's own length).
+is `python -m tasks.pretrain TOKENIZE_DIR OUT --config JSON`, one at a time: first each change in
+`CHANGES` on top of `RECIPE` (the best recipe measured, docs/benchmarks.md) over the tiny preset's
+`pretrain:` section (configs/tiny.yaml), once per seed of `--seeds` (default 0; with several, each
+change's gain over `recipe` per seed and its smallest), then the recipe at each of `--steps`, seed 0
+(the FLOP curve; the cosine schedule spans each run's own length).
 Pretraining FLOPs are the manifest's (`model.plan.flops_per_token` × tokens). `--target-bpb` is
 the figure to cross, e.g. the evaluate stage's `compression_xz_given_train_bpb` on the same split;
 the crossing is interpolated (or extrapolated, and said so) linearly in log FLOPs between the two
@@ -35,10 +36,10 @@ from model.plan import flops_per_token
 ROOT = Path(__file__).resolve().parent.parent
 # The best recipe measured, as overrides of the preset's pretrain section.
 RECIPE: dict[str, Any] = {"optimizer": "muon", "lr": 1e-2, "batch_size": 16, "seq_len": 128}
-# Changes to RECIPE, one at a time: name -> overrides ("preset": the preset as shipped).
-CHANGES: dict[str, dict[str, Any] | None] = {
+# Changes to RECIPE, one at a time: name -> overrides.
+CHANGES: dict[str, dict[str, Any]] = {
     "recipe": {},
-    "preset": None,
+    "adamw_preset": {"optimizer": "adamw", "lr": 3e-3, "batch_size": 8, "seq_len": 256},  # the preset before
     "adamw_lr3e-3": {"optimizer": "adamw", "lr": 3e-3},
     "batch8_seq256": {"batch_size": 8, "seq_len": 256},
     "lr5e-3": {"lr": 5e-3},
@@ -93,6 +94,14 @@ def crossing(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | Non
     return {"flops": math.exp(x), "extrapolated": not inside}
 
 
+def _gains_over_recipe(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """change -> its val_bpb minus the recipe's, per seed both ran (positive: the recipe is better)."""
+    recipe = {r["seed"]: r["val_bpb"] for r in rows if r["run"] == "recipe"}
+    names = dict.fromkeys(r["run"] for r in rows if r["run"] != "recipe")
+    return {name: [r["val_bpb"] - recipe[r["seed"]] for r in rows if r["run"] == name and r["seed"] in recipe]
+            for name in names}
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench recipe", description=__doc__.splitlines()[0])
     ap.add_argument("tokenize_dir", type=Path)
@@ -101,17 +110,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--val-windows", type=int, default=160)
     ap.add_argument("--target-bpb", type=float, default=1.891)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--seeds", default="0", help="comma-separated pretraining seeds of the changes")
     args = ap.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-recipe-"))
-    rows = []
-    for name in args.changes:
-        change = CHANGES[name]
-        base = preset_pretrain(None, args.val_windows)
-        cfg = base if change is None else with_change(with_change(base, RECIPE), change)
-        r = pretrain(args.tokenize_dir, cfg, out / name)
-        rows.append({"run": name, **r})
-        print(f"{name:>16} val_bpb {r['val_bpb']:.4f}  {r['flops'] / 1e12:6.2f} TFLOP  {r['wall_s']:6.1f} s",
-              flush=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    recipe, rows = with_change(preset_pretrain(None, args.val_windows), RECIPE), []
+    for seed, name in itertools.product(seeds, args.changes):
+        cfg = {**with_change(recipe, CHANGES[name]), "seed": seed}
+        r = pretrain(args.tokenize_dir, cfg, out / f"{name}-seed{seed}")
+        rows.append({"run": name, "seed": seed, **r})
+        print(f"{name:>16} seed {seed} val_bpb {r['val_bpb']:.4f}  {r['flops'] / 1e12:6.2f} TFLOP  "
+              f"{r['wall_s']:6.1f} s", flush=True)
+    gains = _gains_over_recipe(rows)
+    for name, per_seed in gains.items():
+        print(f"{name:>16} minus recipe, per seed: {', '.join(f'{g:+.4f}' for g in per_seed)}")
     curve = []
     for steps in args.steps:
         r = pretrain(args.tokenize_dir, with_change(preset_pretrain(steps, args.val_windows), RECIPE),
@@ -123,5 +135,6 @@ def main(argv: list[str]) -> int:
     if cross:
         how = "extrapolated" if cross["extrapolated"] else "interpolated"
         print(f"crosses {args.target_bpb} bits/byte at {cross['flops'] / 1e12:.2f} TFLOP ({how}, log FLOPs)")
-    print(json.dumps({"changes": rows, "curve": curve, "target_bpb": args.target_bpb, "crossing": cross}))
+    print(json.dumps({"changes": rows, "gains_over_recipe": gains, "curve": curve,
+                      "target_bpb": args.target_bpb, "crossing": cross}))
     return 0

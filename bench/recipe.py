@@ -6,8 +6,8 @@
 TOKENIZE_DIR is a tokenize artifact (`gristmill run configs/tiny.yaml --until tokenize`). Each run
 is `python -m tasks.pretrain TOKENIZE_DIR OUT --config JSON`, one at a time: first each change in
 `CHANGES` on top of `RECIPE` (the best recipe measured, docs/benchmarks.md) over the tiny preset's
-`pretrain:` section (configs/tiny.yaml), once per seed of `--seeds` (default 0; with several, each
-change's gain over `recipe` per seed and its smallest), then the recipe at each of `--steps`, seed 0
+`pretrain:` section (configs/tiny.yaml), once per seed of `--seeds` (default 0), with each change's
+val_bpb minus the recipe's per seed, then the recipe at each of `--steps`, seed 0
 (the FLOP curve; the cosine schedule spans each run's own length).
 Pretraining FLOPs are the manifest's (`model.plan.flops_per_token` × tokens). `--target-bpb` is
 the figure to cross, e.g. the evaluate stage's `compression_xz_given_train_bpb` on the same split;
@@ -39,7 +39,7 @@ RECIPE: dict[str, Any] = {"optimizer": "muon", "lr": 1e-2, "batch_size": 16, "se
 # Changes to RECIPE, one at a time: name -> overrides.
 CHANGES: dict[str, dict[str, Any]] = {
     "recipe": {},
-    "adamw_preset": {"optimizer": "adamw", "lr": 3e-3, "batch_size": 8, "seq_len": 256},  # the preset before
+    "adamw_preset": {"optimizer": "adamw", "lr": 3e-3, "batch_size": 8, "seq_len": 256},  # the preset's recipe
     "adamw_lr3e-3": {"optimizer": "adamw", "lr": 3e-3},
     "batch8_seq256": {"batch_size": 8, "seq_len": 256},
     "lr5e-3": {"lr": 5e-3},

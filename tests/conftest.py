@@ -20,6 +20,23 @@ os.environ.setdefault("GRISTMILL_CACHE", tempfile.mkdtemp(prefix="gristmill-test
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The suite runs on two xdist workers (pyproject's addopts, `--dist loadgroup`), and a worker builds
+# each session fixture it is asked for. The tests that share the costly ones (the tiny run, with the
+# two-node Ray cluster its users also share; the served deployment) stay on one worker, so each is
+# built once; xdist hands out the largest groups first, so the longest queue starts at once.
+SHARED_COSTLY = ("tiny_run", "served")
+
+
+def _costly_group(item: pytest.Item) -> str | None:
+    return next((name for name in SHARED_COSTLY if name in getattr(item, "fixturenames", ())), None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if group := _costly_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def _shared_data_dir() -> Path:
     return Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
 

@@ -26,7 +26,7 @@ class TrainConfig(StageConfig):
         "Examples per optimizer step, across all processes: sequences (pretrain, SFT), preference "
         "pairs (reward model, DPO), prompts (GRPO: each sampled num_generations times; PPO: one "
         "rollout each)."))
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate of AdamW.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (of AdamW, and of Muon when optimizer is muon).")
     warmup_frac: float = Field(0.1, ge=0, lt=1, description="Share of max_steps spent in linear LR warmup from 0.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")

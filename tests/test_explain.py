@@ -52,6 +52,6 @@ def test_dry_run_explain_names_the_changed_key_and_its_downstream(tiny_run):
     assert "pretrain " in plan_rows and "blocked_domains" not in plan_rows  # the plan, not the config dump
     assert "collect:" not in why and "tokenize:" not in why  # reused: nothing to explain
     pretrain, sft = why.split("\npretrain:\n", 1)[1].split("\nsft:\n", 1)
-    assert "pretrain.lr: 0.003 -> 0.002" in pretrain
+    assert f"pretrain.lr: {load_config(REPO / 'configs' / 'tiny.yaml').pretrain.lr} -> 0.002" in pretrain
     assert "upstream pretrain:" in sft and "(computed in this run, see above)" in sft
     assert "sft.lr" not in sft

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, STAGES, committed_dir, gristmill, plan_of
 
+from flows.config import load_config
+
 pytestmark = pytest.mark.slow
 
 
@@ -60,10 +62,11 @@ def test_unknown_override_is_an_error_naming_the_key(tiny_run):
 
 
 # SFT mixes pretraining text into its batches (sft.pretrain_mix) so that the model keeps its
-# language. Measured on this shortened run (the tiny_run fixture's overrides, then the same with
-# sft.seed=S, 2026-12-01, 2-core machine, collect VERSION 4): validation perplexity of the SFT model
-# over the base model's (1114): x1.323, 1.319, 1.278, 1.301 for seeds 0-3; the same runs with
-# sft.pretrain_mix=0: x2.02, 2.02 (seeds 0, 1). The bound sits between the two, nearer the mix.
+# language. Measured on this shortened run (`bench/runs.py` SHORT, then the same with sft.seed=S,
+# 2026-12-03, 2-core machine): validation perplexity of the SFT model over the Muon-pretrained base
+# model's (200.0): x1.298, 1.266, 1.295, 1.279 for seeds 0-3. On the AdamW base (1114, 2026-12-01) it was
+# x1.278 to x1.323 over seeds 0-3, and x2.02 with sft.pretrain_mix=0 (seeds 0, 1). The bound sits
+# between the two, nearer the mix.
 SFT_PPL_RATIO_FAST = 1.45
 
 
@@ -221,7 +224,8 @@ def tiny_preset_methods(tiny_run, prefect_server):
                   "--until", "align", timeout=1800, services=prefect_server)
     manifests = {stage: [json.loads(p.read_text()) for p in (home / "artifacts" / stage).glob("*/manifest.json")]
                  for stage in ("sft", "align")}
-    sft = next(m for m in manifests["sft"] if m["config"]["max_steps"] == 1500)
+    preset_steps = load_config(REPO / "configs" / "tiny.yaml").sft.max_steps  # not the shared run's
+    sft = next(m for m in manifests["sft"] if m["config"]["max_steps"] == preset_steps)
     aligned = [m for m in manifests["align"] if m["upstream"]["sft"] == sft["key"]]
     assert {m["config"]["method"]: m["meta"]["launch"]["world_size"] for m in aligned} == \
         {"grpo": 2, "dpo": 2, "ppo": 2}
@@ -229,25 +233,26 @@ def tiny_preset_methods(tiny_run, prefect_server):
 
 
 # Thresholds sit below the smallest gain measured over five seeds of each method on the tiny
-# preset's SFT model: `gristmill run configs/tiny.yaml --until sft`, then
-# `python -m bench claims --seeds 0,1,2,3,4` (2026-12-01, 2-core machine). Each compares the
+# preset's SFT model (on the Muon-pretrained base): `gristmill run configs/tiny.yaml --until sft`, then
+# `python -m bench claims --seeds 0,1,2,3,4` (2026-12-03, 2-core machine). Each compares the
 # aligned model with a "before" the stage measured on the same held-out data, never a constant.
 
 def test_sft_lowers_heldout_assistant_loss_and_keeps_its_language(tiny_preset_methods):
     """Validation-text loss, measured by the SFT stage on 16 val windows: with pretraining text
     mixed in (sft.pretrain_mix 0.25), 1500 steps continue pretraining as they teach the answers:
-    5.680 -> 5.235 nats (perplexity x0.64, sft.seed=0), where arithmetic alone took the evaluate
-    stage's perplexity from 335 to 2.6M. Asked: no rise."""
+    on the Muon-pretrained base 4.573 -> 4.521, 4.511, 4.530 nats (sft.seed 0-2; held-out answer
+    loss 5.55 -> 0.38, 0.37, 0.29), where arithmetic alone took the evaluate stage's perplexity
+    from 335 to 2.6M (AdamW base). Asked: no rise."""
     sft = tiny_preset_methods["sft"]
     assert sft["heldout_loss_after"] < 0.5 * sft["heldout_loss_before"]
     assert sft["val_text_loss_after"] <= sft["val_text_loss_before"]
 
 
 def test_grpo_raises_heldout_verifiable_accuracy(tiny_preset_methods):
-    """186 held-out problems, greedy. Gains over seeds 0-4: accuracy +0.140, +0.140, +0.145,
-    +0.113, +0.108 (before 0.102); answer format +0.565, +0.570, +0.570, +0.581, +0.581. Earlier
-    whole-pipeline reruns of this preset (each with its own SFT model) gave accuracy gains as low
-    as +0.04, hence 0.03; the format gain carries the stronger evidence."""
+    """186 held-out problems, greedy. Gains over seeds 0-4: accuracy +0.113, +0.059, +0.124,
+    +0.059, +0.129 (before 0.086); answer format +0.559, +0.575, +0.548, +0.522, +0.645 (before
+    0.317). On the AdamW base whole-pipeline reruns (each with its own SFT model) gave accuracy
+    gains as low as +0.04, hence 0.03; the format gain carries the stronger evidence."""
     grpo = tiny_preset_methods["grpo"]
     assert grpo["heldout_accuracy_after"] >= grpo["heldout_accuracy_before"] + 0.03
     assert grpo["heldout_format_after"] >= grpo["heldout_format_before"] + 0.3
@@ -259,8 +264,8 @@ MARGIN_NATS = 1.0  # DPO's held-out log-prob margin gain asked for; the smallest
 def test_dpo_raises_the_sft_models_heldout_preference(tiny_preset_methods):
     """How strongly the model prefers the chosen reply on 174 held-out pairs: the SFT model's
     measured log-prob margin (nats, chosen minus rejected) and accuracy before, the DPO model's
-    after. Margin gains over DPO seeds 0-4: +4.21, +4.82, +4.01, +4.37, +5.95 nats; on the SFT
-    model of sft.seed=1, seeds 0-2: +4.27, +4.93, +4.38. The accuracy saturates: whole-pipeline reruns differ in their
+    after. Margin gains over DPO seeds 0-4: +7.76, +7.76, +6.57, +6.11, +9.16 nats (on the AdamW
+    base +4.01 to +5.95). The accuracy saturates: whole-pipeline reruns differ in their
     SFT model, and one in CI already preferred the chosen (shorter, committed) reply on 0.874 of the
     pairs (DPO: 0.891), so the accuracy is only required not to fall; locally it rose
     0.40-0.53 -> 0.82-0.90."""
@@ -272,14 +277,14 @@ def test_dpo_raises_the_sft_models_heldout_preference(tiny_preset_methods):
 
 def test_reward_model_beats_random_heads_and_ppo_raises_its_score(tiny_preset_methods):
     """139 held-out pairs. The reward model's accuracy after training against untrained heads:
-    the mean over 32 random heads (0.47-0.54; gains +0.24 to +0.27 over seeds 0-4; on the SFT
-    model of sft.seed=1: +0.25 to +0.31; a fresh-clone CI run: 0.460 -> 0.748, +0.29). The one
+    the mean over 32 random heads (gains +0.23, +0.29, +0.26, +0.30, +0.30 over seeds 0-4; on
+    the AdamW base +0.24 to +0.31, and +0.29 in a fresh-clone CI run: 0.460 -> 0.748). The one
     head this run drew is recorded (`heldout_rm_accuracy_before`) but not asserted on: half the demo
     pairs reject a hedge, which a random head ranks all one way, so a single head's accuracy swings
-    with the seed (0.39-0.67 over seeds 0-4, 0.777 in that CI run, above its trained model's 0.748);
-    the mean over heads is the baseline with the statistical weight. The reward-model score of greedy
-    replies to held-out prompts, PPO policy against the SFT model: +2.55, +2.67, +2.52, +2.44, +2.56
-    (sft.seed=1: +2.39, +2.40, +2.26)."""
+    with the seed (0.27-0.71 over seeds 0-4; 0.777 in that CI run, above its trained model's
+    0.748); the mean over heads is the baseline with the statistical weight. The reward-model score
+    of greedy replies to held-out prompts, PPO policy against the SFT model: +2.40, +2.22, +2.11,
+    +2.15, +2.40 (on the AdamW base +2.26 to +2.67)."""
     ppo = tiny_preset_methods["ppo"]
     assert ppo["rm_pairs_heldout"] >= 130
     assert ppo["heldout_rm_accuracy_after"] >= ppo["heldout_rm_accuracy_untrained_mean"] + 0.12

@@ -31,10 +31,10 @@ def _costly_group(item: pytest.Item) -> str | None:
     return next((name for name in SHARED_COSTLY if name in getattr(item, "fixturenames", ())), None)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if group := _costly_group(item):
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marked as collected, so the mark is there when xdist turns marks into groups."""
+    if group := _costly_group(item):
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _shared_data_dir() -> Path:

@@ -21,10 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # The suite runs on two xdist workers (pyproject's addopts, `--dist loadgroup`), and a worker builds
-# each session fixture it is asked for. The tests that share the costly ones (the tiny run, with the
-# two-node Ray cluster its users also share; the served deployment) stay on one worker, so each is
-# built once; xdist hands out the largest groups first, so the longest queue starts at once.
-SHARED_COSTLY = ("tiny_run", "served")
+# each fixture it is asked for. The tests that share the costliest ones (the preset's claims, the
+# served deployment, the two-node Ray cluster) stay on one worker, so each is built once, and xdist
+# hands those groups out first. The tiny run is built once per worker: keeping its ~20 users on one
+# worker made them the whole run's critical path (CI took as long as on one worker).
+SHARED_COSTLY = ("tiny_preset_methods", "served", "two_ray_nodes")
 
 
 def _costly_group(item: pytest.Item) -> str | None:

@@ -20,24 +20,6 @@ os.environ.setdefault("GRISTMILL_CACHE", tempfile.mkdtemp(prefix="gristmill-test
 REPO = Path(__file__).resolve().parents[1]
 
 
-# The suite runs on two xdist workers (pyproject's addopts, `--dist loadgroup`), and a worker builds
-# each fixture it is asked for. The tests that share the costliest ones (the preset's claims, the
-# served deployment, the two-node Ray cluster) stay on one worker, so each is built once, and xdist
-# hands those groups out first. The tiny run is built once per worker: keeping its ~20 users on one
-# worker made them the whole run's critical path (CI took as long as on one worker).
-SHARED_COSTLY = ("tiny_preset_methods", "served", "two_ray_nodes")
-
-
-def _costly_group(item: pytest.Item) -> str | None:
-    return next((name for name in SHARED_COSTLY if name in getattr(item, "fixturenames", ())), None)
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """Marked as collected, so the mark is there when xdist turns marks into groups."""
-    if group := _costly_group(item):
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 def _shared_data_dir() -> Path:
     return Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
 

@@ -19,6 +19,10 @@ order trials cycle through them:
                    run (server back) reuses the stage and back-fills its metrics
   prefect_restart  the Prefect API server restarted mid-stage; the same command again if needed
 
+With `--prefect-api-url URL` the runs use that standing Prefect server (`gristmill up`'s) instead of
+each starting its own temporary one, which saves each run that start-up; the concurrent trial still
+starts its own, as the race on creating its database is what it tests.
+
 It prints a table (fault, trials, survived, identical, documents lost) and ends with one JSON line:
 {"trials", "survived", "identical", "docs_lost"}. `identical` counts trials whose committed output
 equals the reference's (fuzz trials have no reference and are not counted there).
@@ -64,10 +68,10 @@ class Run:
     """One `gristmill run` of the suite's config in `home`, started in a session of its own."""
 
     def __init__(self, bench: Suite, home: Path, until: str, env: dict[str, str] | None = None,
-                 tag: str = "run"):
+                 tag: str = "run", embedded: bool = False):
         self.home, self.log = home, self.log_of(home, tag)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        environment = cli_env(home, env)
+        environment = cli_env(home, {**({} if embedded else bench.services), **(env or {})})
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *bench.overrides,
@@ -118,9 +122,11 @@ def _wait_for(predicate: Callable[[], bool], run: Run | None = None, timeout: fl
 
 
 class Suite:
-    def __init__(self, overrides: list[str], work: Path, reference: Path | None, seed: int):
+    def __init__(self, overrides: list[str], work: Path, reference: Path | None, seed: int,
+                 prefect_api_url: str | None = None):
         self.overrides, self.work, self.rng = overrides, work, random.Random(seed)
         self.seed = seed
+        self.services = {"PREFECT_API_URL": prefect_api_url} if prefect_api_url else {}
         self.reference = reference or self._reference_run()
         self.seconds = {s: json.loads((committed_dir(self.reference, s) / "manifest.json")
                                       .read_text())["meta"].get("seconds", 10.0) for s in STAGES}
@@ -287,7 +293,7 @@ def disk_full(suite: Suite, name: str, stage: str) -> Trial:
 
 def concurrent(suite: Suite, name: str, stage: str) -> Trial:
     home = suite.home_for(name, "collect")  # a fresh home: the databases are created by the race
-    runs = [Run(suite, home, "tokenize", tag=f"run{i}") for i in range(2)]
+    runs = [Run(suite, home, "tokenize", tag=f"run{i}", embedded=True) for i in range(2)]
     codes = [r.wait() for r in runs]
     logs = "".join(r.output() for r in runs)
     once = all(logs.count(f"{s}: done in") == 1 for s in ("collect", "tokenize"))
@@ -416,10 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", type=Path, help="GRISTMILL_HOME of a finished run of the "
                         "same config (default: run one first)")
     parser.add_argument("--work", type=Path, help="where trial homes go (default: a temp dir)")
+    parser.add_argument("--prefect-api-url", help="a standing Prefect server for the runs "
+                        "(default: each starts its own)")
     parser.add_argument("overrides", nargs="*", help=f"config overrides (default: {' '.join(SHORT)})")
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="gristmill-chaos-"))
-    suite = Suite(args.overrides or SHORT, work, args.reference, args.seed)
+    suite = Suite(args.overrides or SHORT, work, args.reference, args.seed, args.prefect_api_url)
     results = []
     for i, (fault, stage) in enumerate(schedule(args.trials, args.seed)):
         started = time.monotonic()

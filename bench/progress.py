@@ -1,12 +1,12 @@
 """Cost of the progress display: the tiny preset's SFT stage with progress on and off.
 
-    python -m bench progress [--steps 1500] [--repeats 3] [--threads 2] [--corpus DIR]
+    python -m bench progress [--steps N] [--repeats 3] [--threads 2] [--corpus DIR]
 
 Inputs, built once: the tiny preset's model (configs/tiny.yaml `pretrain.model`, randomly
 initialised: its weights do not change what a step costs), a byte-level BPE of the preset's
 vocabulary size trained in-process on real text (`--corpus`, default ../shared/data/corpus), and
 that text's token streams for `pretrain_mix`. The SFT stage (`tasks.sft.stage.run` with the tiny
-preset's `sft` section, `--steps` steps; 1500 is the preset's) runs as the pipeline runs it: in a
+preset's `sft` section, `--steps` steps, by default the preset's) runs as the pipeline runs it: in a
 Prefect task of a flow, against a real (temporary) Prefect server, inside the stage's progress
 scope (flows/progress.py):
 
@@ -134,7 +134,7 @@ class _CallTimer:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench progress", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=1500, help="SFT steps per run (the tiny preset: 1500)")
+    parser.add_argument("--steps", type=int, help="SFT steps per run (default: the tiny preset's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     shared = Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -157,7 +157,9 @@ def main(argv: list[str]) -> int:
     from flows.progress import stage_progress
 
     torch.set_num_threads(args.threads)
-    preset = load_config(REPO / "configs" / "tiny.yaml", [f"sft.max_steps={args.steps}", "sft.device=cpu"])
+    steps = [f"sft.max_steps={args.steps}"] if args.steps else []
+    preset = load_config(REPO / "configs" / "tiny.yaml", [*steps, "sft.device=cpu"])
+    args.steps = preset.sft.max_steps
     inputs = _inputs(scratch / "inputs", args.corpus, preset.tokenize.vocab_size,
                      preset.pretrain.model.model_dump())
     timer = _CallTimer()

@@ -130,8 +130,10 @@ def two_ray_nodes(tmp_path_factory) -> Iterator[dict[str, str]]:
 def prefect_server(tmp_path_factory) -> Iterator[dict[str, str]]:
     """One Prefect server (`gristmill up`'s, alone) for the end-to-end tests that run the pipeline
     many times: each run then skips starting and stopping Prefect's temporary server, the largest
-    share of a reused run's time (docs/benchmarks.md). The shared tiny run, the interrupt and data
-    gate tests keep the embedded server. Yields the environment a run uses it with."""
+    share of a reused run's time (docs/benchmarks.md). The shared tiny run, the data gate tests (a
+    standing server would pause for a person instead), the two runs racing in a fresh home and
+    the interrupts that must stop the run's own server keep the embedded one. Yields the
+    environment a run uses it with."""
     from infra import stack
 
     home = tmp_path_factory.mktemp("prefect") / "home"

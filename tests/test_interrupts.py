@@ -31,14 +31,15 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 900) -> None:
 
 
 def _interrupt(home: Path, overrides: list[str], stage: str, ready, signum: int,
-               settle_s: float = 0.0) -> str:
-    """Start a run, wait until `ready(partial_dir)` and `settle_s` more, send `signum` the way a
-    user does (Ctrl-C: to the terminal's process group; SIGTERM: to the process), check how it
-    stopped, and return what the run printed."""
+               settle_s: float = 0.0, services: dict[str, str] | None = None) -> str:
+    """Start a run (with the external `services`, else the embedded ones), wait until
+    `ready(partial_dir)` and `settle_s` more, send `signum` the way a user does (Ctrl-C: to the
+    terminal's process group; SIGTERM: to the process), check how it stopped, and return what the
+    run printed."""
     log = home.parent / f"{stage}-{signum}.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml",
-                                 *overrides, "--until", "sft"], cwd=REPO, env=cli_env(home),
+                                 *overrides, "--until", "sft"], cwd=REPO, env=cli_env(home, services),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         stage_dir = home / "artifacts" / stage
         _wait_for(lambda: any(ready(p) for p in stage_dir.glob("*.partial")), proc)
@@ -83,7 +84,8 @@ def _kill9_after_a_new_checkpoint(home: Path, overrides: list[str]) -> int:
     return max(checkpoint_steps(home))
 
 
-def test_signals_at_several_stages_stop_fast_and_the_next_run_resumes_identically(tiny_run, tmp_path):
+def test_signals_at_several_stages_stop_fast_and_the_next_run_resumes_identically(tiny_run, prefect_server,
+                                                                                tmp_path):
     home = tmp_path / "home"
     overrides = tiny_run.overrides
     # Ctrl-C while collect's Ray actors work; Ctrl-C while the tokenizer trains; SIGTERM in
@@ -91,15 +93,17 @@ def test_signals_at_several_stages_stop_fast_and_the_next_run_resumes_identicall
     # in seconds: too short to interrupt on purpose.) Checkpoints come more often in the
     # interrupted runs (an operational knob, not part of the key) so both pretraining faults fit
     # in its 60 steps; the final run uses the shared run's config and commits the same files.
+    # Ctrl-C in collect and the kill -9 hit runs with their embedded Prefect server, which must go
+    # too; the other runs use the session's standing server, which saves each its start-up.
     text = _interrupt(home, overrides, "collect", Path.exists, signal.SIGINT, settle_s=3)
     assert "stopped by SIGINT" in text
     # the tiny tokenizer trains for about a second of a two-second stage: Ctrl-C as soon as it starts
-    text = _interrupt(home, overrides, "tokenize", Path.exists, signal.SIGINT)
+    text = _interrupt(home, overrides, "tokenize", Path.exists, signal.SIGINT, services=prefect_server)
     assert "collect-" in text and "resuming from the partial output" in text, text[-3000:]
     often = [*overrides, "pretrain.checkpoint_every=20"]
-    _interrupt(home, often, "pretrain", _has_checkpoint, signal.SIGTERM)
+    _interrupt(home, often, "pretrain", _has_checkpoint, signal.SIGTERM, services=prefect_server)
     killed_at = _kill9_after_a_new_checkpoint(home, often)
-    log = gristmill(home, "run", "configs/tiny.yaml", *overrides, "--until", "sft")
+    log = gristmill(home, "run", "configs/tiny.yaml", *overrides, "--until", "sft", services=prefect_server)
     text = log.stdout + log.stderr
     assert "collect: reused" in text and "tokenize: reused" in text, text[-3000:]
     assert "resuming from step" in text, text[-3000:]

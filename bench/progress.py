@@ -157,9 +157,9 @@ def main(argv: list[str]) -> int:
     from flows.progress import stage_progress
 
     torch.set_num_threads(args.threads)
-    steps = [f"sft.max_steps={args.steps}"] if args.steps else []
-    preset = load_config(REPO / "configs" / "tiny.yaml", [*steps, "sft.device=cpu"])
-    args.steps = preset.sft.max_steps
+    chosen = [f"sft.max_steps={args.steps}"] if args.steps else []
+    preset = load_config(REPO / "configs" / "tiny.yaml", [*chosen, "sft.device=cpu"])
+    steps = preset.sft.max_steps
     inputs = _inputs(scratch / "inputs", args.corpus, preset.tokenize.vocab_size,
                      preset.pretrain.model.model_dump())
     timer = _CallTimer()
@@ -192,10 +192,10 @@ def main(argv: list[str]) -> int:
     os.environ.pop(progress.MODE_VAR, None)
 
     off, on = statistics.median(seconds["off"]), statistics.median(seconds["on"])
-    print(f"\ntiny SFT, {args.steps} steps, {args.threads} threads, median of {args.repeats}:")
+    print(f"\ntiny SFT, {steps} steps, {args.threads} threads, median of {args.repeats}:")
     print(f"  progress off  {off:7.2f} s   {sorted(round(s, 2) for s in seconds['off'])}")
     print(f"  progress on   {on:7.2f} s   {sorted(round(s, 2) for s in seconds['on'])}")
-    print(json.dumps({"steps": args.steps, "repeats": args.repeats, "threads": args.threads,
+    print(json.dumps({"steps": steps, "repeats": args.repeats, "threads": args.threads,
                       "sft_seconds_off": round(off, 3), "sft_seconds_on": round(on, 3),
                       "progress_overhead_fraction": round((on - off) / off, 4),
                       "progress_call_fraction": round(statistics.median(call_fractions), 5)}))

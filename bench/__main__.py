@@ -13,7 +13,8 @@ BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretr
               "claims": "bench.claims", "chaos": "bench.chaos",
               "evaluate": "bench.evaluate", "fidelity": "bench.fidelity", "memory": "bench.memory",
               "verify": "bench.verify", "recipe": "bench.recipe",
-              "explain": "bench.explain", "progress": "bench.progress"}
+              "explain": "bench.explain", "progress": "bench.progress",
+              "scale": "bench.scale"}
 
 
 def main() -> int:

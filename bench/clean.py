@@ -122,9 +122,10 @@ def bundled_ft176(languages: list[str]) -> Any:
     return BundledFT176(languages)
 
 
-def datatrove_pipeline(docs: list[Doc], cfg: collect.Config, kept_ids: list[str]) -> list[Any]:
-    """The equivalent datatrove chain, built fresh (LanguageFilter loads its model lazily)."""
-    from datatrove.data import Document
+def datatrove_filters(cfg: collect.Config) -> list[Any]:
+    """datatrove's blocks for our cleaning chain, in its order, built fresh (LanguageFilter
+    loads its model lazily): the URL rule, language, Gopher quality and repetition, FineWeb, C4
+    (our constructor arguments), PII."""
     from datatrove.pipeline.filters import (
         C4QualityFilter,
         FineWebQualityFilter,
@@ -137,11 +138,6 @@ def datatrove_pipeline(docs: list[Doc], cfg: collect.Config, kept_ids: list[str]
 
     import tasks.collect.filters as text_filters
 
-    def sink(data, rank: int = 0, world_size: int = 1):
-        for doc in data:
-            kept_ids.append(doc.id)
-            yield doc
-
     def kwargs(kind: str) -> dict[str, Any]:
         return text_filters.block_kwargs(kind, cfg)
 
@@ -149,7 +145,6 @@ def datatrove_pipeline(docs: list[Doc], cfg: collect.Config, kept_ids: list[str]
                                      language_threshold=cfg.min_language_score)
     language_filter.model = bundled_ft176(list(cfg.allowed_languages))
     return [
-        [Document(text=text, id=str(i), metadata={"url": url}) for i, (text, url) in enumerate(docs)],
         LambdaFilter(lambda doc: text_filters.url_blocked(doc.metadata["url"], cfg) is None),
         language_filter,
         GopherQualityFilter(**kwargs("gopher_quality")),
@@ -157,18 +152,35 @@ def datatrove_pipeline(docs: list[Doc], cfg: collect.Config, kept_ids: list[str]
         FineWebQualityFilter(**kwargs("fineweb_quality")),
         C4QualityFilter(**kwargs("c4_quality")),
         PIIFormatter(),
+    ]
+
+
+def datatrove_pipeline(docs: list[Doc], cfg: collect.Config, kept_ids: list[str]) -> list[Any]:
+    """The equivalent datatrove chain over `docs`, appending the ids it keeps to kept_ids."""
+    from datatrove.data import Document
+
+    def sink(data, rank: int = 0, world_size: int = 1):
+        for doc in data:
+            kept_ids.append(doc.id)
+            yield doc
+
+    return [
+        [Document(text=text, id=str(i), metadata={"url": url}) for i, (text, url) in enumerate(docs)],
+        *datatrove_filters(cfg),
         sink,
     ]
 
 
-def run_datatrove(pipeline: list[Any], logging_dir: Path) -> None:
+def run_datatrove(pipeline: list[Any], logging_dir: Path, tasks: int = 1, workers: int = 1) -> None:
+    """LocalPipelineExecutor over `pipeline`, its per-task logging kept off stderr (shown when
+    it fails)."""
     from datatrove.executor import LocalPipelineExecutor
 
     log = io.StringIO()
     try:
         with contextlib.redirect_stderr(log):  # datatrove logs every task to stderr
-            LocalPipelineExecutor(pipeline, tasks=1, workers=1, logging_dir=str(logging_dir),
-                                  skip_completed=False).run()
+            LocalPipelineExecutor(pipeline, tasks=tasks, workers=workers,
+                                  logging_dir=str(logging_dir), skip_completed=False).run()
     except Exception:
         print(log.getvalue()[-4000:], file=sys.stderr)
         raise

@@ -93,23 +93,30 @@ def _labels_from_survivors(survivor: np.ndarray) -> np.ndarray:
     return labels
 
 
+def minhash_config(cfg, bands: int | None = None, rows: int | None = None):
+    """datatrove's MinhashConfig for our DedupConfig `cfg`: same shingle size, banding (cfg's
+    unless given) and seed, 64-bit xxhash."""
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.hashing import HashConfig
+
+    return MinhashConfig(n_grams=cfg.shingle_words, num_buckets=bands or cfg.bands,
+                         hashes_per_bucket=rows or cfg.rows, seed=cfg.seed,
+                         hash_config=HashConfig(precision=64, hash_fc="xxhash"))
+
+
 def run_datatrove(path: Path, cfg, work: Path, stage_seconds: dict[str, list[float]],
                   bands: int | None = None, rows: int | None = None) -> np.ndarray:
     """Cluster labels from datatrove's four MinHash steps (banding: cfg's unless given)."""
     from datatrove.executor import LocalPipelineExecutor
     from datatrove.pipeline.dedup.minhash import (
-        MinhashConfig,
         MinhashDedupBuckets,
         MinhashDedupCluster,
         MinhashDedupFilter,
         MinhashDedupSignature,
     )
     from datatrove.pipeline.readers import JsonlReader
-    from datatrove.utils.hashing import HashConfig
 
-    mh = MinhashConfig(n_grams=cfg.shingle_words, num_buckets=bands or cfg.bands,
-                       hashes_per_bucket=rows or cfg.rows, seed=cfg.seed,
-                       hash_config=HashConfig(precision=64, hash_fc="xxhash"))
+    mh = minhash_config(cfg, bands, rows)
     sigs, buckets, clusters = work / "sigs", work / "buckets", work / "clusters"
 
     def reader() -> JsonlReader:

@@ -108,13 +108,25 @@ def _paragraphs(text: str) -> list[str]:
     return paras
 
 
+def _spaced(text: str) -> bool:
+    """Whether the text's script puts spaces between words (not e.g. Japanese)."""
+    return len(text.split()) * 1000 >= MIN_WORDS_PER_KCHAR * max(len(text), 1)
+
+
+def source_paragraphs(shared_data: Path) -> list[str]:
+    """Every paragraph of the source texts whose script has spaces between words, in a fixed
+    order (the units `source_documents` is made of)."""
+    return [para for text in _source_texts(Path(shared_data)) if _spaced(text)
+            for para in _paragraphs(text)]
+
+
 def source_documents(shared_data: Path) -> list[str]:
     """Every source text cut into documents of MIN_DOC_WORDS-MAX_DOC_WORDS words (whole
     paragraphs), in a fixed order; the same for every seed."""
     lengths = random.Random(0)
     docs = []
     for text in _source_texts(shared_data):
-        if len(text.split()) * 1000 < MIN_WORDS_PER_KCHAR * max(len(text), 1):
+        if not _spaced(text):
             continue
         doc: list[str] = []
         target = lengths.randint(MIN_DOC_WORDS, MAX_DOC_WORDS)

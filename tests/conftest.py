@@ -1,6 +1,7 @@
 """Shared fixtures: the one way tests find ../shared/data, tiny throwaway models, and the one
 tiny-pipeline run the end-to-end tests share, the one served deployment the UI tests share, and
-the one two-node Ray cluster the multi-node tests share."""
+the one two-node Ray cluster the multi-node tests share, and the one S3-compatible server the
+object-store tests share."""
 from __future__ import annotations
 
 import os
@@ -153,3 +154,29 @@ def served(tmp_path_factory):
 
     with serving(tmp_path_factory.mktemp("served")) as served:
         yield served
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, str]]:
+    """An S3-compatible server on 127.0.0.1 (moto's server mode: a real HTTP endpoint, here in a
+    thread of the test process) with a bucket `crawl`. Yields the standard AWS variables that point
+    boto3 and s3fs at it, for this process (set while the session lasts) and for subprocesses."""
+    from moto.server import ThreadedMotoServer
+
+    from infra.launch import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="crawl")
+        try:
+            yield env
+        finally:
+            server.stop()

@@ -124,7 +124,8 @@ def read_file(path: str | Path, *, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
               part: Part = WHOLE, planned_size: int | None = None) -> Iterator[ReadEvent]:
     """Events of one input file (a local path or fsspec URL), or of one part of it from
     `split_file`. One error, and nothing read, for an empty file, and for a file gone
-    (error_input_missing) or of another size (error_input_changed) than `planned_size`, its size
+    (error_input_missing; also when it goes while it is read, after what was read of it: an object
+    store's client lists from a cache) or of another size (error_input_changed) than `planned_size`, its size
     when the run listed it: the run's key was computed from what it held then, and parts cut from
     another size no longer start at records. Each part of such a file is one error; the part that
     starts the file counts its planned bytes."""
@@ -146,9 +147,15 @@ def read_file(path: str | Path, *, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
         log.warning("%s: gone since the run listed it; not read", name)
         yield Skipped(reason="error_input_missing", nbytes=planned_bytes, where=name)
         return
+    read_any = False
     with f:
-        for event in reader(f, name, max_doc_bytes, part):
-            yield guard(event, max_doc_bytes) if isinstance(event, RawDoc) else event
+        try:
+            for event in reader(f, name, max_doc_bytes, part):
+                read_any = True
+                yield guard(event, max_doc_bytes) if isinstance(event, RawDoc) else event
+        except FileNotFoundError:  # an object store's cached listing outlived the object: gone on reading
+            log.warning("%s: gone while it was read; the rest of it not read", name)
+            yield Skipped(reason="error_input_missing", nbytes=0 if read_any else planned_bytes, where=name)
 
 
 def split_file(path: str | Path, unit_bytes: int) -> list[Part]:

@@ -43,10 +43,10 @@ def _sft_manifest(overrides: list[str]) -> Any:
     from flows.config import load_config
     from flows.dag import plan
     from infra import env
-    from infra.artifacts import ArtifactStore
+    from infra.artifacts import home_store
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", overrides)
-    store = ArtifactStore(env.artifacts_root(env.gristmill_home()))
+    store = home_store(env.gristmill_home())
     sft = next(p for p in plan(config, store, until="sft") if p.spec.name == "sft")
     manifest = store.load("sft", sft.key)
     if manifest is None:

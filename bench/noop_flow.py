@@ -15,7 +15,7 @@ from flows.dag import PlannedStage
 from flows.pipeline import Runtime, run_stage
 from flows.stages import StageSpec
 from infra import env
-from infra.artifacts import ArtifactStore
+from infra.artifacts import home_store
 from infra.tracking.runs import Tracker
 
 VERSION = 1
@@ -46,7 +46,7 @@ def noop_flow(n: int) -> float:
     """Runs n no-op stages (computed the first time, reused after); returns their wall seconds."""
     home = env.gristmill_home()
     tracker = Tracker(home)
-    runtime = Runtime(ArtifactStore(env.artifacts_root(home)), tracker,
+    runtime = Runtime(home_store(home), tracker,
                       tracker.start_pipeline("noop-bench", {}, {}), PipelineConfig())
     started = time.perf_counter()
     for i in range(n):

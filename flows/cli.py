@@ -127,9 +127,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from infra.artifacts import ArtifactStore
+    from infra.artifacts import home_store
 
-    store = ArtifactStore(env.artifacts_root(env.gristmill_home()))
+    store = home_store(env.gristmill_home())
     checked = list(store.committed(args.stage))
     damaged = store.verify(args.stage)
     for damage in damaged:

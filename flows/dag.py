@@ -17,7 +17,7 @@ from core.stage import Engine, Manifest, StageConfig, StageResult
 from flows.config import PipelineConfigBase
 from flows.stages import StageSpec, stages_until
 from infra import env
-from infra.artifacts import ArtifactStore, stage_key
+from infra.artifacts import ArtifactStore, home_store, stage_key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +42,7 @@ def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = N
                         {name: keys[name] for name in spec.upstream}, inputs)
         keys[spec.name] = key
         planned.append(PlannedStage(spec=spec, config=stage_config, key=key, inputs_fingerprint=inputs,
-                                    complete=store.load(spec.name, key) is not None))
+                                    complete=store.has(spec.name, key)))
     return planned
 
 
@@ -55,7 +55,7 @@ def stage_device(config: StageConfig) -> str:
 
 def open_store(config: PipelineConfigBase, home: Path) -> ArtifactStore:
     """The artifact store under `home`, checking reused outputs as `config.store` says."""
-    return ArtifactStore(env.artifacts_root(home), verify_on_reuse=config.store.verify_on_reuse)
+    return home_store(home, config.store.verify_on_reuse)
 
 
 def launch_problems_of(planned: list[PlannedStage]) -> list[str]:

@@ -17,7 +17,7 @@ from flows.gates import GateDecision
 from flows.registry import Decision
 from flows.stages import STAGE_NAMES
 from infra import env
-from infra.artifacts import ArtifactStore
+from infra.artifacts import ArtifactStore, home_store
 from infra.tracking.runs import RunRecord, Tracker, pipeline_run, stage_runs_of
 
 DAG_ORDER = {name: i for i, name in enumerate(STAGE_NAMES)}
@@ -53,7 +53,7 @@ def report(home: Path, run: str | None = None) -> tuple[Path, Path, list[str]]:
     """Regenerate the report card of a past run; also returns the stages whose artifact is gone."""
     tracker = Tracker(home)
     parent = pipeline_run(tracker, run)
-    manifests, statuses, missing = run_manifests(tracker, ArtifactStore(env.artifacts_root(home)), parent)
+    manifests, statuses, missing = run_manifests(tracker, home_store(home), parent)
     if not manifests:
         raise LookupError(f"run {parent['run_id']}: none of its stage artifacts is in "
                           f"{env.artifacts_root(home)} any more")

@@ -43,7 +43,7 @@ from flows.dag import plan
 from flows.gates import GatesRejected, GatesStopped, enforce
 from flows.pipeline import Runtime, run_stage, start_parent_run
 from infra import env
-from infra.artifacts import CORPUS, ArtifactStore
+from infra.artifacts import CORPUS, ArtifactStore, home_store
 from infra.tracking.corpus import log_corpus_version
 from infra.tracking.runs import Tracker
 from tasks.collect.common_crawl import CommonCrawlSource, list_files
@@ -225,7 +225,7 @@ def data_refresh(config: PipelineConfig = PipelineConfig(), approve_gates: bool 
     pipeline on all versions when `config.refresh` says so; `approve_gates`: go on when a data gate
     trips, without asking (flows/gates.py)."""
     home = env.gristmill_home()
-    store = ArtifactStore(env.artifacts_root(home))
+    store = home_store(home)
     try:
         with store.lock(CORPUS, "refresh"):
             outcome = refresh(config, store, approve_gates)

@@ -7,6 +7,11 @@
                                              beside it: the output itself never changes
     <root>/corpus/versions.jsonl             the corpus versions published by data refreshes
 
+With `GRISTMILL_STORE=s3://bucket/prefix` the committed outputs live in the bucket and <root> is
+this machine's copy of them (infra/remote_store.py): a commit uploads the output, its manifest
+last, before the local rename; an output absent here is downloaded when a run asks for it; a lease
+object, beside the flock, makes two runs on any machines compute a key once.
+
 A key is a hash of the stage name and version, its hashed config, the keys of its upstream
 artifacts and a fingerprint of any external inputs. An output counts as complete only when its
 manifest exists, parses, names the same key and every file it lists has the recorded size, and
@@ -18,12 +23,14 @@ so the next run recomputes it.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,8 +41,11 @@ from typing import Any, Literal
 from core.faults import fault_point
 from core.files import describe_files, file_digest
 from core.stage import Manifest
+from infra import env
+from infra.remote_store import RemoteStore
 
 MANIFEST = "manifest.json"
+STORE_ENV = "GRISTMILL_STORE"  # where committed outputs live: a local path or s3://bucket/prefix
 CONFIG = "config.json"
 KEY_LENGTH = 12  # hex chars of sha256: 48 bits, ample for one project's artifacts
 CORPUS = "corpus"  # not a stage: the chain of corpus versions over collect artifacts
@@ -71,11 +81,12 @@ class Damage:
 class ArtifactStore:
     """Materializes stage outputs under `root`, reusing any complete output with the same key;
     `verify_on_reuse` says how a reused output's files are checked: "size" (the small ones
-    hashed too) or "sha256" (every byte)."""
+    hashed too) or "sha256" (every byte). With `remote`, `root` is this machine's copy of it."""
 
-    def __init__(self, root: Path, verify_on_reuse: VerifyMode = "size"):
+    def __init__(self, root: Path, verify_on_reuse: VerifyMode = "size", remote: RemoteStore | None = None):
         self.root = Path(root)
         self.verify_on_reuse = verify_on_reuse
+        self.remote = remote
 
     def final_dir(self, stage: str, key: str) -> Path:
         return self.root / stage / f"{stage}-{key}"
@@ -84,8 +95,39 @@ class ArtifactStore:
         return self.root / stage / f"{stage}-{key}.partial"
 
     def load(self, stage: str, key: str) -> Manifest | None:
-        """The committed manifest for (stage, key), or None when the output is absent or incomplete."""
-        return self._complete(self.final_dir(stage, key), stage, key)
+        """The committed manifest for (stage, key), or None when the output is absent or incomplete;
+        one committed only on the remote store is downloaded first."""
+        manifest = self._complete(self.final_dir(stage, key), stage, key)
+        if manifest is None and self.remote is not None:
+            manifest = self._download(stage, key)
+        return manifest
+
+    def has(self, stage: str, key: str) -> bool:
+        """Whether (stage, key) is committed, here or on the remote store (nothing is downloaded)."""
+        return self._complete(self.final_dir(stage, key), stage, key) is not None or \
+            (self.remote is not None and self.remote.manifest(stage, key) is not None)
+
+    def _download(self, stage: str, key: str) -> Manifest | None:
+        """The remote's committed (stage, key), copied into a temporary directory beside its place
+        and renamed into it; None when the remote has none."""
+        record = self.remote.manifest(stage, key)
+        if record is None or record.get("key") != key:
+            return None
+        final = self.final_dir(stage, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fetching = Path(tempfile.mkdtemp(prefix=f".{final.name}.download-", dir=final.parent))
+        try:
+            self.remote.download(stage, key, list(record.get("files", {})), fetching)
+            if self._complete(fetching, stage, key) is None:
+                raise OSError(f"{self.remote.url_of(stage, key)} differs from its manifest")
+            if final.exists() and self._complete(final, stage, key) is None:
+                shutil.rmtree(final)  # an incomplete leftover
+            with contextlib.suppress(OSError):  # a concurrent download may have put it there first
+                os.replace(fetching, final)
+        finally:
+            shutil.rmtree(fetching, ignore_errors=True)
+        log.info("%s-%s: downloaded from %s", stage, key, self.remote.url_of(stage, key))
+        return self._complete(final, stage, key)
 
     def _complete(self, directory: Path, stage: str, key: str) -> Manifest | None:
         """The manifest in `directory` when it names (stage, key) and every file it lists is there
@@ -167,13 +209,13 @@ class ArtifactStore:
         is then written last and the directory renamed into place atomically."""
         if (manifest := self.load(stage, key)) is not None:
             return manifest, True
-        with self.lock(stage, key):
+        with self.lock(stage, key), self._remote_lease(stage, key):
             if (manifest := self.load(stage, key)) is not None:  # finished while we waited
                 return manifest, True
             partial = self.partial_dir(stage, key)
             if self._complete(partial, stage, key) is not None:  # killed inside the commit window
                 log.info("%s-%s: finishing the commit an earlier run was stopped in", stage, key)
-                return self._rename_into_place(stage, key, partial), False
+                return self._publish(stage, key, partial), False
             if partial.exists():
                 log.info("%s-%s: resuming from the partial output left by an earlier run", stage, key)
             partial.mkdir(parents=True, exist_ok=True)
@@ -182,8 +224,13 @@ class ArtifactStore:
             fields.setdefault("meta", {})["seconds"] = round(time.time() - started, 3)
             return self.commit(stage, key, partial, fields), False
 
+    def _remote_lease(self, stage: str, key: str) -> contextlib.AbstractContextManager[None]:
+        if self.remote is None:
+            return contextlib.nullcontext()
+        return self.remote.lease(stage, key, committed=lambda: self.remote.manifest(stage, key) is not None)
+
     def commit(self, stage: str, key: str, partial: Path, fields: dict[str, Any]) -> Manifest:
-        """Write the manifest last into `partial` and rename it into place (under `lock`)."""
+        """Write the manifest last into `partial` and publish it (under `lock`)."""
         (partial / CONFIG).write_text(json.dumps(fields["config"], indent=2, sort_keys=True))
         manifest = Manifest(stage=stage, key=key, path=self.final_dir(stage, key),
                             files=describe_files(partial, exclude=MANIFEST), **fields)
@@ -191,9 +238,12 @@ class ArtifactStore:
         tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True))
         os.replace(tmp, partial / MANIFEST)
         fault_point(f"commit:{stage}")
-        return self._rename_into_place(stage, key, partial)
+        return self._publish(stage, key, partial)
 
-    def _rename_into_place(self, stage: str, key: str, partial: Path) -> Manifest:
+    def _publish(self, stage: str, key: str, partial: Path) -> Manifest:
+        """Upload a complete partial output to the remote store, if any, then rename it into place."""
+        if self.remote is not None:
+            self.remote.upload(stage, key, partial, list(_read_manifest(partial)["files"]))
         final = self.final_dir(stage, key)
         if final.exists():  # an incomplete leftover (no valid manifest): never reused, replace it
             shutil.rmtree(final)
@@ -242,6 +292,15 @@ class ArtifactStore:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(lines)
         os.replace(tmp, path)
+
+
+def home_store(home: Path, verify_on_reuse: VerifyMode = "size") -> ArtifactStore:
+    """The store of GRISTMILL_HOME `home`: `$GRISTMILL_STORE` when that is a local path, else
+    home/artifacts, which with an s3:// `$GRISTMILL_STORE` is this machine's copy of the bucket's."""
+    url = os.environ.get(STORE_ENV, "")
+    if "://" not in url:
+        return ArtifactStore(Path(url) if url else env.artifacts_root(home), verify_on_reuse)
+    return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=RemoteStore(url))
 
 
 def _read_manifest(directory: Path) -> dict[str, Any] | None:

@@ -25,9 +25,9 @@ def gristmill(home: Path, *args: str, timeout: int = 1200,
     return proc
 
 
-def plan_of(home: Path, overrides: list[str], *more: str) -> dict[str, str]:
+def plan_of(home: Path, overrides: list[str], *more: str, services: dict[str, str] | None = None) -> dict[str, str]:
     """stage -> 'reuse' | 'run', as printed by --dry-run."""
-    out = gristmill(home, "run", "configs/tiny.yaml", *overrides, *more, "--dry-run").stdout
+    out = gristmill(home, "run", "configs/tiny.yaml", *overrides, *more, "--dry-run", services=services).stdout
     rows = [line.split() for line in out.split("# plan", 1)[1].splitlines()[1:] if line.strip()]
     return {row[0]: row[2] for row in rows}
 

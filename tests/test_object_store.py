@@ -1,19 +1,31 @@
-"""Inputs on an object store: collect reads `s3://` sources from an S3-compatible server on
-127.0.0.1 (the `s3_server` fixture: moto's server mode over HTTP, read with s3fs as any fsspec
-URL), each file in byte ranges as from disk, in the pipeline's Ray workers too; an object deleted
-after the run listed it is counted, not fatal."""
+"""Inputs and artifacts on an object store, an S3-compatible server on 127.0.0.1 (the `s3_server`
+fixture: moto's server mode over HTTP, read with s3fs as any fsspec URL).
+
+Inputs: collect reads `s3://` sources, each file in byte ranges as from disk, in the pipeline's
+Ray workers too; an object deleted after the run listed it is counted, not fatal.
+Artifacts (`GRISTMILL_STORE=s3://...`, infra/remote_store.py): an output exists once its manifest
+object does, another machine (another local copy) downloads it, two runs at once compute a key
+once, a lease left by a killed run is taken over, and the CLI commits, resumes after kill -9 and
+reuses there."""
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import committed_dir, gristmill, plan_of
+from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, plan_of
 
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
+from infra.artifacts import ArtifactStore
+from infra.remote_store import Holder, RemoteStore
 
 FILES = {"warc/a.warc.gz": "warc/dolma_wget/sample-0000.warc.gz",
          "warc/b.warc.gz": "warc/dolma_wget/sample-0001.warc.gz",
@@ -79,25 +91,157 @@ def test_an_object_deleted_after_listing_is_counted_and_the_rest_is_kept(s3_serv
 
 
 @pytest.mark.slow
-def test_the_pipelines_ray_workers_read_the_bucket_and_a_rerun_reuses_it(s3_server, shared_data, prefect_server,
-                                                                          tmp_path):
-    """`gristmill run --until collect` with s3:// sources: its Ray workers read their units from the
-    server (the AWS variables reach them), the output holds what a run over the same files on disk
-    keeps, and the run's key follows the objects (their ETags): the same objects are reused, a
-    rewritten one is collected anew."""
+def test_the_pipeline_reads_and_commits_on_the_bucket_resumes_a_kill_and_another_machine_reuses_it(
+        s3_server, shared_data, prefect_server, tmp_path):
+    """`gristmill run --until tokenize` with s3:// sources and `GRISTMILL_STORE` in the same bucket,
+    one run shared by these checks:
+
+    1. killed (-9) just after tokenize wrote its manifest locally: collect is on the bucket, tokenize
+       is not, and its lease stays behind; the next run takes the lease over, finishes the commit
+       from the partial output without computing again, and leaves no lease;
+    2. collect's Ray workers read their units from the server (the AWS variables reach them) and
+       keep what a run over the same files on disk keeps;
+    3. another machine (a fresh home, the same store) plans both stages as reused and its run
+       downloads them, byte for byte;
+    4. the key follows the objects (their ETags): a rewritten one is collected anew."""
     _upload(shared_data, "cli", tmp_path / "local")
     home = tmp_path / "home"
     overrides = ["collect.sources=[s3://crawl/cli/warc/,s3://crawl/cli/jsonl/]", f"collect.unit_mb={UNIT_MB}"]
-    services = {**prefect_server, **s3_server}
-    gristmill(home, "run", "configs/tiny.yaml", *overrides, "--until", "collect", services=services)
+    services = {**prefect_server, **s3_server, "GRISTMILL_STORE": "s3://crawl/artifacts"}
+    args = ["run", "configs/tiny.yaml", *overrides, "--until", "tokenize"]
+    killed = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, capture_output=True, text=True,
+                            env={**cli_env(home, services), "GRISTMILL_FAULT": "commit:tokenize"}, timeout=600)
+    assert killed.returncode != 0
+    on_bucket = _objects("artifacts/")
+    collect_key = committed_dir(home, "collect").name.split("-", 1)[1]
+    partial = next((home / "artifacts" / "tokenize").glob("*.partial"))
+    tokenize = partial.name.removesuffix(".partial")
+    assert f"collect/collect-{collect_key}/manifest.json" in on_bucket
+    assert f"tokenize/{tokenize}.lease" in on_bucket
+    assert not any(k.startswith(f"tokenize/{tokenize}/") for k in on_bucket)
+    resumed = gristmill(home, *args, services=services)
+    assert "finishing the commit an earlier run was stopped in" in resumed.stdout + resumed.stderr
+    assert "tokenize: computing" in resumed.stdout + resumed.stderr  # the stage ran, the work did not
+    on_bucket = _objects("artifacts/")
+    assert f"tokenize/{tokenize}/manifest.json" in on_bucket and not any(k.endswith(".lease") for k in on_bucket)
+
     local = _run([str(tmp_path / "local" / "warc"), str(tmp_path / "local" / "jsonl")], tmp_path / "disk")
     assert _texts(committed_dir(home, "collect")) == _texts(tmp_path / "disk")
     manifest = json.loads((committed_dir(home, "collect") / "manifest.json").read_text())
     assert manifest["stats"]["docs_out"] == local.stats["docs_out"]
-    assert plan_of(home, overrides, "--until", "collect")["collect"] == "reuse"
+
+    other = tmp_path / "other-machine"
+    assert plan_of(other, overrides, "--until", "tokenize", services=services) == \
+        {"collect": "reuse", "tokenize": "reuse"}
+    assert not (other / "artifacts").exists()  # planning downloads nothing
+    gristmill(other, *args, services=services)
+    for stage in ("collect", "tokenize"):
+        ours, theirs = committed_dir(other, stage), committed_dir(home, stage)
+        assert ours.name == theirs.name
+        files = json.loads((theirs / "manifest.json").read_text())["files"]
+        assert all((ours / rel).read_bytes() == (theirs / rel).read_bytes() for rel in [*files, "manifest.json"])
     import boto3
 
     s3 = boto3.client("s3")  # one object rewritten with one record fewer: a new key, collected anew
     lines = (tmp_path / "local" / "jsonl" / "c.jsonl").read_bytes().splitlines(keepends=True)
     s3.put_object(Bucket="crawl", Key="cli/jsonl/c.jsonl", Body=b"".join(lines[1:]))
-    assert plan_of(home, overrides, "--until", "collect")["collect"] == "run"
+    assert plan_of(home, overrides, "--until", "collect", services=services)["collect"] == "run"
+
+
+# ---------------------------------------------------------------- artifacts on the object store
+
+KEY = "0123456789ab"
+
+
+def _machine(tmp_path: Path, name: str, url: str, lease_s: float = 60.0) -> ArtifactStore:
+    """The store as one machine holds it: its own local copy of the bucket's outputs."""
+    return ArtifactStore(tmp_path / name, remote=RemoteStore(url, lease_s=lease_s))
+
+
+def _compute(calls: list[float], seconds: float = 0.0):
+    def compute(partial: Path) -> dict:
+        calls.append(time.time())
+        time.sleep(seconds)
+        (partial / "docs").mkdir(exist_ok=True)
+        (partial / "docs" / "part-00000.bin").write_bytes(os.urandom(5000))  # equal bytes = a copy
+        (partial / "stats.json").write_text('{"n": 1}')
+        return {"config": {"a": 1}, "upstream": {}, "stats": {"n": 1}, "meta": {}}
+    return compute
+
+
+def _objects(prefix: str) -> list[str]:
+    import boto3
+
+    listed = boto3.client("s3").list_objects_v2(Bucket="crawl", Prefix=prefix).get("Contents", [])
+    return sorted(o["Key"].removeprefix(prefix) for o in listed)
+
+
+def test_an_output_exists_on_the_store_once_its_manifest_object_does_and_another_machine_downloads_it(
+        s3_server, tmp_path, monkeypatch):
+    url = "s3://crawl/store-commit"
+    one, other = _machine(tmp_path, "one", url), _machine(tmp_path, "other", url)
+    calls: list[float] = []
+
+    def refuses_the_manifest(local: str, remote: str, **kw):  # the store refusing a write
+        raise PermissionError(f"AccessDenied: {remote}")
+
+    monkeypatch.setattr(one.remote.fs, "put_file", refuses_the_manifest)
+    with pytest.raises(PermissionError):
+        one.materialize("collect", KEY, _compute(calls))
+    assert _objects("store-commit/collect/") == [f"collect-{KEY}/config.json",
+                                                  f"collect-{KEY}/docs/part-00000.bin",
+                                                  f"collect-{KEY}/stats.json"]  # no manifest, no lease
+    assert other.load("collect", KEY) is None and not other.has("collect", KEY)
+    monkeypatch.undo()
+
+    manifest, reused = one.materialize("collect", KEY, _compute(calls))  # the commit finished
+    assert not reused and len(calls) == 1 and (f"collect-{KEY}/manifest.json" in _objects("store-commit/collect/"))
+    assert other.has("collect", KEY) and not other.final_dir("collect", KEY).exists()
+    copy, reused = other.materialize("collect", KEY, _compute(calls))
+    assert reused and len(calls) == 1 and copy.path == other.final_dir("collect", KEY)
+    for rel in manifest.files:
+        assert (copy.path / rel).read_bytes() == (manifest.path / rel).read_bytes(), rel
+    assert copy.key == KEY and copy.stats == {"n": 1}
+
+
+def test_two_runs_at_once_on_two_machines_compute_a_key_once(s3_server, tmp_path):
+    url = "s3://crawl/store-race"
+    stores = [_machine(tmp_path, f"m{i}", url) for i in range(3)]
+    calls: list[float] = []
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        results[i] = stores[i].materialize("tokenize", KEY, _compute(calls, seconds=2.0))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(calls) == 1 and sorted(reused for _, reused in results.values()) == [False, True, True]
+    assert len({(m.path / "docs" / "part-00000.bin").read_bytes() for m, _ in results.values()}) == 1
+    assert _objects("store-race/tokenize/")[-1] == f"tokenize-{KEY}/stats.json"  # the lease is gone
+
+
+def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_waited_for(s3_server, tmp_path):
+    """A lease left by a killed process of this host is taken over at once; one held by another
+    host is waited for until it expires, since its holder was not seen to renew it."""
+    import boto3
+
+    url = "s3://crawl/store-lease"
+    killed = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                            text=True, check=True)
+    store = _machine(tmp_path, "m", url)
+    bucket, name = store.remote._lease_key("collect", KEY)
+    dead = Holder(Holder.me(60).host, int(killed.stdout), time.time() - 5, time.time() + 600)
+    boto3.client("s3").put_object(Bucket=bucket, Key=name, Body=b"{}", Metadata=dead.metadata())
+    calls: list[float] = []
+    store.materialize("collect", KEY, _compute(calls))
+    assert len(calls) == 1
+
+    expires = time.time() + 3
+    elsewhere = Holder("another-host", 1, 0.0, expires)
+    name = store.remote._lease_key("tokenize", KEY)[1]
+    boto3.client("s3").put_object(Bucket=bucket, Key=name, Body=b"{}", Metadata=elsewhere.metadata())
+    store.materialize("tokenize", KEY, _compute(calls))
+    assert len(calls) == 2 and calls[1] >= expires

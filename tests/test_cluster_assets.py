@@ -169,3 +169,18 @@ def test_dockerfile_copies_what_exists_and_installs_the_pinned_torch():
     assert f"pip install {pin};" in text  # CPU: the README's exact install
     assert re.search(rf"pip install {re.escape(pin)} --index-url \"\$CUDA_INDEX\"", text)  # CUDA
     assert _image_tags() == {"gristmill:cpu", "gristmill:cuda"}
+
+
+def test_the_store_manifest_sets_what_the_store_reads_and_the_ray_pods_take_it():
+    from infra.artifacts import STORE_ENV
+    from infra.remote_store import RemoteStore
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "infra" / "k8s" / "store-s3.yaml").read_text())}
+    config, secret = docs["ConfigMap"], docs["Secret"]
+    assert RemoteStore(config["data"][STORE_ENV]).url.startswith("s3://")  # a URL the store accepts
+    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    spec = _manifests()["RayCluster"]["spec"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            refs = {next(iter(ref)): ref[next(iter(ref))]["name"] for ref in container["envFrom"]}
+            assert refs == {"configMapRef": config["metadata"]["name"], "secretRef": secret["metadata"]["name"]}

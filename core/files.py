@@ -63,3 +63,47 @@ def ensure_free_space(directory: Path, needed_bytes: int, what: str) -> None:
         raise DiskSpaceError(errno.ENOSPC, f"not enough free disk space for {what} in {directory}: needs about "
                                            f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB free; free some space and "
                                            "run again (finished work is kept and the run resumes)")
+
+
+# --- a stage folder that is a local path or an fsspec URL (an object store every worker can reach) ---
+
+def is_url(location: str | Path) -> bool:
+    return "://" in str(location)
+
+
+def publish_file(finished: Path, dest: str) -> None:
+    """Put the finished local file at `dest` whole: renamed on a local disk, uploaded in one request
+    to a URL (an object appears only once complete; object stores have no rename)."""
+    if not is_url(dest):
+        Path(finished).replace(dest)
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(dest)
+    fs.put_file(str(finished), path)
+    Path(finished).unlink()
+
+
+def names_in(location: str) -> set[str]:
+    """The file names directly in a folder or under a URL prefix, listed afresh; empty when absent."""
+    if not is_url(location):
+        return {p.name for p in Path(location).iterdir()} if Path(location).is_dir() else set()
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(location)
+    try:
+        return {name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(path, detail=False, refresh=True)}
+    except FileNotFoundError:
+        return set()
+
+
+def remove_tree(location: str) -> None:
+    """Delete a folder or everything under a URL prefix; nothing there is not an error."""
+    if not is_url(location):
+        shutil.rmtree(location, ignore_errors=True)
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(location)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=True)

@@ -98,6 +98,14 @@ class Engine(Protocol):
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]: ...
 
 
+def worker_dir(engine: Engine, local: Path) -> str:
+    """Where `engine`'s workers write what belongs in the stage folder `local`: `local` itself when
+    they share this machine's disk, else the URL its `worker_dirs` maps it to (the partial folder's
+    place on the artifact store's bucket)."""
+    mapping = getattr(engine, "worker_dirs", None)
+    return mapping(Path(local)) if mapping is not None else str(local)
+
+
 class SerialEngine:
     """In-process engine for tests and for stages too small to be worth a cluster."""
 

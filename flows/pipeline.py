@@ -73,14 +73,16 @@ class Runtime:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _engine(stage: PlannedStage) -> Engine:
+def _engine(stage: PlannedStage, store: ArtifactStore) -> Engine:
     if not stage.spec.uses_ray:
         return SerialEngine()
     from infra.ray_engine import (
         RayEngine,  # imported lazily: only data stages pay Ray's start-up
     )
 
-    return RayEngine(num_workers=getattr(stage.config, "num_workers", 1))
+    # with the store on a bucket, workers write there: Ray's nodes need not share a disk
+    return RayEngine(num_workers=getattr(stage.config, "num_workers", 1),
+                     worker_dirs=store.remote_location if store.remote is not None else None)
 
 
 def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Runtime, run_id: str,
@@ -97,7 +99,7 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
             if launch is not None and launch.backend != "inline":
                 result = launched(stage, runtime.config, partial_dir, get_run_logger())
             else:
-                engine = _engine(stage)
+                engine = _engine(stage, runtime.store)
                 try:
                     result = run_planned(stage, upstream, partial_dir, engine=engine)
                 finally:

@@ -102,6 +102,10 @@ class ArtifactStore:
             manifest = self._download(stage, key)
         return manifest
 
+    def remote_location(self, local: Path) -> str:
+        """The URL on the remote store of a path under `root` (a partial folder's working files)."""
+        return f"{self.remote.url}/{Path(local).relative_to(self.root).as_posix()}"
+
     def has(self, stage: str, key: str) -> bool:
         """Whether (stage, key) is committed, here or on the remote store (nothing is downloaded)."""
         return self._complete(self.final_dir(stage, key), stage, key) is not None or \

@@ -22,6 +22,7 @@ import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 from core.stage import SerialEngine, map_name, map_progress
@@ -55,12 +56,16 @@ class _Worker:
 
 
 class RayEngine:
-    def __init__(self, num_workers: int, runtime_env: dict | None = None):
-        """`runtime_env`: Ray's, for every task and actor of this driver (e.g. environment variables)."""
+    def __init__(self, num_workers: int, runtime_env: dict | None = None,
+                 worker_dirs: Callable[[Path], str] | None = None):
+        """`runtime_env`: Ray's, for every task and actor of this driver (e.g. environment variables);
+        `worker_dirs`: where workers write what belongs in a stage folder of this machine, when
+        that is not the folder itself (core.stage.worker_dir)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
         self.runtime_env = runtime_env
+        self.worker_dirs = worker_dirs
         self._started_here = False
         self._session_dir: str | None = None
         self._actors: list = []

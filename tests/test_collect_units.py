@@ -291,4 +291,4 @@ def test_unit_results_are_named_by_what_they_read(tmp_path):
     a = collect.WorkUnit(config=config, source="x.jsonl", index=1, path="x.jsonl", part=Part(0, 10))
     b = collect.WorkUnit(config=config, source="x.jsonl", index=1, path="x.jsonl", part=Part(0, 20))
     assert collect.unit_result_path(tmp_path, a) != collect.unit_result_path(tmp_path, b)
-    assert collect.unit_result_path(tmp_path, a).name.startswith("unit-00001-")
+    assert Path(collect.unit_result_path(tmp_path, a)).name.startswith("unit-00001-")

@@ -148,6 +148,51 @@ def test_the_pipeline_reads_and_commits_on_the_bucket_resumes_a_kill_and_another
     assert plan_of(home, overrides, "--until", "collect", services=services)["collect"] == "run"
 
 
+class OnTheBucket(SerialEngine):
+    """An engine whose workers share no disk with this machine: they write a stage folder's work
+    files under s3://crawl/PREFIX (as RayEngine does with the store on a bucket). Runs `n` work
+    units and then dies as a killed worker would, or runs them all; counts the units given."""
+
+    def __init__(self, prefix: str, local_root: Path, n: int | None = None):
+        self.prefix, self.local_root, self.n, self.units = prefix, local_root, n, 0
+
+    def worker_dirs(self, local: Path) -> str:
+        return f"s3://crawl/{self.prefix}/{local.relative_to(self.local_root).as_posix()}"
+
+    def map(self, fn, items):
+        if fn is not collect.process_unit:
+            return super().map(fn, items)
+        self.units += len(items)
+        if self.n is not None and self.n < len(items):
+            super().map(fn, items[: self.n])
+            raise RuntimeError("worker killed")
+        return super().map(fn, items)
+
+
+def test_collects_units_on_the_bucket_resume_on_another_machine(s3_server, shared_data, tmp_path):
+    """Work-unit results go to the bucket, never to the machine's partial folder; a run killed
+    after 3 units is resumed by another machine (another local folder) from those 3, and the
+    output is a local run's, byte for byte; the units are removed once the output is written."""
+    local = [str(p) for p in _upload(shared_data, "units", tmp_path / "local")]
+    config = collect.Config(sources=local, unit_mb=UNIT_MB)
+    n_units = len(collect.plan_units(config, tmp_path))
+    first, second = tmp_path / "one" / "collect-k.partial", tmp_path / "two" / "collect-k.partial"
+    for out in (first, second):
+        out.mkdir(parents=True)
+    with pytest.raises(RuntimeError, match="killed"):
+        collect.run(config, first, engine=OnTheBucket("units-store", tmp_path / "one", n=3))
+    assert len(_objects("units-store/collect-k.partial/units/")) == 3
+    assert not (first / collect.UNITS_DIR).exists()
+    resumed = OnTheBucket("units-store", tmp_path / "two")
+    result = collect.run(config, second, engine=resumed)
+    assert resumed.units == n_units - 3 and n_units > 6
+    plain = _run(local, tmp_path / "plain")
+    assert result.stats == plain.stats
+    assert (second / "docs").exists() and all(
+        (second / "docs" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "plain" / "docs").iterdir())
+    assert _objects("units-store/") == []
+
+
 # ---------------------------------------------------------------- artifacts on the object store
 
 KEY = "0123456789ab"

@@ -25,8 +25,9 @@ Parallelism and resume: one work unit per part of an input file (a file larger t
 splits into several: readers.split_file, computed on the engine as a WARC's needs a pass over it;
 per chunk of demo packages; per Common Crawl file, which downloads inside its unit), mapped by the
 injected engine. Each unit writes its events to `units/unit-<index>-<identity>.jsonl.gz` in out_dir
-(the stage's partial dir) when it finishes, named after what it read (source, file, part), so a
-killed run redoes only unfinished units, even when a changed `unit_mb` or `num_workers` (not
+(the stage's partial dir; with the artifact store on a bucket, its place there, so Ray nodes share
+no disk and another machine resumes them) when it finishes, named after what it read (source,
+file, part), so a killed run redoes only unfinished units, even when a changed `unit_mb` or `num_workers` (not
 hashed) plans different ones; Common Crawl files are deleted once their unit is done. Units are
 merged in input order and the corpus-level steps are deterministic, so the output does not depend
 on the engine, the worker count or the unit size.
@@ -38,8 +39,8 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +48,9 @@ from typing import Any
 
 from core.decontam import DecontamConfig, build_index
 from core.decontam import drop_reason as contamination_reason
-from core.files import ensure_free_space, iter_jsonl
+from core.files import ensure_free_space, is_url, iter_jsonl, names_in, publish_file, remove_tree
 from core.sources import file_size, parse_source
-from core.stage import Engine, SerialEngine, StageResult
+from core.stage import Engine, SerialEngine, StageResult, worker_dir
 from tasks.collect import demo_crawl
 from tasks.collect.cleaning import clean_document
 from tasks.collect.common_crawl import (
@@ -92,7 +93,7 @@ log = logging.getLogger("gristmill.collect")
 
 DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
 UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
-SPOOL_FILE = "kept.jsonl"  # in UNITS_DIR: the kept documents during the corpus-level steps
+SPOOL_FILE = "kept.jsonl"  # in out_dir: the kept documents during the corpus-level steps
 
 
 # ---------------------------------------------------------------- work units (per part of a file)
@@ -192,20 +193,21 @@ def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
     return event
 
 
-def unit_result_path(units_dir: Path, unit: WorkUnit) -> Path:
+def unit_result_path(units_dir: str | Path, unit: WorkUnit) -> str:
     """Named by the unit's place in the plan and a digest of what it reads, so a result is reused
     only by a unit that reads the same, whatever plan an earlier attempt had."""
     identity = json.dumps([unit.source, unit.path, unit.url, unit.part.start, unit.part.end,
                            unit.packages])
-    return units_dir / f"unit-{unit.index:05d}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}.jsonl.gz"
+    return f"{units_dir}/unit-{unit.index:05d}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}.jsonl.gz"
 
 
 def process_unit(job: tuple[WorkUnit, str]) -> str:
-    """Read, extract and clean one unit into its result file (written atomically); stops after
-    `max_docs_per_source` extracted docs. Returns the result file's path."""
+    """Read, extract and clean one unit into its result file (a path or URL, put there whole once
+    written); stops after `max_docs_per_source` extracted docs. Returns the result's location."""
     unit, result = job
     cap, n_extracted = unit.config.max_docs_per_source, 0
-    tmp = f"{result}.tmp"
+    # written whole first: beside the result on a disk, in this worker's temp dir for a URL
+    tmp = Path(tempfile.mkstemp(suffix=".jsonl.gz.tmp")[1] if is_url(result) else f"{result}.tmp")
     with gzip.open(tmp, "wt", encoding="utf-8") as out:
         for item in _unit_records(unit):
             event = document_event(item, unit.config)
@@ -213,17 +215,19 @@ def process_unit(job: tuple[WorkUnit, str]) -> str:
             n_extracted += "text_bytes" in event
             if cap is not None and n_extracted >= cap:
                 break
-    os.replace(tmp, result)
+    publish_file(tmp, result)
     if unit.url is not None:  # the raw download is no longer needed once its events are saved
         Path(unit.path).unlink(missing_ok=True)
     return result
 
 
-def run_units(units: list[WorkUnit], units_dir: Path, engine: Engine) -> list[Path]:
+def run_units(units: list[WorkUnit], units_dir: str | Path, engine: Engine) -> list[str]:
     """Result files of every unit, computing only those not finished by an earlier attempt."""
-    units_dir.mkdir(parents=True, exist_ok=True)
+    if not is_url(units_dir):
+        Path(units_dir).mkdir(parents=True, exist_ok=True)
     results = [unit_result_path(units_dir, u) for u in units]
-    pending = [(u, str(r)) for u, r in zip(units, results) if not r.exists()]
+    done = names_in(str(units_dir))
+    pending = [(u, r) for u, r in zip(units, results) if r.rsplit("/", 1)[-1] not in done]
     if len(pending) < len(units):
         log.info("collect: resuming, %d of %d units already done", len(units) - len(pending),
                  len(units))
@@ -238,7 +242,7 @@ def text_hash(text: str) -> str:
     return hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()
 
 
-def merge(units: list[WorkUnit], results: list[Path], config: Config, funnel: Funnel,
+def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Funnel,
           spool: Spool) -> list[DocRef]:
     """Fold unit events in input order into the funnel, capping extracted docs per source across
     its units; exact duplicates are dropped (the first occurrence wins). Kept documents go to
@@ -357,8 +361,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     units = plan_units(config, out_dir / DOWNLOADS_DIR, engine)
     log.info("collect: %d work units from %d sources", len(units), len(config.sources))
     funnel = Funnel(config.review_samples)
-    results = run_units(units, out_dir / UNITS_DIR, engine)
-    spool = Spool(out_dir / UNITS_DIR / SPOOL_FILE)
+    units_dir = worker_dir(engine, out_dir / UNITS_DIR)
+    results = run_units(units, units_dir, engine)
+    spool = Spool(out_dir / SPOOL_FILE)
     docs = merge(units, results, config, funnel, spool)
     funnel.record_steps()
     funnel.step_docs("exact_dedup", docs)
@@ -395,7 +400,8 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]
     if config.decontam.eval_sets:
         artifacts.append("decontamination.json")
-    shutil.rmtree(out_dir / UNITS_DIR)  # the committed output is docs/; units only serve resume
+    remove_tree(units_dir)  # the committed output is docs/; units only serve resume
+    (out_dir / SPOOL_FILE).unlink()
     shutil.rmtree(out_dir / DOWNLOADS_DIR, ignore_errors=True)
     last = report["steps"][-1]
     log.info("collect: kept %d docs, %.2f MB (%s); records %s", last["docs"], last["bytes"] / 1e6,

@@ -84,6 +84,15 @@ def publish_file(finished: Path, dest: str) -> None:
     Path(finished).unlink()
 
 
+def open_location(location: str | Path, mode: str = "rb") -> Any:
+    """A file at a local path or fsspec URL, opened (a context manager)."""
+    if not is_url(location):
+        return Path(location).open(mode)
+    import fsspec
+
+    return fsspec.open(str(location), mode).open()
+
+
 def names_in(location: str) -> set[str]:
     """The file names directly in a folder or under a URL prefix, listed afresh; empty when absent."""
     if not is_url(location):

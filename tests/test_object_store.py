@@ -193,6 +193,52 @@ def test_collects_units_on_the_bucket_resume_on_another_machine(s3_server, share
     assert _objects("units-store/") == []
 
 
+class WorksOnTheBucket(SerialEngine):
+    """An engine whose workers write where `worker_dirs` says; keeps the jobs it was given."""
+
+    def __init__(self, worker_dirs):
+        self.worker_dirs, self.jobs = worker_dirs, []
+
+    def map(self, fn, items):
+        self.jobs.extend(items)
+        return super().map(fn, items)
+
+
+def test_tokenize_workers_read_and_write_on_the_bucket_as_on_disk(s3_server, shared_data, tmp_path):
+    """Collect committed to the bucket by one machine, tokenized on another whose workers share no
+    disk with it: each job reads its shard and the tokenizer from the bucket and writes its parts
+    there; the tokens are a local run's, byte for byte, and only committed outputs stay there."""
+    from tasks.tokenize import stage as tokenize
+    from tasks.tokenize.config import Config as TokenizeConfig
+
+    url = "s3://crawl/store-tokenize"
+    sources = [str(p) for p in _upload(shared_data, "tok", tmp_path / "local")]
+    config = collect.Config(sources=sources, unit_mb=UNIT_MB, docs_per_shard=10)
+
+    def run_collect(partial: Path) -> dict:
+        stats = collect.run(config, partial, engine=SerialEngine()).stats
+        return {"config": {}, "upstream": {}, "stats": stats, "meta": {}}
+
+    _machine(tmp_path, "one", url).materialize("collect", KEY, run_collect)
+    other = _machine(tmp_path, "two", url)
+    docs = other.load("collect", KEY)
+    assert len(list((docs.path / "docs").glob("*.jsonl.gz"))) >= 3
+    tokens = TokenizeConfig(vocab_size=1024)
+    engine = WorksOnTheBucket(other.remote_location)
+    partial = other.partial_dir("tokenize", KEY)
+    partial.mkdir(parents=True)
+    on_bucket = tokenize.run(tokens, partial, engine=engine, collect=docs)
+    assert len(engine.jobs) >= 3 and all(job[k].startswith(f"{url}/") for job in engine.jobs
+                                         for k in ("path", "parts_dir", "tokenizer_json"))
+    (tmp_path / "plain").mkdir()
+    plain = tokenize.run(tokens, tmp_path / "plain", engine=SerialEngine(), collect=docs)
+    assert on_bucket.stats == plain.stats
+    for name in ("train.bin", "val.bin", "index.json", "meta.json"):
+        assert (partial / "tokens" / name).read_bytes() == (tmp_path / "plain" / "tokens" / name).read_bytes()
+    assert not (partial / "parts").exists()
+    assert [k for k in _objects("store-tokenize/") if not k.startswith(f"collect/collect-{KEY}/")] == []
+
+
 # ---------------------------------------------------------------- artifacts on the object store
 
 KEY = "0123456789ab"

@@ -12,6 +12,8 @@ Documents go to train or val by a hash of their id, so the split does not depend
 worker count or random state. Encoding runs per input shard through `engine.map`; each finished
 shard is kept in `out_dir/parts/` (and the trained tokenizer in `out_dir/tokenizer/`) until the
 parts are concatenated in input order, so a killed run resumes by encoding only unfinished shards.
+With the artifact store on a bucket, workers read their shard, the tokenizer and write their
+parts there instead (core.stage.worker_dir), so Ray's nodes share no disk.
 
 Compression (UTF-8 bytes per token of the val text) is reported next to a reference vocabulary
 (a tiktoken rank file such as GPT-2's) measured on the same text.
@@ -27,6 +29,7 @@ import itertools
 import json
 import logging
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,8 +38,17 @@ from typing import Any
 import numpy as np
 
 from core.chat import CHAT_TEMPLATE, DOC_SEPARATOR, IM_END, PAD, SPECIAL_TOKENS
-from core.files import ensure_free_space, iter_jsonl
-from core.stage import Engine, Manifest, StageResult
+from core.files import (
+    ensure_free_space,
+    is_url,
+    iter_jsonl,
+    names_in,
+    open_location,
+    publish_file,
+    remove_tree,
+)
+from core.sources import file_size
+from core.stage import Engine, Manifest, StageResult, worker_dir
 from tasks.tokenize.config import Config
 
 log = logging.getLogger("gristmill.tokenize")
@@ -149,17 +161,23 @@ def pack_documents(id_lists: list[list[int]], sep_id: int, dtype: str) -> np.nda
 
 
 def open_encoder(tokenizer_json: str | Path) -> Any:
-    """The raw `tokenizers.Tokenizer` the stage encodes documents with, one per worker process
-    and file version: its word cache stays warm across the shards a worker encodes."""
+    """The raw `tokenizers.Tokenizer` the stage encodes documents with (a path or URL), one per
+    worker process and file version: its word cache stays warm across the shards a worker encodes."""
+    if is_url(tokenizer_json):
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(str(tokenizer_json))
+        return _cached_encoder(str(tokenizer_json), fs.checksum(path), fs.size(path))
     stat = Path(tokenizer_json).stat()
     return _cached_encoder(str(tokenizer_json), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_encoder(tokenizer_json: str, mtime_ns: int, size: int) -> Any:
+def _cached_encoder(tokenizer_json: str, version: int, size: int) -> Any:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(tokenizer_json)
+    with open_location(tokenizer_json) as f:
+        tok = Tokenizer.from_str(f.read().decode("utf-8"))
     # A literal "<|endoftext|>" inside crawled text must stay text, not fake a document boundary.
     tok.encode_special_tokens = True
     return tok
@@ -175,12 +193,13 @@ def encode_shard(job: dict[str, Any]) -> dict[str, int]:
     reference = load_reference(job["reference_vocab"]) if job["reference_vocab"] else None
     counts = {f"{s}_{k}": 0 for s in SPLITS for k in ("docs", "tokens", "bytes")}
     counts["val_reference_tokens"] = 0
-    parts = Path(job["parts_dir"])
+    parts = job["parts_dir"]
+    scratch = Path(tempfile.mkdtemp(prefix="tokenize-")) if is_url(parts) else Path(parts)  # written here first
     # Token ids take about as many bytes as the text (2-4 bytes per 3-4 characters): the input's
     # size, times the compression of a .gz input, bounds the shard.
-    text_bytes = Path(job["path"]).stat().st_size * (4 if str(job["path"]).endswith(".gz") else 1)
-    ensure_free_space(parts, text_bytes, "a token shard")
-    tmp = {s: parts / f"{job['stem']}.{s}.bin.tmp" for s in SPLITS}
+    text_bytes = file_size(job["path"]) * (4 if str(job["path"]).endswith(".gz") else 1)
+    ensure_free_space(scratch, text_bytes, "a token shard")
+    tmp = {s: scratch / f"{job['stem']}.{s}.bin.tmp" for s in SPLITS}
     files = {s: tmp[s].open("wb") for s in SPLITS}
 
     def write(batch: list[dict[str, Any]], encodings: list[Any]) -> None:
@@ -203,7 +222,7 @@ def encode_shard(job: dict[str, Any]) -> dict[str, int]:
     pending: tuple[list[dict[str, Any]], Future] | None = None
     with ThreadPoolExecutor(1) as pool:
         try:
-            for batch in _batches(iter_jsonl([Path(job["path"])]), job["batch_docs"]):
+            for batch in _batches(iter_jsonl([job["path"]]), job["batch_docs"]):
                 future = pool.submit(tok.encode_batch_fast, [d["text"] for d in batch],
                                      add_special_tokens=False)
                 if pending:
@@ -215,26 +234,31 @@ def encode_shard(job: dict[str, Any]) -> dict[str, int]:
             for f in files.values():
                 f.close()
     for split in SPLITS:
-        tmp[split].replace(parts / f"{job['stem']}.{split}.bin")
-    (parts / f"{job['stem']}.counts.json").write_text(json.dumps(counts, sort_keys=True))
+        publish_file(tmp[split], f"{parts}/{job['stem']}.{split}.bin")
+    counts_file = scratch / f"{job['stem']}.counts.json.tmp"
+    counts_file.write_text(json.dumps(counts, sort_keys=True))
+    publish_file(counts_file, f"{parts}/{job['stem']}.counts.json")  # last: the shard is finished
+    if scratch != Path(parts):
+        shutil.rmtree(scratch)
     return counts
 
 
-def _concat(parts: list[Path], out: Path) -> None:
-    ensure_free_space(out.parent, sum(p.stat().st_size for p in parts), f"{out.name}")
+def _concat(parts: list[str], out: Path) -> None:
+    ensure_free_space(out.parent, sum(file_size(p) for p in parts), f"{out.name}")
     with out.open("wb") as dst:
         for part in parts:
-            with part.open("rb") as src:
+            with open_location(part) as src:
                 shutil.copyfileobj(src, dst)
 
 
-def _shard_jobs(paths: list[Path], tokenizer_json: Path, parts_dir: Path, config: Config,
+def _shard_jobs(paths: list[str], tokenizer_json: str, parts_dir: str, config: Config,
                 dtype: str) -> list[dict[str, Any]]:
     """One job per input shard, skipping shards a previous (killed) run already finished."""
     jobs = []
+    done = names_in(str(parts_dir))
     for i, path in enumerate(paths):
         stem = f"{i:05d}"
-        if (parts_dir / f"{stem}.counts.json").exists():
+        if f"{stem}.counts.json" in done:
             continue
         jobs.append({"path": str(path), "stem": stem, "tokenizer_json": str(tokenizer_json),
                      "parts_dir": str(parts_dir), "val_fraction": config.val_fraction,
@@ -300,18 +324,26 @@ def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest) -> 
     vocab_size = Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
 
-    jobs = _shard_jobs(paths, tok_dir / "tokenizer.json", parts_dir, config, dtype)
+    # where the workers read and write: these folders, or their places on the store's bucket
+    parts_at, tokenizer_at = worker_dir(engine, parts_dir), worker_dir(engine, tok_dir / "tokenizer.json")
+    if is_url(tokenizer_at):  # the tokenizer this run commits, for the workers
+        shutil.copyfile(tok_dir / "tokenizer.json", out_dir / "tokenizer.json.tmp")
+        publish_file(out_dir / "tokenizer.json.tmp", tokenizer_at)
+    jobs = _shard_jobs([worker_dir(engine, p) for p in paths], tokenizer_at, parts_at, config, dtype)
     log.info("encoding %d shards (%d already done)", len(jobs), len(paths) - len(jobs))
     engine.map(encode_shard, jobs)
 
     stems = [f"{i:05d}" for i in range(len(paths))]
-    shard_counts = [json.loads((parts_dir / f"{s}.counts.json").read_text()) for s in stems]
+    shard_counts = []
+    for stem in stems:
+        with open_location(f"{parts_at}/{stem}.counts.json") as f:
+            shard_counts.append(json.loads(f.read()))
     totals = {k: sum(c[k] for c in shard_counts) for k in shard_counts[0]}
     if totals["val_docs"] == 0 or totals["train_docs"] == 0:
         raise ValueError(f"val_fraction={config.val_fraction} left a split empty "
                          f"({totals['train_docs']} train / {totals['val_docs']} val docs)")
     for split in SPLITS:
-        _concat([parts_dir / f"{s}.{split}.bin" for s in stems], tokens_dir / f"{split}.bin")
+        _concat([f"{parts_at}/{s}.{split}.bin" for s in stems], tokens_dir / f"{split}.bin")
     (tokens_dir / "index.json").write_text(json.dumps(_index(paths, shard_counts, dtype), indent=1) + "\n")
     meta = {"dtype": dtype, "vocab_size": vocab_size,
             "train_tokens": totals["train_tokens"], "val_tokens": totals["val_tokens"],
@@ -319,6 +351,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest) -> 
             "val_bytes": totals["val_bytes"]}
     (tokens_dir / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     shutil.rmtree(parts_dir)
+    if is_url(parts_at):  # the encoded parts and the tokenizer's copy on the bucket
+        remove_tree(parts_at)
+        remove_tree(tokenizer_at.rsplit("/", 1)[0])
 
     stats = {**{k: v for k, v in meta.items() if k not in ("dtype", "val_bytes")},
              **_compression_stats(totals, config.reference_vocab is not None)}

@@ -49,6 +49,7 @@ _PAIRS_PER_BLOCK = 65_536  # candidate pairs verified at once against the index'
 # hashes for a 300-word page) are sorted together, so a block holds ~40 MB per temporary
 _EXACT_PAIRS_PER_BLOCK = 8_192
 _PAIRED_PER_BUCKET = 8  # a bucket's node is paired with at most this many earlier nodes
+_CHUNKS_PER_MAP = 64  # signature chunks mapped at once (at least 4 a worker): ~47 MB of results
 
 
 class DedupConfig(BaseModel):
@@ -173,13 +174,17 @@ class DedupIndex:
 
     def extend(self, ids: Sequence[str], signatures: np.ndarray,
                keys: np.ndarray) -> DedupIndex:
-        """A new index holding these documents after the current ones."""
+        """A new index holding these documents after the current ones (the arrays themselves when
+        the current index is empty: no copy of the corpus's signatures)."""
         ids_arr = np.asarray(list(ids), dtype=str)
+
+        def after(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+            return new if len(old) == 0 else np.concatenate([old, new])
+
         return DedupIndex(shingle_words=self.shingle_words, bands=self.bands, rows=self.rows,
-                          band_layouts=self.band_layouts, seed=self.seed,
-                          ids=np.concatenate([self.ids, ids_arr]),
-                          signatures=np.concatenate([self.signatures, signatures.astype(np.uint32)]),
-                          band_keys=np.concatenate([self.band_keys, keys.astype(_U64)]))
+                          band_layouts=self.band_layouts, seed=self.seed, ids=after(self.ids, ids_arr),
+                          signatures=after(self.signatures, signatures.astype(np.uint32, copy=False)),
+                          band_keys=after(self.band_keys, keys.astype(_U64, copy=False)))
 
     def save(self, directory: Path) -> None:
         directory = Path(directory)
@@ -242,7 +247,8 @@ def _candidate_pairs(index: DedupIndex, keys: np.ndarray, active: np.ndarray,
     """Distinct candidate pairs over nodes (index docs 0..m-1, then this input's docs)."""
     m = len(index)
     nodes = np.r_[np.arange(m), m + np.flatnonzero(active)]
-    all_keys = np.concatenate([index.band_keys, keys[active]])
+    # a copy only where there is something to join or leave out
+    all_keys = keys if m == 0 and active.all() else np.concatenate([index.band_keys, keys[active]])
     groups = [(all_keys[:, g:g + cfg.bands_per_task], nodes)
               for g in range(0, all_keys.shape[1], cfg.bands_per_task)]
     pairs = np.concatenate([np.zeros((0, 2), np.int64), *engine.map(_bucket_task, groups)])
@@ -281,6 +287,37 @@ def _verify(pairs: np.ndarray, index: DedupIndex, sigs: np.ndarray, texts: Seque
     return np.concatenate(kept)
 
 
+def _signatures(texts: Sequence[str], cfg: DedupConfig,
+                engine: Engine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Signatures and bucket keys of every document, computed in chunks through `engine.map`, and
+    which documents have words (a real signature holds 108 values of 2**32, not all the maximum).
+    The chunks are mapped a batch at a time and copied into two arrays, so the corpus's signatures
+    are held once, not twice: a batch is enough chunks to keep every worker busy."""
+    n = len(texts)
+    sigs = np.empty((n, cfg.num_perm), np.uint32)
+    keys = np.empty((n, cfg.bands * cfg.band_layouts), _U64)
+    active = np.empty(n, bool)
+    starts = range(0, n, cfg.chunk_docs)
+    per_map = max(_CHUNKS_PER_MAP, 4 * getattr(engine, "num_workers", 1))
+    for lo in range(0, len(starts), per_map):
+        batch = starts[lo:lo + per_map]
+        chunks = [(texts[s:s + cfg.chunk_docs], cfg) for s in batch]  # spooled: lazy, read by the worker
+        for start, (chunk_sigs, chunk_keys) in zip(batch, engine.map(chunk_signatures, chunks)):
+            stop = start + len(chunk_sigs)
+            sigs[start:stop], keys[start:stop] = chunk_sigs, chunk_keys
+            active[start:stop] = ~(chunk_sigs == EMPTY_SIG).all(axis=1)
+    return sigs, keys, active
+
+
+def _compact(array: np.ndarray, rows: np.ndarray, block: int = 8_192) -> np.ndarray:
+    """array[rows] for ascending `rows`, written over the array's own first rows (a block at a
+    time: row j moves to j or earlier, never onto a row still to be read) instead of a copy."""
+    for lo in range(0, len(rows), block):
+        taken = rows[lo:lo + block]
+        array[lo:lo + len(taken)] = array[taken]
+    return array[:len(rows)]
+
+
 def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
                index: DedupIndex | None = None, *, ids: Sequence[str] | None = None) -> DedupResult:
     """Near-duplicate clusters of `texts` (and against `index`); one survivor per cluster.
@@ -292,15 +329,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
     ids = [str(i) for i in range(len(texts))] if ids is None else list(ids)
     if len(ids) != len(texts):
         raise ValueError(f"ids: {len(ids)} ids for {len(texts)} texts")
-    # a chunk of spooled texts is a lazy view: the worker reads its own texts
-    chunks = [(texts[s:s + cfg.chunk_docs], cfg) for s in range(0, len(texts), cfg.chunk_docs)]
-    parts = engine.map(chunk_signatures, chunks)
-    sigs = np.concatenate([np.zeros((0, cfg.num_perm), np.uint32), *(p[0] for p in parts)])
-    keys = np.concatenate([np.zeros((0, cfg.bands * cfg.band_layouts), _U64),
-                           *(p[1] for p in parts)])
-    del parts  # one copy of the signatures at a time
-    # documents with words: a real signature holds 108 values of 2**32, not all the maximum
-    active = ~(sigs == EMPTY_SIG).all(axis=1)
+    sigs, keys, active = _signatures(texts, cfg, engine)
     m, n = len(index), len(texts)
     candidates = _candidate_pairs(index, keys, active, cfg, engine)
     verified = _verify(candidates, index, sigs, texts, cfg, engine)
@@ -312,12 +341,14 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
     cluster_roots = np.unique(root[in_cluster])
     cluster = np.full(n, -1, np.int64)
     cluster[in_cluster] = np.searchsorted(cluster_roots, root[in_cluster])
-    names = np.concatenate([index.ids, np.asarray(ids, dtype=str)]) if n else index.ids
-    representative = [None if k else str(names[r]) for k, r in zip(keep, root)]
+    representative: list[str | None] = [None] * n
+    for i in np.flatnonzero(~keep):  # the removed documents' survivors, by name
+        r = int(root[i])
+        representative[i] = str(index.ids[r]) if r < m else ids[r - m]
     kept = np.flatnonzero(keep & active)  # documents without words have nothing to match later
     return DedupResult(
         keep=keep, cluster=cluster, representative=representative,
-        index=index.extend([ids[i] for i in kept], sigs[kept], keys[kept]),
+        index=index.extend([ids[i] for i in kept], _compact(sigs, kept), _compact(keys, kept)),
         candidate_pairs=len(candidates), verified_pairs=len(verified),
         near_duplicates=int((~keep).sum()), clusters=len(cluster_roots),
         largest_cluster=int(sizes[cluster_roots].max()) if len(cluster_roots) else 0,

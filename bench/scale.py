@@ -24,8 +24,9 @@ and a record without text, each WARC file an image response.
              Ray, spaCy and fastText start cold); wall seconds of the whole command, and the
              stage's own seconds from its manifest (from planning the units to the committed
              output: Ray's start-up is in it, the CLI's imports and the embedded Prefect server
-             are not). The stage records only its tree's peak RSS (`peak_rss_mb`), so this
-             benchmark samples the process tree every 0.2 s: each process's VmHWM (the kernel's
+             are not). The stage records sampled RSS peaks (`peak_rss_mb`, `driver_peak_rss_mb`,
+             `worker_peak_rss_mb`), which miss a spike between samples, so this benchmark samples
+             the process tree every 0.2 s too: each process's VmHWM (the kernel's
              RSS high-water mark, so a peak between samples is not missed, only growth in a
              process's last 0.2 s) for the driver (`python -m flows.supervised`, the child of
              `gristmill run` that runs the flow and the stage) and each Ray worker

@@ -108,7 +108,9 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
                 if units_per_node := getattr(engine, "units_per_node", None):
                     result.stats["units_per_node"] = units_per_node
         artifacts.extend(result.artifacts)
-        result.stats["peak_rss_mb"] = peak.mb
+        # the whole tree's peak, this process's (a data stage's driver) and the largest other one's
+        # (a Ray worker or launched rank, or Ray's own services)
+        result.stats.update(peak_rss_mb=peak.mb, driver_peak_rss_mb=peak.own_mb, worker_peak_rss_mb=peak.child_mb)
         return manifest_fields(stage, upstream, result, {
             "mlflow_run_id": run_id, "prefect_flow_run_id": str(flow_run.id), **meta,
             **({"launch": launch.record()} if launch is not None else {})})

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+from collect_helpers import KilledAfter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -197,23 +198,6 @@ def test_tiny_units_write_the_same_bytes_as_one_unit_per_file(shared_data, tmp_p
     assert files == _files(tmp_path / "whole")  # docs, funnel.json, review/ (quarantine), index
     quarantined = [json.loads(line) for line in files["review/quarantine.jsonl"].splitlines()]
     assert {q["reason"] for q in quarantined} == {"error_bad_json", "error_invalid_utf8"}
-
-
-class KilledAfter(SerialEngine):
-    """Runs `n` work units, then dies as a killed worker would; other maps run. Counts the units
-    it was given."""
-
-    def __init__(self, n: int | None = None):
-        self.n, self.units = n, 0
-
-    def map(self, fn, items):
-        if fn is not collect.process_unit:
-            return super().map(fn, items)
-        self.units += len(items)
-        if self.n is not None and self.n < len(items):
-            super().map(fn, items[: self.n])
-            raise RuntimeError("worker killed")
-        return super().map(fn, items)
 
 
 def test_resume_redoes_only_unfinished_parts(shared_data, tmp_path):

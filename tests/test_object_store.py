@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from collect_helpers import KilledAfter
 from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, plan_of
 
 import tasks.collect.stage as collect
@@ -148,25 +149,16 @@ def test_the_pipeline_reads_and_commits_on_the_bucket_resumes_a_kill_and_another
     assert plan_of(home, overrides, "--until", "collect", services=services)["collect"] == "run"
 
 
-class OnTheBucket(SerialEngine):
+class OnTheBucket(KilledAfter):
     """An engine whose workers share no disk with this machine: they write a stage folder's work
-    files under s3://crawl/PREFIX (as RayEngine does with the store on a bucket). Runs `n` work
-    units and then dies as a killed worker would, or runs them all; counts the units given."""
+    files under s3://crawl/PREFIX (as RayEngine does with the store on a bucket)."""
 
     def __init__(self, prefix: str, local_root: Path, n: int | None = None):
-        self.prefix, self.local_root, self.n, self.units = prefix, local_root, n, 0
+        super().__init__(n)
+        self.prefix, self.local_root = prefix, local_root
 
     def worker_dirs(self, local: Path) -> str:
         return f"s3://crawl/{self.prefix}/{local.relative_to(self.local_root).as_posix()}"
-
-    def map(self, fn, items):
-        if fn is not collect.process_unit:
-            return super().map(fn, items)
-        self.units += len(items)
-        if self.n is not None and self.n < len(items):
-            super().map(fn, items[: self.n])
-            raise RuntimeError("worker killed")
-        return super().map(fn, items)
 
 
 def test_collects_units_on_the_bucket_resume_on_another_machine(s3_server, shared_data, tmp_path):

@@ -96,10 +96,15 @@ class ArtifactStore:
 
     def load(self, stage: str, key: str) -> Manifest | None:
         """The committed manifest for (stage, key), or None when the output is absent or incomplete;
-        one committed only on the remote store is downloaded first."""
+        one committed only on the remote store is downloaded first, one only here uploaded (the
+        bucket holds every output a run uses, so workers can read it there)."""
         manifest = self._complete(self.final_dir(stage, key), stage, key)
-        if manifest is None and self.remote is not None:
-            manifest = self._download(stage, key)
+        if self.remote is None:
+            return manifest
+        if manifest is None:
+            return self._download(stage, key)
+        if self.remote.manifest(stage, key) is None:  # committed here before the store had a bucket
+            self.remote.upload(stage, key, manifest.path, list(manifest.files))
         return manifest
 
     def remote_location(self, local: Path) -> str:

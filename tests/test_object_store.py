@@ -287,6 +287,17 @@ def test_an_output_exists_on_the_store_once_its_manifest_object_does_and_another
     assert copy.key == KEY and copy.stats == {"n": 1}
 
 
+def test_an_output_committed_before_the_store_had_a_bucket_goes_there_when_used(s3_server, tmp_path):
+    url = "s3://crawl/store-before"
+    ArtifactStore(tmp_path / "one").materialize("collect", KEY, _compute([]))  # no bucket yet
+    assert _machine(tmp_path, "other", url).load("collect", KEY) is None
+    here = _machine(tmp_path, "one", url)
+    assert here.load("collect", KEY) is not None  # reused here, and uploaded
+    copy = _machine(tmp_path, "other", url).load("collect", KEY)
+    assert copy is not None and (copy.path / "docs" / "part-00000.bin").read_bytes() == \
+        (here.final_dir("collect", KEY) / "docs" / "part-00000.bin").read_bytes()
+
+
 def test_two_runs_at_once_on_two_machines_compute_a_key_once(s3_server, tmp_path):
     url = "s3://crawl/store-race"
     stores = [_machine(tmp_path, f"m{i}", url) for i in range(3)]

@@ -18,7 +18,7 @@ def test_peak_sees_memory_allocated_and_freed_inside():
         block = bytearray(300 * MB)  # zero-filled: the pages are touched
         time.sleep(0.3)
         del block
-    assert peak.mb - before.mb > 250 and peak.own_mb - before.own_mb > 250 and peak.child_mb < 100
+    assert peak.mb - before.mb > 250 and peak.own_mb - before.own_mb > 250  # ours, not a child's
 
 
 def test_peak_counts_child_processes():

@@ -84,6 +84,17 @@ def publish_file(finished: Path, dest: str) -> None:
     Path(finished).unlink()
 
 
+def fetch_file(location: str, dest: Path) -> None:
+    """Move the file at a local path to `dest`, or download the one at a URL there."""
+    if not is_url(location):
+        Path(location).replace(dest)
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(location)
+    fs.get_file(path, str(dest))
+
+
 def open_location(location: str | Path, mode: str = "rb") -> Any:
     """A file at a local path or fsspec URL, opened (a context manager)."""
     if not is_url(location):

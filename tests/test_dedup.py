@@ -130,7 +130,7 @@ def test_candidates_are_checked_by_exact_jaccard():
     estimate = np.array([minhash.estimate_jaccard(sigs[0], s) for s in sigs[1:]])
     assert ((estimate >= CFG.threshold) != (exact >= CFG.threshold)).any()
     pairs = np.array([(0, i) for i in range(1, len(texts))])
-    kept = dedup._verify(pairs, DedupIndex.empty(CFG), sigs, texts, CFG, SerialEngine())
+    kept = dedup.exact_verify(pairs, texts, CFG, SerialEngine())
     assert kept[:, 1].tolist() == (np.flatnonzero(exact >= CFG.threshold) + 1).tolist()
 
 
@@ -153,13 +153,13 @@ def test_second_band_layout_finds_more_pairs_at_the_threshold():
     assert 0.4 < hit_one < 0.75 and hit_two > 0.7 and hit_two > hit_one + 0.12
 
 
-def test_short_and_empty_documents():
+def test_short_and_empty_documents(tmp_path):
     """Fewer words than a shingle: one shingle from the words in order. No words: never a
     candidate, always kept."""
     texts = ["", "alpha beta", "Alpha, beta!", "beta alpha", "", "gamma"]
     sig = minhash.minhash_signatures(texts, CFG)
     assert np.array_equal(sig[1], sig[2]) and not np.array_equal(sig[1], sig[3])
-    result = near_dedup(texts, CFG, SerialEngine())
+    result = near_dedup(texts, CFG, SerialEngine(), index_dir=tmp_path / "index")
     assert result.keep.tolist() == [True, True, False, True, True, True]
     assert result.representative == [None, None, "1", None, None, None]
     assert list(result.index.ids) == ["1", "3", "5"]  # the kept documents with words
@@ -191,23 +191,29 @@ def test_big_bucket_of_copies_keeps_one():
     assert result.candidate_pairs <= 30 * dedup._PAIRED_PER_BUCKET
 
 
-def test_same_result_for_any_engine_order_and_chunking(monkeypatch):
+def test_same_result_for_any_engine_order_chunking_and_partitions(monkeypatch, tmp_path):
     docs = _docs(40)
     random.Random(0).shuffle(docs)
-    base = near_dedup(docs, CFG, SerialEngine())
+    base = near_dedup(docs, CFG, SerialEngine(), index_dir=tmp_path / "base")
+    assert base.index.bits == 0
     assert base.near_duplicates == 14
     monkeypatch.setattr(dedup, "_EXACT_PAIRS_PER_BLOCK", 3)  # many exact-check blocks, any order
-    for engine, cfg in ((ShuffledEngine(1), CFG),
-                        (ShuffledEngine(2), CFG.model_copy(update={"chunk_docs": 3,
-                                                                   "bands_per_task": 5})),
-                        (SerialEngine(), CFG.model_copy(update={"chunk_docs": 1,
-                                                                "bands_per_task": 1}))):
-        other = near_dedup(docs, cfg, engine)
+    shards = np.concatenate([base.index.shard(0)])
+    for n, (engine, cfg) in enumerate(((ShuffledEngine(1), CFG),
+                                       (ShuffledEngine(2), CFG.model_copy(update={"chunk_docs": 3,
+                                                                                  "partition_mb": 0.01})),
+                                       (SerialEngine(), CFG.model_copy(update={"chunk_docs": 1,
+                                                                               "partition_mb": 0.001})))):
+        other = near_dedup(docs, cfg, engine, index_dir=tmp_path / str(n))
         assert np.array_equal(other.keep, base.keep)
         assert np.array_equal(other.cluster, base.cluster)
         assert other.representative == base.representative
         assert other.counts() == base.counts()
         assert np.array_equal(other.index.signatures, base.index.signatures)
+        assert np.array_equal(other.index.ids, base.index.ids)
+        assert other.index.bits == dedup._partition_bits(len(docs), cfg) and (n == 0) == (other.index.bits == 0)
+        assert np.array_equal(np.concatenate([other.index.shard(q) for q in range(1 << other.index.bits)]),
+                              shards)
 
 
 def test_components_match_a_plain_graph_search():
@@ -230,52 +236,55 @@ def test_components_match_a_plain_graph_search():
 
 def test_index_round_trip_and_refresh(tmp_path):
     old = [" ".join(_words(200, seed=s)) for s in range(20)]
-    first = near_dedup(old, CFG, SerialEngine(), ids=[f"old-{i}" for i in range(20)])
-    first.index.save(tmp_path / "v1")
+    first = near_dedup(old, CFG, SerialEngine(), ids=[f"old-{i}" for i in range(20)],
+                       index_dir=tmp_path / "v1")
     loaded = DedupIndex.load(tmp_path / "v1")
-    assert list(loaded.ids) == [f"old-{i}" for i in range(20)]
-    assert np.array_equal(loaded.signatures, first.index.signatures)
-    assert np.array_equal(loaded.band_keys, first.index.band_keys)
+    assert list(loaded.ids) == [f"old-{i}" for i in range(20)] == list(first.index.ids)
+    sigs = minhash.minhash_signatures(old, CFG)
+    assert np.array_equal(loaded.signatures, sigs)
+    rows = loaded.shard(0)
+    assert len(rows) == 20 * 36 and np.all(rows["key"][1:] >= rows["key"][:-1])  # sorted by key
+    assert sorted(rows["key"].tolist()) == sorted(minhash.band_keys(sigs, CFG).ravel().tolist())
 
     copy_of_old = _edited(old[4].split(), 0.01, seed=1)
     fresh = " ".join(_words(200, seed=99))
     new = [fresh, copy_of_old, _edited(fresh.split(), 0.01, seed=2)]
-    second = near_dedup(new, CFG, SerialEngine(), index=loaded, ids=["n-0", "n-1", "n-2"])
+    small = CFG.model_copy(update={"partition_mb": 0.003})  # 8 key ranges against 1 shard
+    second = near_dedup(new, small, SerialEngine(), index=loaded, ids=["n-0", "n-1", "n-2"],
+                        index_dir=tmp_path / "v2")
     assert second.keep.tolist() == [True, False, False]
     assert second.representative == [None, "old-4", "n-0"]
     assert (second.removed_by_index, second.near_duplicates) == (1, 2)
     assert second.largest_cluster == 2  # old-4 + its copy: an index member counts
     assert list(second.index.ids) == [f"old-{i}" for i in range(20)] + ["n-0"]
+    assert second.index.bits == 3
 
-    second.index.save(tmp_path / "v2")  # refreshes chain: the v2 index knows run 2's docs
+    # refreshes chain: the v2 index (8 shards) knows run 2's docs, read by a run of 1 range
     third = near_dedup([_edited(fresh.split(), 0.02, seed=3)], CFG, SerialEngine(),
-                       index=DedupIndex.load(tmp_path / "v2"), ids=["t-0"])
+                       index=DedupIndex.load(tmp_path / "v2"), ids=["t-0"], index_dir=tmp_path / "v3")
     assert third.keep.tolist() == [False] and third.representative == ["n-0"]
-    assert len(third.index) == 21
+    assert len(third.index) == 21 and third.index.bits == 0
 
 
 def test_index_refuses_other_config_and_bad_files(tmp_path):
-    index = near_dedup(_docs(3), CFG, SerialEngine()).index
+    index = near_dedup(_docs(3), CFG, SerialEngine(), index_dir=tmp_path / "ix").index
     with pytest.raises(ValueError, match="rows"):
         near_dedup(["x y z"], CFG.model_copy(update={"rows": 5}), SerialEngine(),
                    index=index)
     with pytest.raises(FileNotFoundError, match=r"index\.json"):
         DedupIndex.load(tmp_path / "missing")
-    index.save(tmp_path / "ix")
-    np.save(tmp_path / "ix" / "band_keys.npy", index.band_keys[:, :3])
-    with pytest.raises(ValueError, match=r"band_keys\.npy"):
+    np.save(tmp_path / "ix" / "signatures.npy", np.asarray(index.signatures)[:, :3])
+    with pytest.raises(ValueError, match=r"signatures\.npy"):
         DedupIndex.load(tmp_path / "ix")
     with pytest.raises(ValueError, match="ids"):
         near_dedup(["a b c"], CFG, SerialEngine(), ids=["1", "2"])
     with pytest.raises(ValueError, match="band_layouts"):
         near_dedup(["x y z"], CFG.model_copy(update={"band_layouts": 1}), SerialEngine(),
                    index=index)
-    index.save(tmp_path / "old")  # an index written before band layouts: format 1
-    meta = json.loads((tmp_path / "old" / "index.json").read_text())
-    del meta["band_layouts"]
-    (tmp_path / "old" / "index.json").write_text(json.dumps({**meta, "format": 1}))
-    with pytest.raises(ValueError, match=r"index format 1.*rebuild the index"):
-        DedupIndex.load(tmp_path / "old")
+    meta = json.loads((tmp_path / "ix" / "index.json").read_text())  # an index of format 2
+    (tmp_path / "ix" / "index.json").write_text(json.dumps({**meta, "format": 2}))
+    with pytest.raises(ValueError, match=r"index format 2.*rebuild the index"):
+        DedupIndex.load(tmp_path / "ix")
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -308,3 +317,39 @@ def test_precision_and_recall_on_labelled_real_documents(shared_data):
     assert precision >= 0.95
     assert recall >= 0.95
     assert result.near_duplicates == len(texts) - result.keep.sum() > 60
+
+
+class DiesPartWay(SerialEngine):
+    """Runs the first `n` items of a map of `fn`, then dies as a killed driver would; records,
+    for every map, which items an earlier attempt had finished (their `done` flag)."""
+
+    def __init__(self, fn=None, n: int = 0):
+        self.fn, self.n, self.done = fn, n, {}
+
+    def map(self, fn, items):
+        if fn in (dedup._chunk_task, dedup._partition_task):
+            self.done[fn.__name__] = [item[-2] for item in items]
+        if fn is self.fn:
+            super().map(fn, items[:self.n])
+            raise RuntimeError("killed")
+        return super().map(fn, items)
+
+
+def test_a_killed_run_redoes_only_its_unfinished_chunks_and_partitions(tmp_path):
+    docs = _docs(40)
+    cfg = CFG.model_copy(update={"chunk_docs": 4, "partition_mb": 0.005})  # 14 chunks, 8 ranges
+    base = near_dedup(docs, cfg, SerialEngine(), index_dir=tmp_path / "base")
+    work = tmp_path / "spill"
+    with pytest.raises(RuntimeError, match="killed"):
+        near_dedup(docs, cfg, DiesPartWay(dedup._chunk_task, 5), work_dir=work)
+    with pytest.raises(RuntimeError, match="killed"):
+        first = DiesPartWay(dedup._partition_task, 3)
+        near_dedup(docs, cfg, first, work_dir=work)
+    assert first.done["_chunk_task"] == [True] * 5 + [False] * 9
+    resumed = DiesPartWay()
+    result = near_dedup(docs, cfg, resumed, work_dir=work, index_dir=tmp_path / "resumed")
+    assert resumed.done == {"_chunk_task": [True] * 14, "_partition_task": [True] * 3 + [False] * 5}
+    assert result.counts() == base.counts() and result.representative == base.representative
+    assert np.array_equal(result.index.signatures, base.index.signatures)
+    other = near_dedup(docs[:-1], cfg, DiesPartWay(), work_dir=work)  # another input: its own files
+    assert other.near_duplicates == base.near_duplicates - 1

@@ -1,8 +1,8 @@
 """Near-duplicate detection for the collect stage: MinHash signatures, LSH banding, clusters.
 
-    result = near_dedup(texts, DedupConfig(), engine, index=DedupIndex.load(old_dir), ids=doc_ids)
+    result = near_dedup(texts, DedupConfig(), engine, index=DedupIndex.load(old_dir), ids=doc_ids,
+                        work_dir=spill_dir, index_dir=new_dir)  # new_dir: the next refresh's index
     kept = [t for t, k in zip(texts, result.keep) if k]
-    result.index.save(new_dir)       # the next refresh dedups against everything kept so far
 
 Steps (each vectorized with numpy over a chunk of documents; 1-4 in minhash.py):
   1. normalize: lowercase, punctuation and symbols become spaces, whitespace collapses;
@@ -17,15 +17,25 @@ Steps (each vectorized with numpy over a chunk of documents; 1-4 in minhash.py):
   5. clusters: connected components of the verified pairs. Exactly one document per cluster
      survives: one already in the persisted index if the cluster holds one, else the earliest
      in input order.
-Signatures are computed through `engine.map` over fixed-size chunks of documents, bucketing
-over fixed-size groups of bands and the exact check over fixed-size blocks of candidate pairs;
-the merge is order-free, so the result is the same for any engine, worker count or completion
-order.
+
+Where it runs, so that the driver holds nothing per document but a flag: each chunk of documents
+is a task on the engine that spills its signatures and its bucket rows (key, band, document),
+sorted by key, to files in the work folder; the keys are cut into 2**bits ranges by their top bits
+(`partition_mb` of rows each), and each range is a task that reads its stretch of every chunk's
+rows file (and of the index's shard) and pairs the documents of each bucket. Only the candidate
+pairs come back; the exact check runs in blocks of pairs on the engine, and the components are
+found over the nodes of verified pairs. A run killed part way reuses the chunks and ranges it
+finished (files named by chunk and range in a folder named by the input). Every step is
+order-free, so the result is the same for any engine, worker count, partition count or
+completion order.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +43,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from core.files import fetch_file, is_url, names_in, open_location, publish_file
 from core.stage import Engine
 from tasks.collect.minhash import (
     EMPTY_SIG,
@@ -42,14 +53,15 @@ from tasks.collect.minhash import (
 )
 from tasks.collect.spool import take
 
-INDEX_FORMAT = 2  # 2: band keys of every band layout (format 1 had layout 0 only)
+INDEX_FORMAT = 3  # 3: bucket rows in key-sorted shards (2: one band-key matrix)
 _U64 = np.uint64
+_ROW = np.dtype([("key", "<u8"), ("col", "<u2"), ("node", "<i8")])  # a bucket row: 18 bytes
 _PAIRS_PER_BLOCK = 65_536  # candidate pairs verified at once against the index's signatures
 # pairs of input documents checked exactly at once: both shingle sets of each (~300 8-byte
 # hashes for a 300-word page) are sorted together, so a block holds ~40 MB per temporary
 _EXACT_PAIRS_PER_BLOCK = 8_192
 _PAIRED_PER_BUCKET = 8  # a bucket's node is paired with at most this many earlier nodes
-_CHUNKS_PER_MAP = 64  # signature chunks mapped at once (at least 4 a worker): ~47 MB of results
+_BLOCK_ROWS = 65_536  # rows copied at once into the new index's files
 
 
 class DedupConfig(BaseModel):
@@ -83,8 +95,9 @@ class DedupConfig(BaseModel):
                                            "persisted index) are comparable only under one seed.")
     chunk_docs: int = Field(1024, ge=1, description="Documents per signature task (independent "
                                                     "of the worker count; results do not change).")
-    bands_per_task: int = Field(4, ge=1, description="Bands bucketed per task (results do not "
-                                                     "change).")
+    partition_mb: float = Field(64, gt=0, description="Bucket rows (18 bytes a band of a document, "
+                                                       "index included) per LSH partition task; "
+                                                       "results do not change.")
 
     @model_validator(mode="after")
     def _check_permutations(self) -> DedupConfig:
@@ -102,28 +115,140 @@ class DedupConfig(BaseModel):
         return (1 / self.bands) ** (1 / self.rows)
 
 
-_INDEX_FIELDS = ("shingle_words", "bands", "rows", "band_layouts", "seed")  # signature settings
+# ---------------------------------------------------------------- files
+
+def _save(location: str, array: np.ndarray) -> None:
+    """`array` as a .npy file at a path or URL, put there whole once written."""
+    tmp = Path(tempfile.mkstemp(suffix=".npy")[1]) if is_url(location) else Path(f"{location}.tmp.npy")
+    np.save(tmp, array, allow_pickle=False)
+    publish_file(tmp, location)
 
 
-def _bucket_task(item: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Candidate pairs [k, 2] (smaller node first) from bucket keys [n, bands in the group] of
-    `nodes` (ascending ids): in each bucket, every node paired with each of the first
-    _PAIRED_PER_BUCKET nodes before it. All pairs of a small bucket, so a near-duplicate is not
-    lost because the bucket's first node fails the Jaccard check with it; a bound for the huge
-    buckets that boilerplate makes."""
-    keys, nodes = item
-    pairs = [np.zeros((0, 2), np.int64)]
-    for col in keys.T if len(nodes) else ():
-        order = np.argsort(col, kind="stable")  # stable: equal keys stay in node order
-        sorted_keys = col[order]
-        head = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
-        group_start = np.repeat(head, np.diff(np.r_[head, len(col)]))
-        n_earlier = np.minimum(np.arange(len(col)) - group_start, _PAIRED_PER_BUCKET)
-        right = np.repeat(np.arange(len(col)), n_earlier)
-        left = np.repeat(group_start, n_earlier) + (
-            np.arange(len(right)) - np.repeat(np.cumsum(n_earlier) - n_earlier, n_earlier))
-        pairs.append(np.stack([nodes[order[left]], nodes[order[right]]], axis=1))
-    return np.concatenate(pairs)
+def _load(location: str) -> np.ndarray:
+    with open_location(location) as f:
+        return np.load(f, allow_pickle=False)
+
+
+def _read_rows(location: str, lo: int, hi: int) -> np.ndarray:
+    """Rows lo..hi of a .npy file at a path or URL, read by seeking past the others."""
+    with open_location(location) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
+            else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        row_bytes = dtype.itemsize * math.prod(shape[1:])
+        f.seek(f.tell() + lo * row_bytes)
+        data = f.read((hi - lo) * row_bytes)
+    return np.frombuffer(data, dtype).reshape(hi - lo, *shape[1:])
+
+
+def _key_bounds(keys: np.ndarray, bits: int) -> np.ndarray:
+    """Where each of the 2**bits key ranges (partition p: the keys whose top `bits` bits are p)
+    starts in ascending `keys`, and their end: int64 [2**bits + 1]."""
+    starts = [np.uint64(p << (64 - bits)) for p in range(1, 1 << bits)] if bits else []
+    return np.r_[0, np.searchsorted(keys, np.array(starts, _U64)), len(keys)].astype(np.int64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """Where one near dedup keeps its spilled files (a path or URL its workers reach; a killed
+    run's finished chunks and partitions are reused from here), and how they are cut."""
+
+    work_dir: str
+    cfg: DedupConfig
+    bits: int  # 2**bits partitions of the bucket keys, by their top bits
+    m: int  # index documents: nodes 0..m-1; input document i is node m + i
+
+    def file(self, kind: str, n: int) -> str:
+        return f"{self.work_dir}/{kind}-{n:06d}.npy"
+
+
+def _bucket_rows(keys: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """Bucket rows of documents' keys [n, columns], sorted by key (then column, then node)."""
+    rows = np.empty(keys.size, _ROW)
+    rows["key"] = keys.ravel()
+    rows["col"] = np.tile(np.arange(keys.shape[1], dtype=np.uint16), len(keys))
+    rows["node"] = np.repeat(nodes, keys.shape[1])
+    return rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]
+
+
+def _chunk_task(item: tuple[Sequence[str], int, int, bool, _Run]) -> tuple[np.ndarray, np.ndarray]:
+    """Signatures of one chunk of documents (sig file) and their bucket rows sorted by key (rows
+    file), unless an earlier attempt wrote them. Returns which documents have words (a real
+    signature holds 108 values of 2**32, not all the maximum) and where each partition's rows
+    start in the rows file."""
+    texts, chunk, first, done, run = item
+    if done:
+        sigs, rows = _load(run.file("sig", chunk)), _load(run.file("rows", chunk))
+    else:
+        sigs, keys = chunk_signatures((texts, run.cfg))  # a lazy view of spooled texts is read here
+        active = ~(sigs == EMPTY_SIG).all(axis=1)
+        rows = _bucket_rows(keys[active], run.m + first + np.flatnonzero(active))
+        _save(run.file("rows", chunk), rows)
+        _save(run.file("sig", chunk), sigs)  # last: marks the chunk done
+    return ~(sigs == EMPTY_SIG).all(axis=1), _key_bounds(rows["key"], run.bits)
+
+
+Piece = tuple[str, int, int]  # rows lo..hi of a bucket-row file
+
+
+def _pairs_in_buckets(rows: np.ndarray) -> np.ndarray:
+    """Candidate pairs [k, 2] (smaller node first) from bucket rows sorted by (key, col, node):
+    in each bucket, every node paired with each of the first _PAIRED_PER_BUCKET nodes before it.
+    All pairs of a small bucket, so a near-duplicate is not lost because the bucket's first node
+    fails the Jaccard check with it; a bound for the huge buckets that boilerplate makes."""
+    n = len(rows)
+    if n == 0:
+        return np.zeros((0, 2), np.int64)
+    new_bucket = np.r_[True, (rows["key"][1:] != rows["key"][:-1]) | (rows["col"][1:] != rows["col"][:-1])]
+    head = np.flatnonzero(new_bucket)
+    group_start = np.repeat(head, np.diff(np.r_[head, n]))
+    n_earlier = np.minimum(np.arange(n) - group_start, _PAIRED_PER_BUCKET)
+    right = np.repeat(np.arange(n), n_earlier)
+    left = np.repeat(group_start, n_earlier) + (
+        np.arange(len(right)) - np.repeat(np.cumsum(n_earlier) - n_earlier, n_earlier))
+    nodes = rows["node"]
+    return np.stack([nodes[left], nodes[right]], axis=1)
+
+
+def _distinct(pairs: np.ndarray) -> np.ndarray:
+    """The distinct pairs [k, 2] of nodes, sorted (each row coded as one int64)."""
+    n_nodes = int(pairs.max()) + 1 if len(pairs) else 1
+    return np.stack(np.divmod(np.unique(pairs[:, 0] * n_nodes + pairs[:, 1]), n_nodes), axis=1)
+
+
+def _partition_task(item: tuple[int, list[Piece], bool, _Run]) -> np.ndarray:
+    """Distinct candidate pairs [k, 2] of one partition of the bucket keys (index rows and this
+    input's), at least one node from the input; kept in a pairs file for a resumed run."""
+    p, pieces, done, run = item
+    if done:
+        return _load(run.file("pairs", p))
+    rows = np.concatenate([np.zeros(0, _ROW)] + [_read_rows(*piece) for piece in pieces])
+    rows = rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]  # pieces are each sorted
+    pairs = _pairs_in_buckets(rows)
+    pairs = _distinct(pairs[pairs[:, 1] >= run.m])  # two index docs were both kept already
+    _save(run.file("pairs", p), pairs)
+    return pairs
+
+
+def _index_shard_task(item: tuple[int, list[Piece], np.ndarray, _Run]) -> str:
+    """The new index's rows of one key range: the old index's and those of this input's documents
+    it keeps (renumbered after the old index, in input order; `excluded`: the input positions it
+    does not keep, ascending). Returns the file it wrote."""
+    p, pieces, excluded, run = item
+    rows = np.concatenate([np.zeros(0, _ROW)] + [_read_rows(*piece) for piece in pieces])
+    position = rows["node"] - run.m
+    mine = position >= 0
+    dropped = np.zeros(len(rows), bool)
+    if len(excluded):
+        at = np.minimum(np.searchsorted(excluded, position[mine]), len(excluded) - 1)
+        dropped[mine] = excluded[at] == position[mine]
+    rows = rows[~dropped]
+    mine = rows["node"] >= run.m
+    rows["node"][mine] -= np.searchsorted(excluded, rows["node"][mine] - run.m)
+    rows = rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]
+    _save(run.file("bucket", p), rows)
+    return run.file("bucket", p)
 
 
 def _components(n_nodes: int, pairs: np.ndarray) -> np.ndarray:
@@ -140,30 +265,39 @@ def _components(n_nodes: int, pairs: np.ndarray) -> np.ndarray:
             parent = parent[parent]
 
 
+_INDEX_FIELDS = ("shingle_words", "bands", "rows", "band_layouts", "seed")  # signature settings
+
+
 @dataclass(frozen=True, kw_only=True)
 class DedupIndex:
-    """Signatures and bucket keys of every document kept so far, persisted as numpy files."""
+    """The signatures and bucket rows of every document kept so far, on disk: index.json (written
+    last), ids.npy, signatures.npy and `buckets-NNNNNN.npy`, shard p holding the bucket rows whose
+    keys' top `bits` bits are p, sorted by key. Read memory-mapped: a refresh reads the rows of
+    its partitions' key ranges and the signatures of its candidate pairs, not the whole index."""
 
+    directory: Path
+    location: str  # where workers read the shards (the directory, or its place on a bucket)
     shingle_words: int
     bands: int
     rows: int
     band_layouts: int
     seed: int
-    ids: np.ndarray  # str [m]
-    signatures: np.ndarray  # uint32 [m, bands*rows]
-    band_keys: np.ndarray  # uint64 [m, bands*band_layouts]
-
-    FILES = ("ids.npy", "signatures.npy", "band_keys.npy")
-
-    @classmethod
-    def empty(cls, cfg: DedupConfig) -> DedupIndex:
-        return cls(shingle_words=cfg.shingle_words, bands=cfg.bands, rows=cfg.rows,
-                   band_layouts=cfg.band_layouts, seed=cfg.seed,
-                   ids=np.zeros(0, "<U1"), signatures=np.zeros((0, cfg.num_perm), np.uint32),
-                   band_keys=np.zeros((0, cfg.bands * cfg.band_layouts), _U64))
+    docs: int
+    bits: int
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.docs
+
+    @property
+    def ids(self) -> np.ndarray:
+        return np.load(self.directory / "ids.npy", mmap_mode="r")
+
+    @property
+    def signatures(self) -> np.ndarray:
+        return np.load(self.directory / "signatures.npy", mmap_mode="r")
+
+    def shard(self, p: int) -> np.ndarray:
+        return np.load(self.directory / f"buckets-{p:06d}.npy", mmap_mode="r")
 
     def check_compatible(self, cfg: DedupConfig) -> None:
         """ValueError naming the first config field the stored signatures disagree with."""
@@ -172,31 +306,18 @@ class DedupIndex:
                 raise ValueError(f"{name}: the index was built with {getattr(self, name)}, the "
                                  f"config says {getattr(cfg, name)}; rebuild the index")
 
-    def extend(self, ids: Sequence[str], signatures: np.ndarray,
-               keys: np.ndarray) -> DedupIndex:
-        """A new index holding these documents after the current ones (the arrays themselves when
-        the current index is empty: no copy of the corpus's signatures)."""
-        ids_arr = np.asarray(list(ids), dtype=str)
-
-        def after(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-            return new if len(old) == 0 else np.concatenate([old, new])
-
-        return DedupIndex(shingle_words=self.shingle_words, bands=self.bands, rows=self.rows,
-                          band_layouts=self.band_layouts, seed=self.seed, ids=after(self.ids, ids_arr),
-                          signatures=after(self.signatures, signatures.astype(np.uint32, copy=False)),
-                          band_keys=after(self.band_keys, keys.astype(_U64, copy=False)))
-
-    def save(self, directory: Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        for name, array in zip(self.FILES, (self.ids, self.signatures, self.band_keys)):
-            np.save(directory / name, array, allow_pickle=False)
-        meta = {"format": INDEX_FORMAT, "docs": len(self),
-                **{name: getattr(self, name) for name in _INDEX_FIELDS}}
-        (directory / "index.json").write_text(json.dumps(meta, indent=2) + "\n")  # written last
+    def pieces(self, bits: int) -> list[list[Piece]]:
+        """For each of 2**bits key ranges, the stretches of the index's shards that fall in it
+        (found by binary search on the memory-mapped keys)."""
+        out: list[list[Piece]] = [[] for _ in range(1 << bits)]
+        for q in range(1 << self.bits):
+            bounds = _key_bounds(self.shard(q)["key"], bits)
+            for p in np.flatnonzero(np.diff(bounds)).tolist():
+                out[p].append((f"{self.location}/buckets-{q:06d}.npy", int(bounds[p]), int(bounds[p + 1])))
+        return out
 
     @classmethod
-    def load(cls, directory: Path) -> DedupIndex:
+    def load(cls, directory: Path, location: str | None = None) -> DedupIndex:
         directory = Path(directory)
         meta_path = directory / "index.json"
         if not meta_path.is_file():
@@ -206,55 +327,65 @@ class DedupIndex:
             raise ValueError(f"{meta_path}: index format {meta.get('format')}, this version reads "
                              f"format {INDEX_FORMAT} only; rebuild the index (rerun the collect "
                              f"stage that wrote it)")
-        arrays = [np.load(directory / name, allow_pickle=False) for name in cls.FILES]
-        ids, signatures, band_keys = arrays
-        index = cls(**{name: meta[name] for name in _INDEX_FIELDS},
-                    ids=ids, signatures=signatures, band_keys=band_keys)
-        shapes = {"ids.npy": (meta["docs"],),
-                  "signatures.npy": (meta["docs"], meta["bands"] * meta["rows"]),
-                  "band_keys.npy": (meta["docs"], meta["bands"] * meta["band_layouts"])}
-        for name, array in zip(cls.FILES, arrays):
-            if array.shape != shapes[name]:
-                raise ValueError(f"{directory / name}: shape {array.shape}, index.json implies "
-                                 f"{shapes[name]}")
+        index = cls(directory=directory, location=location or str(directory), docs=meta["docs"],
+                    bits=meta["bits"], **{name: meta[name] for name in _INDEX_FIELDS})
+        expected = {"ids.npy": ((index.docs,), index.ids.shape),
+                    "signatures.npy": ((index.docs, index.bands * index.rows), index.signatures.shape),
+                    "buckets-*.npy": ((index.docs * index.bands * index.band_layouts,),
+                                      (sum(len(index.shard(q)) for q in range(1 << index.bits)),))}
+        for name, (shape, found) in expected.items():
+            if shape != found:
+                raise ValueError(f"{directory / name}: shape {found}, index.json implies {shape}")
         return index
 
 
 @dataclass(frozen=True, kw_only=True)
 class DedupResult:
-    """Per input document: keep flag, cluster id (-1: no near-duplicate) and, for removed
-    documents, the id of the survivor (a document of this input or of the index)."""
+    """The input documents removed as near-duplicates, each with its survivor (a document of this
+    input or of the index), and the clusters: per cluster member only, so nothing here grows with
+    the documents that have no near-duplicate."""
 
-    keep: np.ndarray  # bool [n]
-    cluster: np.ndarray  # int64 [n]; clusters numbered by their smallest member, index first
-    representative: list[str | None]
-    index: DedupIndex  # the given index plus this input's kept documents
+    n: int  # input documents
+    removed: np.ndarray  # int64 [r]: positions of the removed input documents, ascending
+    survivor: list[str]  # [r]: the id of each removed document's survivor
+    members: np.ndarray  # int64 [c]: positions of the input documents in a cluster, ascending
+    member_cluster: np.ndarray  # int64 [c]: their clusters, numbered by smallest member, index first
+    index: DedupIndex | None  # the given index plus this input's kept documents, when saved
     candidate_pairs: int  # distinct pairs sharing a bucket (index-only pairs excluded)
     verified_pairs: int  # candidate pairs with Jaccard >= threshold
-    near_duplicates: int  # documents removed
     clusters: int  # clusters with 2+ members, at least one from this input
     largest_cluster: int  # members of the largest of them (index documents included); 0: none
     removed_by_index: int  # removed documents whose survivor is in the index
+
+    @property
+    def near_duplicates(self) -> int:
+        return len(self.removed)
+
+    @property
+    def keep(self) -> np.ndarray:
+        keep = np.ones(self.n, bool)
+        keep[self.removed] = False
+        return keep
+
+    @property
+    def cluster(self) -> np.ndarray:
+        """int64 [n]: each input document's cluster, -1 for none."""
+        cluster = np.full(self.n, -1, np.int64)
+        cluster[self.members] = self.member_cluster
+        return cluster
+
+    @property
+    def representative(self) -> list[str | None]:
+        """[n]: each removed document's survivor, None for a kept one."""
+        out: list[str | None] = [None] * self.n
+        for i, name in zip(self.removed.tolist(), self.survivor):
+            out[i] = name
+        return out
 
     def counts(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in ("near_duplicates", "clusters", "largest_cluster",
                                                        "candidate_pairs", "verified_pairs",
                                                        "removed_by_index")}
-
-
-def _candidate_pairs(index: DedupIndex, keys: np.ndarray, active: np.ndarray,
-                     cfg: DedupConfig, engine: Engine) -> np.ndarray:
-    """Distinct candidate pairs over nodes (index docs 0..m-1, then this input's docs)."""
-    m = len(index)
-    nodes = np.r_[np.arange(m), m + np.flatnonzero(active)]
-    # a copy only where there is something to join or leave out
-    all_keys = keys if m == 0 and active.all() else np.concatenate([index.band_keys, keys[active]])
-    groups = [(all_keys[:, g:g + cfg.bands_per_task], nodes)
-              for g in range(0, all_keys.shape[1], cfg.bands_per_task)]
-    pairs = np.concatenate([np.zeros((0, 2), np.int64), *engine.map(_bucket_task, groups)])
-    pairs = pairs[pairs[:, 1] >= m]  # two index docs were both kept already
-    codes = np.unique(pairs[:, 0].astype(np.int64) * (m + len(keys)) + pairs[:, 1])
-    return np.stack(np.divmod(codes, m + len(keys)), axis=1)
 
 
 def _exact_task(item: tuple[Sequence[str], np.ndarray, DedupConfig]) -> np.ndarray:
@@ -263,93 +394,141 @@ def _exact_task(item: tuple[Sequence[str], np.ndarray, DedupConfig]) -> np.ndarr
     return exact_jaccards(*shingle_sets(texts, cfg), pairs) >= cfg.threshold - 1e-9
 
 
-def _verify(pairs: np.ndarray, index: DedupIndex, sigs: np.ndarray, texts: Sequence[str],
-            cfg: DedupConfig, engine: Engine) -> np.ndarray:
-    """Pairs whose Jaccard similarity is >= threshold: exact over shingle sets for two input
-    documents (blocks of pairs through `engine.map`), the fraction of equal signature values
-    against an index document."""
-    m = len(index)
-    in_index = pairs[:, 0] < m  # the second node of a pair is always from this input
-    outer, inner = pairs[in_index], pairs[~in_index]
-    min_equal = math.ceil(cfg.threshold * cfg.num_perm - 1e-9)
-    kept = [np.zeros((0, 2), np.int64)]
-    for lo in range(0, len(outer), _PAIRS_PER_BLOCK):
-        block = outer[lo:lo + _PAIRS_PER_BLOCK]
-        equal = (index.signatures[block[:, 0]] == sigs[block[:, 1] - m]).sum(axis=1)
-        kept.append(block[equal >= min_equal])
-    blocks = [inner[lo:lo + _EXACT_PAIRS_PER_BLOCK]
-              for lo in range(0, len(inner), _EXACT_PAIRS_PER_BLOCK)]
+def exact_verify(pairs: np.ndarray, texts: Sequence[str], cfg: DedupConfig, engine: Engine) -> np.ndarray:
+    """The pairs [k, 2] of positions in `texts` whose exact Jaccard similarity of shingle sets
+    is >= threshold, checked in blocks through `engine.map` (workers read their texts)."""
+    blocks = [pairs[lo:lo + _EXACT_PAIRS_PER_BLOCK] for lo in range(0, len(pairs), _EXACT_PAIRS_PER_BLOCK)]
     items = []
     for block in blocks:
-        docs, local = np.unique(block - m, return_inverse=True)
+        docs, local = np.unique(block, return_inverse=True)
         items.append((take(texts, docs), local.reshape(-1, 2), cfg))
-    kept += [block[similar] for block, similar in zip(blocks, engine.map(_exact_task, items))]
+    similar = engine.map(_exact_task, items)
+    return np.concatenate([np.zeros((0, 2), np.int64)] + [b[s] for b, s in zip(blocks, similar)])
+
+
+def _index_verify(pairs: np.ndarray, index: DedupIndex, run: _Run) -> np.ndarray:
+    """The pairs (index doc, input doc) with at least `threshold` of their signature values equal
+    (the MinHash estimate: the index keeps no shingles), read a block at a time."""
+    kept = [np.zeros((0, 2), np.int64)]
+    min_equal = math.ceil(run.cfg.threshold * run.cfg.num_perm - 1e-9)
+    for lo in range(0, len(pairs), _PAIRS_PER_BLOCK):
+        block = pairs[lo:lo + _PAIRS_PER_BLOCK]
+        inputs = block[:, 1] - run.m
+        chunks = inputs // run.cfg.chunk_docs
+        mine = np.empty((len(block), run.cfg.num_perm), np.uint32)
+        for chunk in np.unique(chunks).tolist():
+            at = chunks == chunk
+            mine[at] = _load(run.file("sig", chunk))[inputs[at] - chunk * run.cfg.chunk_docs]
+        kept.append(block[(index.signatures[block[:, 0]] == mine).sum(axis=1) >= min_equal])
     return np.concatenate(kept)
 
 
-def _signatures(texts: Sequence[str], cfg: DedupConfig,
-                engine: Engine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Signatures and bucket keys of every document, computed in chunks through `engine.map`, and
-    which documents have words (a real signature holds 108 values of 2**32, not all the maximum).
-    The chunks are mapped a batch at a time and copied into two arrays, so the corpus's signatures
-    are held once, not twice: a batch is enough chunks to keep every worker busy."""
-    n = len(texts)
-    sigs = np.empty((n, cfg.num_perm), np.uint32)
-    keys = np.empty((n, cfg.bands * cfg.band_layouts), _U64)
-    active = np.empty(n, bool)
-    starts = range(0, n, cfg.chunk_docs)
-    per_map = max(_CHUNKS_PER_MAP, 4 * getattr(engine, "num_workers", 1))
-    for lo in range(0, len(starts), per_map):
-        batch = starts[lo:lo + per_map]
-        chunks = [(texts[s:s + cfg.chunk_docs], cfg) for s in batch]  # spooled: lazy, read by the worker
-        for start, (chunk_sigs, chunk_keys) in zip(batch, engine.map(chunk_signatures, chunks)):
-            stop = start + len(chunk_sigs)
-            sigs[start:stop], keys[start:stop] = chunk_sigs, chunk_keys
-            active[start:stop] = ~(chunk_sigs == EMPTY_SIG).all(axis=1)
-    return sigs, keys, active
+def _partition_bits(docs: int, cfg: DedupConfig) -> int:
+    """Enough partitions of the bucket keys that each holds about `partition_mb` of rows."""
+    row_bytes = docs * cfg.bands * cfg.band_layouts * _ROW.itemsize
+    return max(0, math.ceil(math.log2(max(1.0, row_bytes / (cfg.partition_mb * 1e6)))))
 
 
-def _compact(array: np.ndarray, rows: np.ndarray, block: int = 8_192) -> np.ndarray:
-    """array[rows] for ascending `rows`, written over the array's own first rows (a block at a
-    time: row j moves to j or earlier, never onto a row still to be read) instead of a copy."""
-    for lo in range(0, len(rows), block):
-        taken = rows[lo:lo + block]
-        array[lo:lo + len(taken)] = array[taken]
-    return array[:len(rows)]
+def _run_dir(work_dir: str, cfg: DedupConfig, index: DedupIndex | None, ids: Sequence[str]) -> str:
+    """A folder under `work_dir` named by what the run computes (the settings, the index and
+    the document ids), so files of an earlier attempt are reused only by the same run."""
+    digest = hashlib.sha256(json.dumps([cfg.model_dump(), str(index.directory) if index else None,
+                                        len(index) if index else 0]).encode())
+    for lo in range(0, len(ids), _BLOCK_ROWS):
+        digest.update("\n".join(ids[lo:lo + _BLOCK_ROWS]).encode())
+    return f"{work_dir}/run-{digest.hexdigest()[:16]}"
+
+
+def _write_index(run: _Run, index: DedupIndex | None, ids: Sequence[str], excluded: np.ndarray,
+                 parts: list[list[Piece]], engine: Engine, index_dir: Path) -> DedupIndex:
+    """The old index plus the input documents not `excluded`, in `index_dir` (index.json last):
+    ids and signatures copied a block at a time, the bucket shards written on the engine."""
+    index_dir.mkdir(parents=True, exist_ok=True)
+    m, n, cfg = run.m, len(ids), run.cfg
+    kept = np.ones(n, bool)
+    kept[excluded] = False
+    total = m + int(kept.sum())
+    width = max([1, index.ids.dtype.itemsize // 4 if index else 1] + [len(i) for i in ids])
+    out_ids = np.lib.format.open_memmap(index_dir / "ids.npy", "w+", f"<U{width}", (total,))
+    out_sigs = np.lib.format.open_memmap(index_dir / "signatures.npy", "w+", np.uint32, (total, cfg.num_perm))
+    for lo in range(0, m, _BLOCK_ROWS):
+        hi = min(m, lo + _BLOCK_ROWS)
+        out_ids[lo:hi], out_sigs[lo:hi] = index.ids[lo:hi], index.signatures[lo:hi]
+    at = m
+    for chunk, start in enumerate(range(0, n, cfg.chunk_docs)):
+        rows = np.flatnonzero(kept[start:start + cfg.chunk_docs])
+        out_ids[at:at + len(rows)] = [ids[start + i] for i in rows.tolist()]
+        out_sigs[at:at + len(rows)] = _load(run.file("sig", chunk))[rows]
+        at += len(rows)
+    out_ids.flush()
+    out_sigs.flush()
+    del out_ids, out_sigs
+    shards = engine.map(_index_shard_task, [(p, pieces, excluded, run) for p, pieces in enumerate(parts)])
+    for p, shard in enumerate(shards):
+        fetch_file(shard, index_dir / f"buckets-{p:06d}.npy")
+    meta = {"format": INDEX_FORMAT, "docs": total, "bits": run.bits,
+            **{name: getattr(cfg, name) for name in _INDEX_FIELDS}}
+    (index_dir / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return DedupIndex.load(index_dir)
 
 
 def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
-               index: DedupIndex | None = None, *, ids: Sequence[str] | None = None) -> DedupResult:
+               index: DedupIndex | None = None, *, ids: Sequence[str] | None = None,
+               work_dir: str | Path | None = None, index_dir: Path | None = None) -> DedupResult:
     """Near-duplicate clusters of `texts` (and against `index`); one survivor per cluster.
 
-    `ids` name the documents in the returned index and in `representative` (default: input
-    positions as strings; pass stable ids when the index is saved and chained)."""
-    index = DedupIndex.empty(cfg) if index is None else index
-    index.check_compatible(cfg)
-    ids = [str(i) for i in range(len(texts))] if ids is None else list(ids)
+    `ids` name the documents in the new index and the survivors (default: input positions as
+    strings; pass stable ids when the index is saved and chained). `work_dir` (a path or URL the
+    engine's workers reach) keeps the spilled signatures, bucket rows and candidate pairs, so a
+    run killed part way reuses what it finished (default: a temporary folder). `index_dir`: where
+    the new index is written (None: not written)."""
+    if index is not None:
+        index.check_compatible(cfg)
+    ids = [str(i) for i in range(len(texts))] if ids is None else ids
     if len(ids) != len(texts):
         raise ValueError(f"ids: {len(ids)} ids for {len(texts)} texts")
-    sigs, keys, active = _signatures(texts, cfg, engine)
-    m, n = len(index), len(texts)
-    candidates = _candidate_pairs(index, keys, active, cfg, engine)
-    verified = _verify(candidates, index, sigs, texts, cfg, engine)
-    roots = _components(m + n, verified)
-    root = roots[m:]
-    keep = root == np.arange(m, m + n)
-    sizes = np.bincount(roots, minlength=m + n)
-    in_cluster = sizes[root] >= 2
-    cluster_roots = np.unique(root[in_cluster])
-    cluster = np.full(n, -1, np.int64)
-    cluster[in_cluster] = np.searchsorted(cluster_roots, root[in_cluster])
-    representative: list[str | None] = [None] * n
-    for i in np.flatnonzero(~keep):  # the removed documents' survivors, by name
-        r = int(root[i])
-        representative[i] = str(index.ids[r]) if r < m else ids[r - m]
-    kept = np.flatnonzero(keep & active)  # documents without words have nothing to match later
+    m, n = len(index) if index is not None else 0, len(texts)
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            work_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="near-dedup-"))
+        run = _Run(work_dir=_run_dir(str(work_dir), cfg, index, ids), cfg=cfg,
+                   bits=_partition_bits(m + n, cfg), m=m)
+        if not is_url(run.work_dir):
+            Path(run.work_dir).mkdir(parents=True, exist_ok=True)
+        done = names_in(run.work_dir)
+        chunks = [(texts[s:s + cfg.chunk_docs], c, s, f"sig-{c:06d}.npy" in done, run)
+                  for c, s in enumerate(range(0, n, cfg.chunk_docs))]
+        mapped = engine.map(_chunk_task, chunks)
+        del chunks
+        active = np.concatenate([np.ones(0, bool)] + [a for a, _ in mapped])
+        parts = index.pieces(run.bits) if index is not None else [[] for _ in range(1 << run.bits)]
+        for c, (_, bounds) in enumerate(mapped):
+            for p in np.flatnonzero(np.diff(bounds)).tolist():
+                parts[p].append((run.file("rows", c), int(bounds[p]), int(bounds[p + 1])))
+        del mapped
+        pairs = engine.map(_partition_task, [(p, pieces, f"pairs-{p:06d}.npy" in done, run)
+                                             for p, pieces in enumerate(parts)])
+        candidates = _distinct(np.concatenate([np.zeros((0, 2), np.int64), *pairs]))
+        del pairs
+        in_index = candidates[:, 0] < m
+        verified = np.concatenate([_index_verify(candidates[in_index], index, run) if m else
+                                   np.zeros((0, 2), np.int64),
+                                   exact_verify(candidates[~in_index] - m, texts, cfg, engine) + m])
+        # components over the nodes of verified pairs only
+        nodes, local = np.unique(verified.ravel(), return_inverse=True)
+        roots = nodes[_components(len(nodes), local.reshape(-1, 2))]
+        sizes = np.bincount(np.searchsorted(nodes, roots), minlength=len(nodes))
+        cluster_roots = np.unique(roots)
+        is_input = nodes >= m
+        removed_at = is_input & (roots != nodes)
+        removed, survivors = nodes[removed_at] - m, roots[removed_at]
+        survivor = [str(index.ids[r]) if r < m else str(ids[r - m]) for r in survivors.tolist()]
+        excluded = np.union1d(removed, np.flatnonzero(~active))  # words-less: nothing to match later
+        new_index = _write_index(run, index, ids, excluded, parts, engine, Path(index_dir)) \
+            if index_dir is not None else None
     return DedupResult(
-        keep=keep, cluster=cluster, representative=representative,
-        index=index.extend([ids[i] for i in kept], _compact(sigs, kept), _compact(keys, kept)),
-        candidate_pairs=len(candidates), verified_pairs=len(verified),
-        near_duplicates=int((~keep).sum()), clusters=len(cluster_roots),
-        largest_cluster=int(sizes[cluster_roots].max()) if len(cluster_roots) else 0,
-        removed_by_index=int((~keep & (root < m)).sum()))
+        n=n, removed=removed, survivor=survivor, members=nodes[is_input] - m,
+        member_cluster=np.searchsorted(cluster_roots, roots[is_input]), index=new_index,
+        candidate_pairs=len(candidates), verified_pairs=len(verified), clusters=len(cluster_roots),
+        largest_cluster=int(sizes.max()) if len(nodes) else 0,
+        removed_by_index=int((survivors < m).sum()))

@@ -93,6 +93,7 @@ log = logging.getLogger("gristmill.collect")
 
 DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
 UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
+NEAR_DEDUP_DIR = "near_dedup"  # in out_dir: near dedup's spilled signatures, bucket rows and pairs
 SPOOL_FILE = "kept.jsonl"  # in out_dir: the kept documents during the corpus-level steps
 
 
@@ -311,14 +312,21 @@ def apply_quality_model(docs: list[DocRef], spool: Spool, cfg: QualityConfig, ou
 
 def apply_near_dedup(docs: list[DocRef], spool: Spool, config: Config, engine: Engine,
                      out_dir: Path, funnel: Funnel) -> tuple[list[DocRef], dict[str, int]]:
-    index = DedupIndex.load(Path(config.dedup_index_from) / DEDUP_INDEX_DIR) \
-        if config.dedup_index_from else None
-    result = near_dedup(spool.texts(docs), config.dedup, engine, index, ids=[d.id for d in docs])
-    result.index.save(out_dir / DEDUP_INDEX_DIR)
-    for doc, keep, representative in zip(docs, result.keep, result.representative):
-        if not keep:
-            funnel.drop("near_duplicates", spool.doc(doc), duplicate_of=representative)
-    return [d for d, keep in zip(docs, result.keep) if keep], \
+    index = None
+    if config.dedup_index_from:
+        index_dir = Path(config.dedup_index_from) / DEDUP_INDEX_DIR
+        try:  # under the artifact store: the workers read its shards where the store keeps them
+            location = worker_dir(engine, index_dir)
+        except ValueError:
+            location = str(index_dir)
+        index = DedupIndex.load(index_dir, location)
+    result = near_dedup(spool.texts(docs), config.dedup, engine, index, ids=[d.id for d in docs],
+                        work_dir=worker_dir(engine, out_dir / NEAR_DEDUP_DIR),
+                        index_dir=out_dir / DEDUP_INDEX_DIR)
+    for position, survivor in zip(result.removed.tolist(), result.survivor):
+        funnel.drop("near_duplicates", spool.doc(docs[position]), duplicate_of=survivor)
+    removed = set(result.removed.tolist())
+    return [d for i, d in enumerate(docs) if i not in removed], \
         {f"near_dedup_{k}": v for k, v in result.counts().items()}
 
 
@@ -400,7 +408,8 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]
     if config.decontam.eval_sets:
         artifacts.append("decontamination.json")
-    remove_tree(units_dir)  # the committed output is docs/; units only serve resume
+    for spill in (units_dir, worker_dir(engine, out_dir / NEAR_DEDUP_DIR)):
+        remove_tree(spill)  # the committed output is docs/; these only serve resume
     (out_dir / SPOOL_FILE).unlink()
     shutil.rmtree(out_dir / DOWNLOADS_DIR, ignore_errors=True)
     last = report["steps"][-1]

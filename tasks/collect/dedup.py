@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -122,6 +124,16 @@ def _save(location: str, array: np.ndarray) -> None:
     tmp = Path(tempfile.mkstemp(suffix=".npy")[1]) if is_url(location) else Path(f"{location}.tmp.npy")
     np.save(tmp, array, allow_pickle=False)
     publish_file(tmp, location)
+
+
+def _write_npy(path: Path, dtype: np.dtype, shape: tuple[int, ...], blocks: Iterable[Any]) -> None:
+    """A .npy file of `shape` written a block of rows at a time (plain writes: a memory map's
+    written pages would count in this process's resident memory)."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_2_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                 "fortran_order": False, "shape": shape})
+        for block in blocks:
+            f.write(np.ascontiguousarray(block, dtype).tobytes())
 
 
 def _load(location: str) -> np.ndarray:
@@ -449,20 +461,18 @@ def _write_index(run: _Run, index: DedupIndex | None, ids: Sequence[str], exclud
     kept[excluded] = False
     total = m + int(kept.sum())
     width = max([1, index.ids.dtype.itemsize // 4 if index else 1] + [len(i) for i in ids])
-    out_ids = np.lib.format.open_memmap(index_dir / "ids.npy", "w+", f"<U{width}", (total,))
-    out_sigs = np.lib.format.open_memmap(index_dir / "signatures.npy", "w+", np.uint32, (total, cfg.num_perm))
-    for lo in range(0, m, _BLOCK_ROWS):
-        hi = min(m, lo + _BLOCK_ROWS)
-        out_ids[lo:hi], out_sigs[lo:hi] = index.ids[lo:hi], index.signatures[lo:hi]
-    at = m
-    for chunk, start in enumerate(range(0, n, cfg.chunk_docs)):
-        rows = np.flatnonzero(kept[start:start + cfg.chunk_docs])
-        out_ids[at:at + len(rows)] = [ids[start + i] for i in rows.tolist()]
-        out_sigs[at:at + len(rows)] = _load(run.file("sig", chunk))[rows]
-        at += len(rows)
-    out_ids.flush()
-    out_sigs.flush()
-    del out_ids, out_sigs
+
+    def old_rows(array: np.ndarray) -> Iterator[np.ndarray]:
+        return (array[lo:lo + _BLOCK_ROWS] for lo in range(0, m, _BLOCK_ROWS))
+
+    chunks = list(enumerate(range(0, n, cfg.chunk_docs)))
+    new_ids = ([ids[start + i] for i in np.flatnonzero(kept[start:start + cfg.chunk_docs]).tolist()]
+               for _, start in chunks)
+    new_sigs = (_load(run.file("sig", c))[kept[start:start + cfg.chunk_docs]] for c, start in chunks)
+    _write_npy(index_dir / "ids.npy", np.dtype(f"<U{width}"), (total,),
+               itertools.chain(old_rows(index.ids) if index else (), new_ids))
+    _write_npy(index_dir / "signatures.npy", np.dtype(np.uint32), (total, cfg.num_perm),
+               itertools.chain(old_rows(index.signatures) if index else (), new_sigs))
     shards = engine.map(_index_shard_task, [(p, pieces, excluded, run) for p, pieces in enumerate(parts)])
     for p, shard in enumerate(shards):
         fetch_file(shard, index_dir / f"buckets-{p:06d}.npy")

@@ -195,7 +195,7 @@ def build_texts(n_docs: int, seed: int, shared: Path) -> tuple[list[str], set[tu
     sentences = {p.stem: p.read_text(encoding="utf-8").splitlines()
                  for p in sorted((shared / "multilingual" / "lingua_sentences").glob("*.txt"))
                  if p.stem != "en"}
-    seen: set[str] = set()
+    seen: set[bytes] = set()
 
     def distinct(make) -> str:
         """make() until its text is new (exact dedup must remove no unplanted document)."""

@@ -84,11 +84,12 @@ def test_near_dedup_holds_no_signatures_in_the_driver(tmp_path):
     for i in range(0, n, 10):
         texts[i + 1] = texts[i] + " and one more word"  # a near-duplicate family every ten
     spool = Spool(tmp_path / "kept.jsonl")  # as the stage hands them over: spooled
-    refs = [spool.add({"id": f"{i:016x}", "text": t, "source": "s", "url": None, "language": "en"})
-            for i, t in enumerate(texts)]
-    spool.close()
+    for i, text in enumerate(texts):
+        spool.add({"id": f"{i:016x}", "text": text, "source": "s", "url": None, "language": "en"},
+                  i.to_bytes(16, "big"))
+    refs = spool.close()
     del texts
-    ids = [r.id for r in refs]
+    ids = list(refs.ids)
     one_copy = n * (cfg.num_perm * 4 + cfg.bands * cfg.band_layouts * 8)
     engine = WorkerProcess()
     np.unique(np.arange(3))  # its first call imports ~10 MB of numpy once, whatever the corpus

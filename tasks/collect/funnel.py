@@ -29,24 +29,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from tasks.collect.records import FILE_LEVEL_ERRORS
 
+if TYPE_CHECKING:
+    from tasks.collect.spool import DocTable
+
 PREVIEW_CHARS = 500  # of a dropped document's text in review/dropped.jsonl
 Doc = dict[str, Any]  # {"id", "text", "source", "url", "language"}
-
-
-class DocRef(NamedTuple):
-    """A kept document during the corpus-level steps; its text stays on disk (spool.py)."""
-
-    id: str
-    source: str
-    offset: int  # of its output line in the spool file
-    size: int  # bytes of that line
-    text_bytes: int  # of its text, UTF-8
 
 
 # Quarantined entries that stand for a source, not for a record (see the module docstring).
@@ -135,15 +130,13 @@ class Funnel:
                                    "id": doc["id"], **detail, "preview": doc["text"][:PREVIEW_CHARS]},
                      reason)
 
-    def drop_missing(self, reason: str, before: Iterable[DocRef], after: Iterable[DocRef],
-                     load: Callable[[DocRef], Doc]) -> None:
+    def drop_missing(self, reason: str, before: DocTable, after: DocTable,
+                     load: Callable[[DocTable, int], Doc]) -> None:
         """Count each document of `before` that `after` does not hold (by id) as dropped for
         `reason`: for a step that selects rather than rejects, like the mix. `load` reads a
         dropped document whole, for its review sample."""
-        taken = {doc.id for doc in after}
-        for doc in before:
-            if doc.id not in taken:
-                self.drop(reason, load(doc))
+        for row in np.flatnonzero(~np.isin(before.hash_hi, after.hash_hi)).tolist():
+            self.drop(reason, load(before, row))
 
     def _sample(self, sink: list[dict[str, Any]], row: dict[str, Any], reason: str) -> None:
         key = f"sampled_{reason}"
@@ -165,8 +158,8 @@ class Funnel:
     def step(self, name: str, docs: int, nbytes: int) -> None:
         self.steps.append({"step": name, "docs": docs, "bytes": nbytes})
 
-    def step_docs(self, name: str, docs: Sequence[DocRef]) -> None:
-        self.step(name, len(docs), sum(d.text_bytes for d in docs))
+    def step_docs(self, name: str, docs: DocTable) -> None:
+        self.step(name, len(docs), int(docs.text_bytes.sum()))
 
     def report(self) -> dict[str, Any]:
         """funnel.json."""
@@ -188,26 +181,25 @@ class Funnel:
             "per_source": {s: dict(sorted(c.items())) for s, c in self.per_source.items()},
         }
 
-    def accounting(self, out_docs: Iterable[DocRef]) -> dict[str, Any]:
+    def accounting(self, out_docs: DocTable) -> dict[str, Any]:
         """funnel.json's `accounting` block for the output documents `out_docs` (after the mix):
         in, kept, dropped and quarantined by reason, whether in = kept + dropped + quarantined
         holds, in total and per source (see the module docstring)."""
-        kept: dict[str, set[str]] = {}
-        docs_out = 0
-        for doc in out_docs:
-            kept.setdefault(doc.source, set()).add(doc.id)
-            docs_out += 1
-        sources = list(self.per_source) + [s for s in kept if s not in self.per_source]
-        per_source = {s: _balance(self.source(s)["records_read"], len(kept.get(s, ())),
+        order = np.lexsort((out_docs.hash_hi, out_docs.source))  # a document the mix repeats counts once
+        source, ids = out_docs.source[order], out_docs.hash_hi[order]
+        first = np.r_[True, (source[1:] != source[:-1]) | (ids[1:] != ids[:-1])][:len(order)]
+        counts = np.bincount(source[first], minlength=len(out_docs.sources)).tolist()
+        kept_by_name = {name: n for name, n in zip(out_docs.sources, counts) if n}
+        sources = list(self.per_source) + [s for s in kept_by_name if s not in self.per_source]
+        per_source = {s: _balance(self.source(s)["records_read"], kept_by_name.get(s, 0),
                                   self.fates.get(s, {})) for s in sources}
         totals: dict[str, Counter[str]] = {"dropped": Counter(), "quarantined": Counter()}
         for fates in self.fates.values():
             for fate, reasons in fates.items():
                 totals[fate].update(reasons)
-        block = _balance(self.counts["records_read"], sum(len(ids) for ids in kept.values()),
-                         totals)
+        block = _balance(self.counts["records_read"], sum(kept_by_name.values()), totals)
         block["balanced"] = block["balanced"] and all(b["balanced"] for b in per_source.values())
-        return {**block, "docs_out": docs_out,
+        return {**block, "docs_out": len(out_docs),
                 "file_level": {k: v for k, v in sorted(self.counts.items())
                                if k in FILE_LEVEL_ERRORS or k in SOURCE_LEVEL_ERRORS},
                 "per_source": per_source}

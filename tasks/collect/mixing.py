@@ -99,32 +99,27 @@ def mix_documents(docs_by_source: Mapping[str, Sequence[Doc]],
                   cfg: MixConfig) -> tuple[list[Doc], dict[str, Any]]:
     """The training mix (documents repeated when a source is upsampled, shuffled across sources)
     and its record: per source docs/tokens available, weight, budget, docs/tokens taken, epochs."""
-    picks, record = mix_sizes({source: _doc_bytes(docs, source)
-                               for source, docs in sorted(docs_by_source.items())}, cfg)
-    return [docs_by_source[source][i] for source, i in picks], record
-
-
-def _check_sources(sources: Mapping[str, Any], cfg: MixConfig) -> None:
-    unknown = sorted((set(cfg.weights) | set(cfg.token_budgets)) - set(sources))
-    if unknown:
-        raise ValueError(f"mix: weights/token_budgets name sources that do not exist: {unknown} "
-                         f"(sources: {sorted(sources)})")
+    names, picks, record = mix_sizes({source: _doc_bytes(docs, source)
+                                      for source, docs in docs_by_source.items()}, cfg)
+    return [docs_by_source[names[s]][i] for s, i in picks.tolist()], record
 
 
 def mix_sizes(sizes_by_source: Mapping[str, np.ndarray],
-              cfg: MixConfig) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    """`mix_documents` from the documents' UTF-8 sizes alone: (source, index within the source)
-    of each document of the mix, in mix order, and the record."""
+              cfg: MixConfig) -> tuple[list[str], np.ndarray, dict[str, Any]]:
+    """`mix_documents` from the documents' UTF-8 sizes alone: the sources in sorted order, each
+    document of the mix in mix order as a row (source's place in that order, index within the
+    source) of an int64 array [docs, 2], and the record."""
     _check_sources(sizes_by_source, cfg)
     sizes = {source: np.asarray(doc_sizes, dtype=np.int64)
              for source, doc_sizes in sorted(sizes_by_source.items())}
     targets = _targets(sizes, cfg)
-    mixed: list[tuple[str, int]] = []
+    picked: list[np.ndarray] = [np.zeros((0, 2), np.int64)]
     sources: dict[str, dict[str, Any]] = {}
-    for source, doc_sizes in sizes.items():
-        picked = _take_bytes(doc_sizes, targets[source], _source_rng(cfg.seed, source))
-        mixed += [(source, int(i)) for i in picked]
-        sources[source] = _source_record(doc_sizes, picked, targets[source], source, cfg)
+    for s, (source, doc_sizes) in enumerate(sizes.items()):
+        taken = _take_bytes(doc_sizes, targets[source], _source_rng(cfg.seed, source))
+        picked.append(np.stack([np.full(len(taken), s, np.int64), taken.astype(np.int64)], axis=1))
+        sources[source] = _source_record(doc_sizes, taken, targets[source], source, cfg)
+    mixed = np.concatenate(picked)
     order = np.random.default_rng(cfg.seed).permutation(len(mixed))
     total = sum(s["tokens_taken"] for s in sources.values())
     for record in sources.values():
@@ -132,7 +127,14 @@ def mix_sizes(sizes_by_source: Mapping[str, np.ndarray],
     record = {"bytes_per_token": cfg.bytes_per_token, "seed": cfg.seed,
               "total_tokens_cap": cfg.total_tokens, "docs": len(mixed), "tokens": total,
               "sources": sources}
-    return [mixed[i] for i in order], record
+    return list(sizes), mixed[order], record
+
+
+def _check_sources(sources: Mapping[str, Any], cfg: MixConfig) -> None:
+    unknown = sorted((set(cfg.weights) | set(cfg.token_budgets)) - set(sources))
+    if unknown:
+        raise ValueError(f"mix: weights/token_budgets name sources that do not exist: {unknown} "
+                         f"(sources: {sorted(sources)})")
 
 
 def _source_record(sizes: np.ndarray, picked: np.ndarray, target_bytes: float, source: str,

@@ -2,22 +2,27 @@
 memory does not grow with the corpus.
 
 `merge` appends each kept document's output line (`json.dumps(doc) + "\\n"`, byte for byte what a
-docs shard holds) to one uncompressed file and keeps only a `DocRef` (funnel.py) per document:
-its id, source, where its line is and its text's size. The steps read texts back in passes:
-`Spool.texts(refs)` is a lazy sequence (`Texts`) that reads a text when it is asked for, slices
-and `take`s into further lazy views, and pickles as a path and two arrays, so an engine worker
-reads its own chunk of the corpus. The shards are written by copying lines.
+docs shard holds) to one uncompressed file, and the spool keeps a few numbers per document in
+columns (`DocTable`, ~44 bytes a document): its 128-bit text hash (the first 64 bits are its id),
+its source, where its line is and its text's size. The steps select rows of the table and read
+texts back in passes: `Spool.texts(table)` is a lazy sequence (`Texts`) that reads a text when it
+is asked for, slices and `take`s into further lazy views, and pickles as a path and two arrays,
+so an engine worker reads its own chunk of the corpus. The shards are written by copying lines.
 """
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks.collect.funnel import Doc, DocRef, text_bytes
+from tasks.collect.funnel import Doc, text_bytes
+
+_BLOCK = 65_536  # documents whose positions are turned into Python numbers at once
 
 
 class Texts(Sequence[str]):
@@ -41,9 +46,11 @@ class Texts(Sequence[str]):
 
     def __iter__(self) -> Iterator[str]:
         with open(self.path, "rb") as f:
-            for offset, size in zip(self.offsets.tolist(), self.sizes.tolist()):
-                f.seek(offset)
-                yield json.loads(f.read(size))["text"]
+            for lo in range(0, len(self), _BLOCK):  # no list of every document's numbers at once
+                for offset, size in zip(self.offsets[lo:lo + _BLOCK].tolist(),
+                                        self.sizes[lo:lo + _BLOCK].tolist()):
+                    f.seek(offset)
+                    yield json.loads(f.read(size))["text"]
 
 
 def take(texts: Sequence[str], positions: Sequence[int] | np.ndarray) -> Sequence[str]:
@@ -53,36 +60,89 @@ def take(texts: Sequence[str], positions: Sequence[int] | np.ndarray) -> Sequenc
     return [texts[i] for i in positions]
 
 
+@dataclass(frozen=True, kw_only=True)
+class DocTable:
+    """Spooled documents, a numpy column each; rows are selected with `take`."""
+
+    sources: tuple[str, ...]  # the source names `source` indexes
+    hash_hi: np.ndarray  # uint64: the first 64 bits of the text hash; the id is them in hex
+    hash_lo: np.ndarray  # uint64: the next 64
+    source: np.ndarray  # int32
+    offset: np.ndarray  # int64: of the output line in the spool file
+    size: np.ndarray  # int64: bytes of that line
+    text_bytes: np.ndarray  # int64: of the text, UTF-8
+
+    def __len__(self) -> int:
+        return len(self.hash_hi)
+
+    def take(self, rows: np.ndarray) -> DocTable:
+        """The rows at positions (or where a mask is True), in that order."""
+        return DocTable(sources=self.sources, **{name: getattr(self, name)[rows] for name in _COLUMNS})
+
+    def id(self, row: int) -> str:
+        return f"{int(self.hash_hi[row]):016x}"
+
+    @property
+    def ids(self) -> Sequence[str]:
+        """The documents' ids, made when asked for (nothing held per document)."""
+        return _Ids(self.hash_hi)
+
+
+_COLUMNS = ("hash_hi", "hash_lo", "source", "offset", "size", "text_bytes")
+
+
+class _Ids(Sequence[str]):
+    def __init__(self, hash_hi: np.ndarray):
+        self.hash_hi = hash_hi
+
+    def __len__(self) -> int:
+        return len(self.hash_hi)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [f"{h:016x}" for h in self.hash_hi[i].tolist()]
+        return f"{int(self.hash_hi[i]):016x}"
+
+
 class Spool:
-    """Document lines appended to `path` by `add`, read back once `close` has been called."""
+    """Document lines appended to `path` by `add`; `close` gives the table to read them back by."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._out = open(self.path, "wb")  # noqa: SIM115 (a writer open across merge; close())
         self._end = 0
+        self._sources: dict[str, int] = {}
+        self._columns = {name: array("Q" if name.startswith("hash") else "q") for name in _COLUMNS}
 
-    def add(self, doc: Doc) -> DocRef:
+    def add(self, doc: Doc, digest: bytes) -> None:
+        """One document, `digest` its 16-byte (or longer) text hash."""
         line = (json.dumps(doc, ensure_ascii=False) + "\n").encode()
         self._out.write(line)
-        ref = DocRef(id=doc["id"], source=doc["source"], offset=self._end, size=len(line),
-                     text_bytes=text_bytes(doc["text"]))
+        values = {"hash_hi": int.from_bytes(digest[:8], "big"), "hash_lo": int.from_bytes(digest[8:16], "big"),
+                  "source": self._sources.setdefault(doc["source"], len(self._sources)),
+                  "offset": self._end, "size": len(line), "text_bytes": text_bytes(doc["text"])}
+        for name, value in values.items():
+            self._columns[name].append(value)
         self._end += len(line)
-        return ref
 
-    def close(self) -> None:
+    def close(self) -> DocTable:
         self._out.close()
+        columns = {name: np.frombuffer(values, np.uint64 if name.startswith("hash") else np.int64)
+                   for name, values in self._columns.items()}
+        columns["source"] = columns["source"].astype(np.int32)
+        return DocTable(sources=tuple(self._sources), **columns)
 
-    def texts(self, docs: Sequence[DocRef]) -> Texts:
-        offsets = np.fromiter((d.offset for d in docs), np.int64, len(docs))
-        return Texts(str(self.path), offsets, np.fromiter((d.size for d in docs), np.int64, len(docs)))
+    def texts(self, docs: DocTable) -> Texts:
+        return Texts(str(self.path), docs.offset, docs.size)
 
-    def lines(self, docs: Sequence[DocRef]) -> Iterator[bytes]:
+    def lines(self, docs: DocTable) -> Iterator[bytes]:
         """The output lines of `docs`, in that order."""
         with open(self.path, "rb") as f:
-            for doc in docs:
-                f.seek(doc.offset)
-                yield f.read(doc.size)
+            for lo in range(0, len(docs), _BLOCK):
+                for offset, size in zip(docs.offset[lo:lo + _BLOCK].tolist(), docs.size[lo:lo + _BLOCK].tolist()):
+                    f.seek(offset)
+                    yield f.read(size)
 
-    def doc(self, ref: DocRef) -> Doc:
+    def doc(self, docs: DocTable, row: int) -> Doc:
         """One document, whole: for a review sample of a drop."""
-        return json.loads(next(self.lines([ref])))
+        return json.loads(next(self.lines(docs.take(np.array([row])))))

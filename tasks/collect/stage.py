@@ -15,11 +15,12 @@ Every record read ends kept, dropped with a reason or quarantined: funnel.json's
 stage returns, and a gap fails it with the numbers (AccountingError).
 
 Memory: the corpus-level steps hold no texts. Merging writes each kept document's output line to
-a spool file (spool.py) and keeps a `DocRef` (id, source, where its line is, text bytes); the
-quality model reads texts back in batches (its training sample is capped), near dedup's workers
-read their own chunks and candidate pairs, decontamination streams them, and the shards are
-written by copying lines. What grows with the corpus is per document: its `DocRef` and exact-dedup
-hash and near dedup's signatures, band keys and index while it runs (sizes: docs/benchmarks.md).
+a spool file (spool.py) and keeps a row of a `DocTable` (128-bit text hash, source, where its line
+is, text bytes: numpy columns, 44 bytes a document); exact dedup sorts those hashes; the quality
+model reads texts back in batches (its training sample is capped); near dedup runs on the engine
+and spills to files (dedup.py), so the driver holds a flag a document and the candidate pairs;
+decontamination streams the texts, and the shards are written by copying lines (sizes:
+docs/benchmarks.md).
 
 Parallelism and resume: one work unit per part of an input file (a file larger than `unit_mb`
 splits into several: readers.split_file, computed on the engine as a WARC's needs a pass over it;
@@ -41,10 +42,12 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from core.decontam import DecontamConfig, build_index
 from core.decontam import drop_reason as contamination_reason
@@ -64,7 +67,6 @@ from tasks.collect.dedup import DedupIndex, near_dedup
 from tasks.collect.funnel import (
     NOT_IN_MIX,
     PREVIEW_CHARS,
-    DocRef,
     Funnel,
     check_accounting,
     flatten,
@@ -87,7 +89,7 @@ from tasks.collect.readers import (
     split_file,
 )
 from tasks.collect.records import ReadEvent, Skipped, quarantine_record
-from tasks.collect.spool import Spool
+from tasks.collect.spool import DocTable, Spool
 
 log = logging.getLogger("gristmill.collect")
 
@@ -238,18 +240,18 @@ def run_units(units: list[WorkUnit], units_dir: str | Path, engine: Engine) -> l
 
 # ---------------------------------------------------------------- corpus-level steps
 
-def text_hash(text: str) -> str:
-    """sha256 of the text lowercased with whitespace collapsed: the exact-dedup key."""
-    return hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()
+def text_hash(text: str) -> bytes:
+    """sha256 of the text lowercased with whitespace collapsed: the exact-dedup key (its first 8
+    bytes in hex are the document's id)."""
+    return hashlib.sha256(" ".join(text.lower().split()).encode()).digest()
 
 
 def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Funnel,
-          spool: Spool) -> list[DocRef]:
+          spool: Spool) -> DocTable:
     """Fold unit events in input order into the funnel, capping extracted docs per source across
-    its units; exact duplicates are dropped (the first occurrence wins). Kept documents go to
-    the spool, the returned references say where (the texts are not held)."""
-    docs: list[DocRef] = []
-    seen: set[bytes] = set()  # the 32-byte text hash of every distinct document
+    its units, and spool the kept documents; then drop exact duplicates (the first occurrence
+    wins), found by sorting the table's 128-bit text hashes. Returns the table of the distinct
+    documents (the texts are not held)."""
     cap = config.max_docs_per_source
     try:
         for unit, result in zip(units, results):
@@ -260,18 +262,25 @@ def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Fun
                 if event["reason"] != "kept":
                     continue
                 digest = text_hash(event["text"])
-                doc = {"id": digest[:16], "text": event["text"], "source": unit.source,
-                       "url": event["url"], "language": event["language"]}
-                key = bytes.fromhex(digest)
-                if key in seen:  # the first occurrence has the same id
-                    funnel.drop("exact_duplicates", doc, duplicate_of=doc["id"])
-                    continue
-                seen.add(key)
-                docs.append(spool.add(doc))
+                spool.add({"id": digest[:8].hex(), "text": event["text"], "source": unit.source,
+                           "url": event["url"], "language": event["language"]}, digest)
     finally:
-        spool.close()
+        docs = spool.close()
     _quarantine_empty_sources(config.sources, funnel)
-    return docs
+    first = first_occurrences(docs)
+    for row in np.flatnonzero(~first).tolist():  # the first occurrence has the same id
+        doc = spool.doc(docs, row)
+        funnel.drop("exact_duplicates", doc, duplicate_of=doc["id"])
+    return docs.take(first)
+
+
+def first_occurrences(docs: DocTable) -> np.ndarray:
+    """bool [n]: whether each row is the first with its 128-bit text hash."""
+    order = np.lexsort((np.arange(len(docs)), docs.hash_lo, docs.hash_hi))
+    hi, lo = docs.hash_hi[order], docs.hash_lo[order]
+    first = np.zeros(len(docs), bool)
+    first[order] = np.r_[True, (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])][:len(docs)]
+    return first
 
 
 def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
@@ -292,26 +301,25 @@ def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
                                   "source": source, "sample": json.dumps(why)})
 
 
-def apply_quality_model(docs: list[DocRef], spool: Spool, cfg: QualityConfig, out_dir: Path,
-                        funnel: Funnel) -> tuple[list[DocRef], dict[str, float]]:
+def apply_quality_model(docs: DocTable, spool: Spool, cfg: QualityConfig, out_dir: Path,
+                        funnel: Funnel) -> tuple[DocTable, dict[str, float]]:
     """Train reference-vs-crawl, save the model, drop docs whose cross-fit score (from a model
     that did not train on them) is below the threshold."""
     positives = load_reference_texts(cfg.reference, cfg.max_train_docs, cfg.seed)
     crawl = spool.texts(docs)
     model, metrics = train_quality_model(positives, crawl, cfg)
     model.save(out_dir / "quality_model")
-    kept = []
-    for doc, score in zip(docs, cross_fit_scores(positives, crawl, cfg)):
+    keep = np.ones(len(docs), bool)
+    for row, score in enumerate(cross_fit_scores(positives, crawl, cfg)):
         reason = quality_reason(float(score), cfg)
-        if reason is None:
-            kept.append(doc)
-        else:
-            funnel.drop(f"dropped_{reason}", spool.doc(doc), score=round(float(score), 4))
-    return kept, {f"quality_model_{k}": v for k, v in metrics.items()}
+        if reason is not None:
+            keep[row] = False
+            funnel.drop(f"dropped_{reason}", spool.doc(docs, row), score=round(float(score), 4))
+    return docs.take(keep), {f"quality_model_{k}": v for k, v in metrics.items()}
 
 
-def apply_near_dedup(docs: list[DocRef], spool: Spool, config: Config, engine: Engine,
-                     out_dir: Path, funnel: Funnel) -> tuple[list[DocRef], dict[str, int]]:
+def apply_near_dedup(docs: DocTable, spool: Spool, config: Config, engine: Engine,
+                     out_dir: Path, funnel: Funnel) -> tuple[DocTable, dict[str, int]]:
     index = None
     if config.dedup_index_from:
         index_dir = Path(config.dedup_index_from) / DEDUP_INDEX_DIR
@@ -320,33 +328,33 @@ def apply_near_dedup(docs: list[DocRef], spool: Spool, config: Config, engine: E
         except ValueError:
             location = str(index_dir)
         index = DedupIndex.load(index_dir, location)
-    result = near_dedup(spool.texts(docs), config.dedup, engine, index, ids=[d.id for d in docs],
+    result = near_dedup(spool.texts(docs), config.dedup, engine, index, ids=docs.ids,
                         work_dir=worker_dir(engine, out_dir / NEAR_DEDUP_DIR),
                         index_dir=out_dir / DEDUP_INDEX_DIR)
-    for position, survivor in zip(result.removed.tolist(), result.survivor):
-        funnel.drop("near_duplicates", spool.doc(docs[position]), duplicate_of=survivor)
-    removed = set(result.removed.tolist())
-    return [d for i, d in enumerate(docs) if i not in removed], \
+    for row, survivor in zip(result.removed.tolist(), result.survivor):
+        funnel.drop("near_duplicates", spool.doc(docs, row), duplicate_of=survivor)
+    keep = np.ones(len(docs), bool)
+    keep[result.removed] = False
+    return docs.take(keep), \
         {f"near_dedup_{k}": v for k, v in result.counts().items()}
 
 
-def apply_decontamination(docs: list[DocRef], spool: Spool, cfg: DecontamConfig, out_dir: Path,
-                          funnel: Funnel) -> list[DocRef]:
+def apply_decontamination(docs: DocTable, spool: Spool, cfg: DecontamConfig, out_dir: Path,
+                          funnel: Funnel) -> DocTable:
     index = build_index(cfg)
-    kept = []
-    for doc, text in zip(docs, spool.texts(docs)):
+    keep = np.ones(len(docs), bool)
+    for row, text in enumerate(spool.texts(docs)):
         matches = index.find(text)
-        index.record(doc.id, matches)
+        index.record(docs.id(row), matches)
         reason = contamination_reason(matches)
-        if reason is None:
-            kept.append(doc)
-            continue
-        funnel.drop(f"dropped_{reason}", spool.doc(doc), matches=[list(m) for m in matches[:10]])
+        if reason is not None:
+            keep[row] = False
+            funnel.drop(f"dropped_{reason}", spool.doc(docs, row), matches=[list(m) for m in matches[:10]])
     (out_dir / "decontamination.json").write_text(json.dumps(index.report(), indent=2) + "\n")
-    return kept
+    return docs.take(keep)
 
 
-def write_shards(docs: Sequence[DocRef], spool: Spool, docs_dir: Path, docs_per_shard: int) -> int:
+def write_shards(docs: DocTable, spool: Spool, docs_dir: Path, docs_per_shard: int) -> int:
     """docs/part-%05d.jsonl.gz, each document's line copied from the spool; gzip mtime fixed at
     0 so equal docs give byte-identical files."""
     if docs_dir.exists():  # left by an interrupted earlier attempt
@@ -354,8 +362,8 @@ def write_shards(docs: Sequence[DocRef], spool: Spool, docs_dir: Path, docs_per_
     docs_dir.mkdir(parents=True)
     n_shards = 0
     for n_shards, start in enumerate(range(0, len(docs), docs_per_shard), start=1):
-        shard = docs[start:start + docs_per_shard]
-        ensure_free_space(docs_dir, sum(d.size for d in shard), "a document shard")  # gzip only shrinks it
+        shard = docs.take(np.arange(start, min(start + docs_per_shard, len(docs))))
+        ensure_free_space(docs_dir, int(shard.size.sum()), "a document shard")  # gzip only shrinks it
         with (open(docs_dir / f"part-{n_shards - 1:05d}.jsonl.gz", "wb") as raw,
               gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f):
             for line in spool.lines(shard):  # deflate's output does not depend on the pieces
@@ -390,12 +398,13 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
         funnel.step_docs("decontamination", docs)
     if not docs:
         raise NothingSurvived("no documents survived the filters; loosen the filter thresholds")
-    by_source: dict[str, list[DocRef]] = {}
-    for doc in docs:
-        by_source.setdefault(doc.source, []).append(doc)
-    picks, mix_record = mix_sizes({source: [d.text_bytes for d in refs]
-                                   for source, refs in by_source.items()}, config.mix)
-    mixed = [by_source[source][i] for source, i in picks]
+    rows_of = {name: np.flatnonzero(docs.source == code) for code, name in enumerate(docs.sources)}
+    rows_of = {name: rows for name, rows in rows_of.items() if len(rows)}
+    names, picks, mix_record = mix_sizes({name: docs.text_bytes[rows] for name, rows in rows_of.items()},
+                                         config.mix)
+    rows = np.concatenate([np.zeros(0, np.int64)] + [rows_of[name] for name in names])
+    starts = np.cumsum([0] + [len(rows_of[name]) for name in names])
+    mixed = docs.take(rows[starts[picks[:, 0]] + picks[:, 1]])
     funnel.drop_missing(NOT_IN_MIX, docs, mixed, spool.doc)
     docs = mixed
     funnel.step_docs("mix", docs)

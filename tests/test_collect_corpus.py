@@ -161,15 +161,21 @@ def test_decontamination_removes_benchmark_text_and_reports_it(shared_data, tmp_
     item = json.loads(next(gsm8k.glob("*.jsonl")).open().readline())
     originals = _originals(shared_data, 4)
     leaked = originals[0] + "\n\nPractice problem: " + item["question"] + "\n" + originals[1][:400]
-    path = _write_jsonl(tmp_path / "docs.jsonl", [leaked, *originals[2:]])
+    path = _write_jsonl(tmp_path / "docs.jsonl", [leaked, *originals[2:], leaked])
     result = _run(tmp_path / "out", sources=[str(path)],
                   decontam={"eval_sets": [str(gsm8k)]}, near_dedup=False)
-    assert result.stats["dropped_benchmark_contamination"] == 1
+    # checked in the work units, before exact dedup: both copies are contamination
+    assert result.stats["dropped_benchmark_contamination"] == 2 and result.stats["exact_duplicates"] == 0
     assert len(_docs(tmp_path / "out")) == 2
     assert _accounting(tmp_path / "out", result.stats)["dropped"] == \
-        {"dropped_benchmark_contamination": 1}
+        {"dropped_benchmark_contamination": 2}
+    funnel = json.loads((tmp_path / "out" / "funnel.json").read_text())
+    assert [s["step"] for s in funnel["steps"]][-4:] == ["quality_heuristics", "decontamination", "exact_dedup", "mix"]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "review" / "dropped.jsonl").open()]
+    leaks = [r for r in rows if r["reason"] == "dropped_benchmark_contamination"]
+    assert len(leaks) == 2 and all(m[0] == "gsm8k" for r in leaks for m in r["matches"])
     report = json.loads((tmp_path / "out" / "decontamination.json").read_text())
-    assert report["documents_checked"] == 3 and report["documents_flagged"] == 1
+    assert report["documents_checked"] == 4 and report["documents_flagged"] == 1  # one text, twice
     gsm = next(b for name, b in report["benchmarks"].items() if "gsm8k" in name)
     assert gsm["items_found"] == 1 and len(gsm["found"]) == 1
 

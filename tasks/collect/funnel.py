@@ -1,8 +1,8 @@
 """The collect stage's funnel: every record's fate, counted in total and per source, and samples
 of what each step removed, kept for review.
 
-Record-level events (read, extracted, URL, language, heuristic filters) come from the work units;
-corpus-level steps (quality model, exact and near dedup, decontamination, mixing) are added by
+Record-level events (read, extracted, URL, language, heuristic filters, decontamination) come from
+the work units; corpus-level steps (exact dedup, quality model, near dedup, mixing) are added by
 the stage as it applies them. `report()` is `funnel.json`: the steps in order with documents and
 bytes after each, reasons grouped by kind, languages, per-source counts, and `accounting`.
 
@@ -19,9 +19,9 @@ in total and per source,
 - kept: distinct documents in the output (a document the mix repeats counts once; `docs_out`
   counts the repeats).
 - dropped: by reason, every record that is neither kept nor quarantined: record-level drops
-  (`dropped_*` of the cleaning chain, `skipped_*` non-documents) and corpus-level ones (exact and
-  near duplicates, quality model, decontamination, and `dropped_not_in_mix` for documents the
-  mix did not take).
+  (`dropped_*` of the cleaning chain and decontamination, `skipped_*` non-documents) and
+  corpus-level ones (exact and near duplicates, quality model, and `dropped_not_in_mix` for
+  documents the mix did not take).
 - quarantined: by reason, records whose event carries a sample for review/quarantine.jsonl
   (`error_*` per record, `skipped_binary`).
 """
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from core.decontam import DROP_REASON as CONTAMINATED
 from tasks.collect.records import FILE_LEVEL_ERRORS
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ def is_extracted(reason: str) -> bool:
 
 def record_step(reason: str) -> str:
     """The record-level step a drop reason belongs to."""
+    if reason == f"dropped_{CONTAMINATED}":
+        return "decontamination"
     if reason.startswith("dropped_url"):
         return "url_filter"
     if reason.startswith("dropped_language"):
@@ -68,7 +71,7 @@ def record_step(reason: str) -> str:
     return "quality_heuristics"
 
 
-RECORD_STEPS = ("url_filter", "language", "quality_heuristics")
+RECORD_STEPS = ("url_filter", "language", "quality_heuristics", "decontamination")
 
 
 def text_bytes(text: str) -> int:
@@ -118,8 +121,9 @@ class Funnel:
         if "quarantine" in event:
             self._sample(self.quarantine, {**event["quarantine"], "source": source}, reason)
         if "preview" in event:
+            detail = {"matches": event["matches"][:10]} if "matches" in event else {}
             self._sample(self.review, {"reason": reason, "source": source, "url": event.get("url"),
-                                       "preview": event["preview"]}, reason)
+                                       **detail, "preview": event["preview"]}, reason)
 
     def drop(self, reason: str, doc: Doc, **detail: Any) -> None:
         """A corpus-level decision that removed `doc` (reason already prefixed, e.g. dropped_...)."""
@@ -144,12 +148,13 @@ class Funnel:
             self.counts[key] += 1
             sink.append(row)
 
-    def record_steps(self) -> None:
-        """Append read → extracted → each record-level filter, from the event counts."""
+    def record_steps(self, decontaminated: bool = False) -> None:
+        """Append read → extracted → each record-level filter, from the event counts
+        (decontamination only when it ran)."""
         docs, nbytes = self.counts["docs_in"], self.extracted_bytes
         self.step("records_read", self.counts["records_read"], self.counts["bytes_in"])
         self.step("extracted", docs, nbytes)
-        for step in RECORD_STEPS:
+        for step in RECORD_STEPS[:None if decontaminated else -1]:
             docs -= sum(n for k, n in self.counts.items()
                         if k.startswith("dropped_") and record_step(k) == step)
             nbytes -= self.dropped_bytes[step]

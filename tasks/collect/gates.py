@@ -25,7 +25,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.decontam import DROP_REASON as CONTAMINATED
 from tasks.collect.funnel import NOT_IN_MIX, record_step
 from tasks.collect.quality_model import DROP_REASON as LOW_QUALITY
 
@@ -45,8 +44,8 @@ class GatesConfig(BaseModel):
                     "filtered to one language typically 0.8-0.9.")
     max_removed_fraction_per_step: float | None = Field(
         0.95, ge=0, le=1,
-        description="Per funnel step after extraction (url_filter, language, quality_heuristics, exact_dedup, "
-                    "quality_model, near_dedup, decontamination, mix): the most of the documents it is given that "
+        description="Per funnel step after extraction (url_filter, language, quality_heuristics, decontamination, "
+                    "exact_dedup, quality_model, near_dedup, mix): the most of the documents it is given that "
                     "it may remove. The tiny preset's largest is 0.31 (quality_heuristics).")
     max_reason_fraction: float | None = Field(
         0.9, ge=0, le=1,
@@ -99,7 +98,7 @@ class Trip:
 def step_of(reason: str) -> str:
     """The funnel step a drop reason belongs to."""
     corpus = {"exact_duplicates": "exact_dedup", "near_duplicates": "near_dedup", NOT_IN_MIX: "mix",
-              f"dropped_{LOW_QUALITY}": "quality_model", f"dropped_{CONTAMINATED}": "decontamination"}
+              f"dropped_{LOW_QUALITY}": "quality_model"}
     return corpus.get(reason) or record_step(reason)
 
 

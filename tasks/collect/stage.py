@@ -5,11 +5,10 @@ Funnel, each step a counted decision (funnel.json, review/ samples of what each 
   read records (readers.py; non-documents skipped by type, corrupt input quarantined)
   → extract main text (trafilatura) and repair Unicode (ftfy)
   → URL block list → language ID → Gopher quality/repetition, FineWeb, C4 → PII scrub
-    (cleaning.py, per record, in the work units)
+    (cleaning.py) → benchmark decontamination (core/decontam.py), per record, in the work units
   → exact dedup on normalized text → model-based quality score (quality_model.py)
-  → MinHash-LSH near-dedup (dedup.py) → benchmark decontamination (decontam.py)
-  → per-source mixing (mixing.py) → `docs/part-%05d.jsonl.gz` with
-    {"id", "text", "source", "url", "language"}.
+  → MinHash-LSH near-dedup (dedup.py) → per-source mixing (mixing.py)
+  → `docs/part-%05d.jsonl.gz` with {"id", "text", "source", "url", "language"}.
 Every record read ends kept, dropped with a reason or quarantined: funnel.json's `accounting`
 (in = kept + dropped + quarantined, in total and per source; funnel.py) is checked before the
 stage returns, and a gap fails it with the numbers (AccountingError).
@@ -19,8 +18,7 @@ a spool file (spool.py) and keeps a row of a `DocTable` (128-bit text hash, sour
 is, text bytes: numpy columns, 44 bytes a document); exact dedup sorts those hashes; the quality
 model reads texts back in batches (its training sample is capped); near dedup runs on the engine
 and spills to files (dedup.py), so the driver holds a flag a document and the candidate pairs;
-decontamination streams the texts, and the shards are written by copying lines (sizes:
-docs/benchmarks.md).
+the shards are written by copying lines (sizes: docs/benchmarks.md).
 
 Parallelism and resume: one work unit per part of an input file (a file larger than `unit_mb`
 splits into several: readers.split_file, computed on the engine as a WARC's needs a pass over it;
@@ -49,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from core.decontam import DecontamConfig, build_index
+from core.decontam import DecontamConfig, DecontamIndex, build_index
 from core.decontam import drop_reason as contamination_reason
 from core.files import ensure_free_space, is_url, iter_jsonl, names_in, publish_file, remove_tree
 from core.sources import file_size, parse_source
@@ -184,16 +182,34 @@ def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
     if text is None:
         return {"reason": "skipped_no_text", "nbytes": item.nbytes}
     outcome = clean_document(text, item.url, config)
-    event = {"reason": "kept" if outcome.kept else f"dropped_{outcome.reason}",
+    matches = contamination(outcome.text, config.decontam) if outcome.kept else []
+    reason = contamination_reason(matches) if matches else outcome.reason
+    event = {"reason": "kept" if reason is None else f"dropped_{reason}",
              "nbytes": item.nbytes, "text_bytes": text_bytes(text), "url": item.url,
              "language": outcome.language}
     if outcome.pii_counts:
         event["pii"] = outcome.pii_counts
-    if outcome.kept:
+    if matches:  # for decontamination.json: which items, in which document
+        event["matches"] = [list(m) for m in matches]
+        event["id"] = text_hash(outcome.text)[:8].hex()
+    if reason is None:
         event["text"] = outcome.text
     else:
         event["preview"] = text[:PREVIEW_CHARS]
     return event
+
+
+_DECONTAM_INDEXES: dict[str, DecontamIndex] = {}  # per process: built once, by the first unit
+
+
+def contamination(text: str, cfg: DecontamConfig) -> list[tuple[str, str]]:
+    """The benchmark items `text` overlaps (none when no eval sets are configured)."""
+    if not cfg.eval_sets:
+        return []
+    key = cfg.model_dump_json()
+    if key not in _DECONTAM_INDEXES:
+        _DECONTAM_INDEXES[key] = build_index(cfg)
+    return _DECONTAM_INDEXES[key].find(text)
 
 
 def unit_result_path(units_dir: str | Path, unit: WorkUnit) -> str:
@@ -247,10 +263,11 @@ def text_hash(text: str) -> bytes:
 
 
 def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Funnel,
-          spool: Spool) -> DocTable:
-    """Fold unit events in input order into the funnel, capping extracted docs per source across
-    its units, and spool the kept documents; then drop exact duplicates (the first occurrence
-    wins), found by sorting the table's 128-bit text hashes. Returns the table of the distinct
+          spool: Spool, decontam: DecontamIndex | None = None) -> DocTable:
+    """Fold unit events in input order into the funnel (and the documents the units checked for
+    contamination into `decontam`'s report), capping extracted docs per source across its
+    units, and spool the kept documents; then drop exact duplicates (the first occurrence wins),
+    found by sorting the table's 128-bit text hashes. Returns the table of the distinct
     documents (the texts are not held)."""
     cap = config.max_docs_per_source
     try:
@@ -259,6 +276,8 @@ def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Fun
                 if cap is not None and funnel.source(unit.source)["docs_in"] >= cap:
                     break
                 funnel.add_event(unit.source, event)
+                if decontam is not None and (event["reason"] == "kept" or "matches" in event):
+                    decontam.record(event.get("id", ""), [tuple(m) for m in event.get("matches", [])])
                 if event["reason"] != "kept":
                     continue
                 digest = text_hash(event["text"])
@@ -339,21 +358,6 @@ def apply_near_dedup(docs: DocTable, spool: Spool, config: Config, engine: Engin
         {f"near_dedup_{k}": v for k, v in result.counts().items()}
 
 
-def apply_decontamination(docs: DocTable, spool: Spool, cfg: DecontamConfig, out_dir: Path,
-                          funnel: Funnel) -> DocTable:
-    index = build_index(cfg)
-    keep = np.ones(len(docs), bool)
-    for row, text in enumerate(spool.texts(docs)):
-        matches = index.find(text)
-        index.record(docs.id(row), matches)
-        reason = contamination_reason(matches)
-        if reason is not None:
-            keep[row] = False
-            funnel.drop(f"dropped_{reason}", spool.doc(docs, row), matches=[list(m) for m in matches[:10]])
-    (out_dir / "decontamination.json").write_text(json.dumps(index.report(), indent=2) + "\n")
-    return docs.take(keep)
-
-
 def write_shards(docs: DocTable, spool: Spool, docs_dir: Path, docs_per_shard: int) -> int:
     """docs/part-%05d.jsonl.gz, each document's line copied from the spool; gzip mtime fixed at
     0 so equal docs give byte-identical files."""
@@ -380,8 +384,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     units_dir = worker_dir(engine, out_dir / UNITS_DIR)
     results = run_units(units, units_dir, engine)
     spool = Spool(out_dir / SPOOL_FILE)
-    docs = merge(units, results, config, funnel, spool)
-    funnel.record_steps()
+    decontam = build_index(config.decontam) if config.decontam.eval_sets else None  # for its report
+    docs = merge(units, results, config, funnel, spool, decontam)
+    funnel.record_steps(decontaminated=decontam is not None)
     funnel.step_docs("exact_dedup", docs)
     stats: dict[str, Any] = {}
     if config.quality.enabled:
@@ -393,9 +398,6 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
         stats.update(dedup_stats)
         funnel.counts["near_duplicates"] = dedup_stats["near_dedup_near_duplicates"]
         funnel.step_docs("near_dedup", docs)
-    if config.decontam.eval_sets:
-        docs = apply_decontamination(docs, spool, config.decontam, out_dir, funnel)
-        funnel.step_docs("decontamination", docs)
     if not docs:
         raise NothingSurvived("no documents survived the filters; loosen the filter thresholds")
     rows_of = {name: np.flatnonzero(docs.source == code) for code, name in enumerate(docs.sources)}
@@ -412,6 +414,8 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     report = funnel.report()
     report["accounting"] = funnel.accounting(docs)
     report["shards"] = write_shards(docs, spool, out_dir / "docs", config.docs_per_shard)
+    if decontam is not None:
+        (out_dir / "decontamination.json").write_text(json.dumps(decontam.report(), indent=2) + "\n")
     (out_dir / "funnel.json").write_text(json.dumps(report, indent=2) + "\n")
     check_accounting(report["accounting"])  # after funnel.json, which shows where it went wrong
     artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]

@@ -27,6 +27,7 @@ import tasks.collect.stage as collect
 from core.stage import SerialEngine
 from infra.artifacts import ArtifactStore
 from infra.remote_store import Holder, RemoteStore
+from tasks.collect.spool import Texts
 
 FILES = {"warc/a.warc.gz": "warc/dolma_wget/sample-0000.warc.gz",
          "warc/b.warc.gz": "warc/dolma_wget/sample-0001.warc.gz",
@@ -155,7 +156,11 @@ class OnTheBucket(KilledAfter):
 
     def __init__(self, prefix: str, local_root: Path, n: int | None = None):
         super().__init__(n)
-        self.prefix, self.local_root = prefix, local_root
+        self.prefix, self.local_root, self.jobs = prefix, local_root, []
+
+    def map(self, fn, items):
+        self.jobs.extend(items)
+        return super().map(fn, items)
 
     def worker_dirs(self, local: Path) -> str:
         return f"s3://crawl/{self.prefix}/{local.relative_to(self.local_root).as_posix()}"
@@ -164,7 +169,8 @@ class OnTheBucket(KilledAfter):
 def test_collects_units_on_the_bucket_resume_on_another_machine(s3_server, shared_data, tmp_path):
     """Work-unit results go to the bucket, never to the machine's partial folder; a run killed
     after 3 units is resumed by another machine (another local folder) from those 3, and the
-    output is a local run's, byte for byte; the units are removed once the output is written."""
+    output is a local run's, byte for byte; near dedup's workers read the kept texts from a copy on
+    the bucket; the units and that copy are removed once the output is written."""
     local = [str(p) for p in _upload(shared_data, "units", tmp_path / "local")]
     config = collect.Config(sources=local, unit_mb=UNIT_MB)
     n_units = len(collect.plan_units(config, tmp_path))
@@ -178,6 +184,8 @@ def test_collects_units_on_the_bucket_resume_on_another_machine(s3_server, share
     resumed = OnTheBucket("units-store", tmp_path / "two")
     result = collect.run(config, second, engine=resumed)
     assert resumed.units == n_units - 3 and n_units > 6
+    signature_jobs = [job for job in resumed.jobs if isinstance(job[0], Texts)]
+    assert signature_jobs and all(job[0].path.startswith("s3://crawl/units-store/") for job in signature_jobs)
     plain = _run(local, tmp_path / "plain")
     assert result.stats == plain.stats
     assert (second / "docs").exists() and all(

@@ -12,6 +12,7 @@ so an engine worker reads its own chunk of the corpus. The shards are written by
 from __future__ import annotations
 
 import json
+import shutil
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from core.files import open_location, publish_file
 from tasks.collect.funnel import Doc, text_bytes
 
 _BLOCK = 65_536  # documents whose positions are turned into Python numbers at once
@@ -45,7 +47,7 @@ class Texts(Sequence[str]):
         return Texts(self.path, self.offsets[positions], self.sizes[positions])
 
     def __iter__(self) -> Iterator[str]:
-        with open(self.path, "rb") as f:
+        with open_location(self.path) as f:
             for lo in range(0, len(self), _BLOCK):  # no list of every document's numbers at once
                 for offset, size in zip(self.offsets[lo:lo + _BLOCK].tolist(),
                                         self.sizes[lo:lo + _BLOCK].tolist()):
@@ -112,6 +114,7 @@ class Spool:
         self._out = open(self.path, "wb")  # noqa: SIM115 (a writer open across merge; close())
         self._end = 0
         self._sources: dict[str, int] = {}
+        self.readable_at = str(self.path)  # where engine workers read the texts (`share`)
         self._columns = {name: array("Q" if name.startswith("hash") else "q") for name in _COLUMNS}
 
     def add(self, doc: Doc, digest: bytes) -> None:
@@ -132,8 +135,18 @@ class Spool:
         columns["source"] = columns["source"].astype(np.int32)
         return DocTable(sources=tuple(self._sources), **columns)
 
+    def share(self, location: str) -> None:
+        """After `close`: workers read the texts from a copy at `location` (a URL on the artifact
+        store's bucket, when they share no disk with this machine)."""
+        if location != str(self.path):
+            copy = self.path.with_suffix(".upload")
+            shutil.copyfile(self.path, copy)
+            publish_file(copy, location)
+            self.readable_at = location
+
     def texts(self, docs: DocTable) -> Texts:
-        return Texts(str(self.path), docs.offset, docs.size)
+        """The texts of `docs`, lazily, where engine workers can read them."""
+        return Texts(self.readable_at, docs.offset, docs.size)
 
     def lines(self, docs: DocTable) -> Iterator[bytes]:
         """The output lines of `docs`, in that order."""

@@ -386,6 +386,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     spool = Spool(out_dir / SPOOL_FILE)
     decontam = build_index(config.decontam) if config.decontam.eval_sets else None  # for its report
     docs = merge(units, results, config, funnel, spool, decontam)
+    spool.share(worker_dir(engine, out_dir / SPOOL_FILE))
     funnel.record_steps(decontaminated=decontam is not None)
     funnel.step_docs("exact_dedup", docs)
     stats: dict[str, Any] = {}
@@ -421,9 +422,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]
     if config.decontam.eval_sets:
         artifacts.append("decontamination.json")
-    for spill in (units_dir, worker_dir(engine, out_dir / NEAR_DEDUP_DIR)):
+    for spill in (units_dir, worker_dir(engine, out_dir / NEAR_DEDUP_DIR), spool.readable_at):
         remove_tree(spill)  # the committed output is docs/; these only serve resume
-    (out_dir / SPOOL_FILE).unlink()
+    (out_dir / SPOOL_FILE).unlink(missing_ok=True)
     shutil.rmtree(out_dir / DOWNLOADS_DIR, ignore_errors=True)
     last = report["steps"][-1]
     log.info("collect: kept %d docs, %.2f MB (%s); records %s", last["docs"], last["bytes"] / 1e6,

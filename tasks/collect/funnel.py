@@ -29,20 +29,62 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from core.decontam import DROP_REASON as CONTAMINATED
 from tasks.collect.records import FILE_LEVEL_ERRORS
 
-if TYPE_CHECKING:
-    from tasks.collect.spool import DocTable
-
 PREVIEW_CHARS = 500  # of a dropped document's text in review/dropped.jsonl
 Doc = dict[str, Any]  # {"id", "text", "source", "url", "language"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DocTable:
+    """Spooled documents, a numpy column each; rows are selected with `take`."""
+
+    sources: tuple[str, ...]  # the source names `source` indexes
+    hash_hi: np.ndarray  # uint64: the first 64 bits of the text hash; the id is them in hex
+    hash_lo: np.ndarray  # uint64: the next 64
+    source: np.ndarray  # int32
+    offset: np.ndarray  # int64: of the output line in the spool file
+    size: np.ndarray  # int64: bytes of that line
+    text_bytes: np.ndarray  # int64: of the text, UTF-8
+
+    def __len__(self) -> int:
+        return len(self.hash_hi)
+
+    def take(self, rows: np.ndarray) -> DocTable:
+        """The rows at positions (or where a mask is True), in that order."""
+        return DocTable(sources=self.sources, **{name: getattr(self, name)[rows] for name in COLUMNS})
+
+    def id(self, row: int) -> str:
+        return f"{int(self.hash_hi[row]):016x}"
+
+    @property
+    def ids(self) -> Sequence[str]:
+        """The documents' ids, made when asked for (nothing held per document)."""
+        return _Ids(self.hash_hi)
+
+
+COLUMNS = ("hash_hi", "hash_lo", "source", "offset", "size", "text_bytes")
+
+
+class _Ids(Sequence[str]):
+    def __init__(self, hash_hi: np.ndarray):
+        self.hash_hi = hash_hi
+
+    def __len__(self) -> int:
+        return len(self.hash_hi)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [f"{h:016x}" for h in self.hash_hi[i].tolist()]
+        return f"{int(self.hash_hi[i]):016x}"
 
 
 # Quarantined entries that stand for a source, not for a record (see the module docstring).

@@ -15,14 +15,13 @@ import json
 import shutil
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from core.files import open_location, publish_file
-from tasks.collect.funnel import Doc, text_bytes
+from tasks.collect.funnel import COLUMNS, Doc, DocTable, text_bytes
 
 _BLOCK = 65_536  # documents whose positions are turned into Python numbers at once
 
@@ -62,50 +61,6 @@ def take(texts: Sequence[str], positions: Sequence[int] | np.ndarray) -> Sequenc
     return [texts[i] for i in positions]
 
 
-@dataclass(frozen=True, kw_only=True)
-class DocTable:
-    """Spooled documents, a numpy column each; rows are selected with `take`."""
-
-    sources: tuple[str, ...]  # the source names `source` indexes
-    hash_hi: np.ndarray  # uint64: the first 64 bits of the text hash; the id is them in hex
-    hash_lo: np.ndarray  # uint64: the next 64
-    source: np.ndarray  # int32
-    offset: np.ndarray  # int64: of the output line in the spool file
-    size: np.ndarray  # int64: bytes of that line
-    text_bytes: np.ndarray  # int64: of the text, UTF-8
-
-    def __len__(self) -> int:
-        return len(self.hash_hi)
-
-    def take(self, rows: np.ndarray) -> DocTable:
-        """The rows at positions (or where a mask is True), in that order."""
-        return DocTable(sources=self.sources, **{name: getattr(self, name)[rows] for name in _COLUMNS})
-
-    def id(self, row: int) -> str:
-        return f"{int(self.hash_hi[row]):016x}"
-
-    @property
-    def ids(self) -> Sequence[str]:
-        """The documents' ids, made when asked for (nothing held per document)."""
-        return _Ids(self.hash_hi)
-
-
-_COLUMNS = ("hash_hi", "hash_lo", "source", "offset", "size", "text_bytes")
-
-
-class _Ids(Sequence[str]):
-    def __init__(self, hash_hi: np.ndarray):
-        self.hash_hi = hash_hi
-
-    def __len__(self) -> int:
-        return len(self.hash_hi)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [f"{h:016x}" for h in self.hash_hi[i].tolist()]
-        return f"{int(self.hash_hi[i]):016x}"
-
-
 class Spool:
     """Document lines appended to `path` by `add`; `close` gives the table to read them back by."""
 
@@ -115,7 +70,7 @@ class Spool:
         self._end = 0
         self._sources: dict[str, int] = {}
         self.readable_at = str(self.path)  # where engine workers read the texts (`share`)
-        self._columns = {name: array("Q" if name.startswith("hash") else "q") for name in _COLUMNS}
+        self._columns = {name: array("Q" if name.startswith("hash") else "q") for name in COLUMNS}
 
     def add(self, doc: Doc, digest: bytes) -> None:
         """One document, `digest` its 16-byte (or longer) text hash."""

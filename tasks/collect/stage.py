@@ -65,6 +65,7 @@ from tasks.collect.dedup import DedupIndex, near_dedup
 from tasks.collect.funnel import (
     NOT_IN_MIX,
     PREVIEW_CHARS,
+    DocTable,
     Funnel,
     check_accounting,
     flatten,
@@ -87,7 +88,7 @@ from tasks.collect.readers import (
     split_file,
 )
 from tasks.collect.records import ReadEvent, Skipped, quarantine_record
-from tasks.collect.spool import DocTable, Spool
+from tasks.collect.spool import Spool
 
 log = logging.getLogger("gristmill.collect")
 

@@ -71,17 +71,22 @@ def is_url(location: str | Path) -> bool:
     return "://" in str(location)
 
 
-def publish_file(finished: Path, dest: str) -> None:
+def publish_file(finished: Path, dest: str, *, keep: bool = False) -> None:
     """Put the finished local file at `dest` whole: renamed on a local disk, uploaded in one request
-    to a URL (an object appears only once complete; object stores have no rename)."""
+    to a URL (an object appears only once complete; object stores have no rename). `keep`: leave
+    the local file where it is (a copy goes to `dest`)."""
     if not is_url(dest):
+        if keep:
+            shutil.copyfile(finished, f"{dest}.tmp")
+            finished = Path(f"{dest}.tmp")
         Path(finished).replace(dest)
         return
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(dest)
     fs.put_file(str(finished), path)
-    Path(finished).unlink()
+    if not keep:
+        Path(finished).unlink()
 
 
 def fetch_file(location: str, dest: Path) -> None:

@@ -12,7 +12,6 @@ so an engine worker reads its own chunk of the corpus. The shards are written by
 from __future__ import annotations
 
 import json
-import shutil
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -94,9 +93,7 @@ class Spool:
         """After `close`: workers read the texts from a copy at `location` (a URL on the artifact
         store's bucket, when they share no disk with this machine)."""
         if location != str(self.path):
-            copy = self.path.with_suffix(".upload")
-            shutil.copyfile(self.path, copy)
-            publish_file(copy, location)
+            publish_file(self.path, location, keep=True)
             self.readable_at = location
 
     def texts(self, docs: DocTable) -> Texts:

@@ -20,3 +20,17 @@ class KilledAfter(SerialEngine):
             super().map(fn, items[: self.n])
             raise RuntimeError("worker killed")
         return super().map(fn, items)
+
+
+def spooled_table(path, texts, source: str = "s"):
+    """`texts` spooled to one file as a work unit spools its kept documents, and their table."""
+    from tasks.collect.spool import SpoolWriter, TableBuilder
+
+    table = TableBuilder()
+    with open(path, "wb") as f:
+        spool = SpoolWriter(f)
+        for i, text in enumerate(texts):
+            offset, size = spool.add({"id": f"{i:016x}", "text": text, "source": source, "url": None,
+                                      "language": "en"})
+            table.add(source, i.to_bytes(16, "big"), 0, offset, size, len(text.encode()))
+    return table.table([str(path)])

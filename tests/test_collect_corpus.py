@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from collect_helpers import spooled_table
 from test_common_crawl import CRAWL, server  # noqa: F401 (fixture)
 
 import tasks.collect.stage as collect
@@ -261,13 +262,9 @@ def test_shard_writes_check_free_space_first(tmp_path, monkeypatch):
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage._replace(free=100))
-    spool = collect.Spool(tmp_path / "kept.jsonl")
-    for i in range(3):
-        spool.add({"id": str(i), "text": "word " * 100, "source": "s", "url": "", "language": "en"},
-                  bytes([i]) * 16)
-    docs = spool.close()
+    docs = spooled_table(tmp_path / "kept.jsonl", ["word " * 100] * 3)
     with pytest.raises(files.DiskSpaceError, match=r"a document shard in .*docs: needs about"):
-        collect.write_shards(docs, spool, tmp_path / "docs", 2)
+        collect.write_shards(docs, tmp_path / "docs", 2, SerialEngine())
     assert not list((tmp_path / "docs").glob("*.gz"))
 
 

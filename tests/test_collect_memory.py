@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from collect_helpers import spooled_table
 
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
@@ -75,7 +76,6 @@ def test_near_dedup_holds_no_signatures_in_the_driver(tmp_path):
     import random
 
     from tasks.collect.dedup import DedupConfig, near_dedup
-    from tasks.collect.spool import Spool
 
     n, cfg = 30_000, DedupConfig(chunk_docs=128)  # 235 chunks
     rng = random.Random(0)
@@ -83,11 +83,7 @@ def test_near_dedup_holds_no_signatures_in_the_driver(tmp_path):
     texts = [" ".join(rng.choices(vocab, k=150)) for _ in range(n)]
     for i in range(0, n, 10):
         texts[i + 1] = texts[i] + " and one more word"  # a near-duplicate family every ten
-    spool = Spool(tmp_path / "kept.jsonl")  # as the stage hands them over: spooled
-    for i, text in enumerate(texts):
-        spool.add({"id": f"{i:016x}", "text": text, "source": "s", "url": None, "language": "en"},
-                  i.to_bytes(16, "big"))
-    refs = spool.close()
+    refs = spooled_table(tmp_path / "kept.jsonl", texts)  # as the stage hands them over: spooled
     del texts
     ids = list(refs.ids)
     one_copy = n * (cfg.num_perm * 4 + cfg.bands * cfg.band_layouts * 8)
@@ -95,7 +91,7 @@ def test_near_dedup_holds_no_signatures_in_the_driver(tmp_path):
     np.unique(np.arange(3))  # its first call imports ~10 MB of numpy once, whatever the corpus
     tracemalloc.start()
     try:
-        result = near_dedup(spool.texts(refs), cfg, engine, ids=ids, index_dir=tmp_path / "index")
+        result = near_dedup(refs.texts(), cfg, engine, ids=ids, index_dir=tmp_path / "index")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -14,6 +14,7 @@ import pydantic
 import pytest
 
 import tasks.collect.dedup as dedup
+import tasks.collect.exact_dedup as exact_dedup
 import tasks.collect.minhash as minhash
 from bench.neardup_set import build_labelled_set, cluster_pairs, precision_recall
 from core.stage import SerialEngine
@@ -327,7 +328,8 @@ class DiesPartWay(SerialEngine):
         self.fn, self.n, self.done = fn, n, {}
 
     def map(self, fn, items):
-        if fn in (dedup._chunk_task, dedup._partition_task):
+        if fn in (dedup._chunk_task, dedup._partition_task, exact_dedup._run_task,
+                  exact_dedup._partition_task):
             self.done[fn.__name__] = [item[-2] for item in items]
         if fn is self.fn:
             super().map(fn, items[:self.n])

@@ -169,8 +169,8 @@ class OnTheBucket(KilledAfter):
 def test_collects_units_on_the_bucket_resume_on_another_machine(s3_server, shared_data, tmp_path):
     """Work-unit results go to the bucket, never to the machine's partial folder; a run killed
     after 3 units is resumed by another machine (another local folder) from those 3, and the
-    output is a local run's, byte for byte; near dedup's workers read the kept texts from a copy on
-    the bucket; the units and that copy are removed once the output is written."""
+    output is a local run's, byte for byte; near dedup's workers read the kept texts from the units'
+    spool files on the bucket; the units are removed once the output is written."""
     local = [str(p) for p in _upload(shared_data, "units", tmp_path / "local")]
     config = collect.Config(sources=local, unit_mb=UNIT_MB)
     n_units = len(collect.plan_units(config, tmp_path))
@@ -179,13 +179,15 @@ def test_collects_units_on_the_bucket_resume_on_another_machine(s3_server, share
         out.mkdir(parents=True)
     with pytest.raises(RuntimeError, match="killed"):
         collect.run(config, first, engine=OnTheBucket("units-store", tmp_path / "one", n=3))
-    assert len(_objects("units-store/collect-k.partial/units/")) == 3
+    on_bucket = _objects("units-store/collect-k.partial/units/")
+    assert len(on_bucket) == 6 and sum(k.endswith(collect.SPOOL_SUFFIX) for k in on_bucket) == 3
     assert not (first / collect.UNITS_DIR).exists()
     resumed = OnTheBucket("units-store", tmp_path / "two")
     result = collect.run(config, second, engine=resumed)
     assert resumed.units == n_units - 3 and n_units > 6
     signature_jobs = [job for job in resumed.jobs if isinstance(job[0], Texts)]
-    assert signature_jobs and all(job[0].path.startswith("s3://crawl/units-store/") for job in signature_jobs)
+    assert signature_jobs and all(path.startswith("s3://crawl/units-store/")
+                                  for job in signature_jobs for path in job[0].paths)
     plain = _run(local, tmp_path / "plain")
     assert result.stats == plain.stats
     assert (second / "docs").exists() and all(

@@ -10,12 +10,11 @@ import pytest
 
 from tasks.collect.quality_model import (
     DEMO_STDLIB,
-    DROP_REASON,
     QualityConfig,
     QualityModel,
     cross_fit_scores,
-    drop_reason,
     featurize,
+    is_low_quality,
     load_reference_texts,
     stdlib_docstrings,
     stdlib_files,
@@ -119,8 +118,26 @@ def test_cross_fit_scores_every_crawl_doc_with_a_model_that_did_not_see_it():
     scores = cross_fit_scores(reference, crawl, QualityConfig(**FAST))
     assert scores.shape == (40,)
     assert (scores[:30] < 0.5).all() and (scores[30:] > 0.5).all()
-    cfg = QualityConfig(threshold=0.5)
-    assert [drop_reason(s, cfg) for s in (0.49, 0.5)] == [DROP_REASON, None]
+    assert is_low_quality(np.array([0.49, 0.5]), QualityConfig(threshold=0.5)).tolist() == [True, False]
+
+
+def test_cross_fit_scores_are_the_same_scored_on_an_engine_in_any_order(monkeypatch, tmp_path):
+    """Each task loads its fold's model from the work folder; small tasks and batches, finished
+    in a shuffled order, give the scores of one pass in this process."""
+    from test_dedup import ShuffledEngine
+
+    import tasks.collect.quality_model as quality_model
+
+    reference = _toy(PROSE, 40, 0)
+    crawl = _toy(SPAM, 30, 1) + _toy(PROSE, 10, 2)
+    cfg = QualityConfig(**FAST)
+    expected = cross_fit_scores(reference, crawl, cfg)
+    monkeypatch.setattr(quality_model, "SCORE_TASK_DOCS", 6)
+    monkeypatch.setattr(quality_model, "SCORE_BATCH_DOCS", 4)
+    engine = ShuffledEngine(0)
+    assert np.array_equal(cross_fit_scores(reference, crawl, cfg, engine=engine, work_dir=str(tmp_path)),
+                          expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fold-0.npz", "fold-1.npz"]
 
 
 def test_reference_sources_txt_jsonl_and_errors(tmp_path):

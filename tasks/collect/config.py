@@ -27,9 +27,10 @@ from tasks.collect.pii import PII_KINDS, PiiKind
 from tasks.collect.quality_model import QualityConfig
 from tasks.collect.readers import SUPPORTED_SUFFIXES
 
-VERSION = 5  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing;
+VERSION = 6  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing;
 # 4: near dedup checks exact Jaccard, two band layouts (dedup index format 2); 5: the dedup index
-# as key-range shards (format 3), decontamination in the work units (before exact dedup)
+# as key-range shards (format 3), decontamination in the work units (before exact dedup); 6: work
+# units spool their kept documents (a partial folder of an earlier version is not resumed)
 DEDUP_INDEX_DIR = "dedup_index"  # in a collect artifact: the MinHash index a later run may extend
 
 # (n-gram length in words, fraction of the document's characters)

@@ -37,16 +37,16 @@ import itertools
 import json
 import math
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.files import fetch_file, is_url, names_in, open_location, publish_file
+from core.files import fetch_file, is_url, names_in
 from core.stage import Engine
+from tasks.collect import spill
 from tasks.collect.minhash import (
     EMPTY_SIG,
     chunk_signatures,
@@ -97,8 +97,10 @@ class DedupConfig(BaseModel):
                                            "persisted index) are comparable only under one seed.")
     chunk_docs: int = Field(1024, ge=1, description="Documents per signature task (independent "
                                                     "of the worker count; results do not change).")
-    partition_mb: float = Field(64, gt=0, description="Bucket rows (18 bytes a band of a document, "
-                                                       "index included) per LSH partition task; "
+    partition_mb: float = Field(64, gt=0, description="Spilled rows per partition task: near "
+                                                       "dedup's bucket rows (18 bytes a band of a "
+                                                       "document, index included) and exact "
+                                                       "dedup's hashes (24 bytes a document); "
                                                        "results do not change.")
 
     @model_validator(mode="after")
@@ -115,50 +117,6 @@ class DedupConfig(BaseModel):
     def lsh_threshold(self) -> float:
         """Jaccard similarity where the banding S-curve is steepest, about (1/bands)**(1/rows)."""
         return (1 / self.bands) ** (1 / self.rows)
-
-
-# ---------------------------------------------------------------- files
-
-def _save(location: str, array: np.ndarray) -> None:
-    """`array` as a .npy file at a path or URL, put there whole once written."""
-    tmp = Path(tempfile.mkstemp(suffix=".npy")[1]) if is_url(location) else Path(f"{location}.tmp.npy")
-    np.save(tmp, array, allow_pickle=False)
-    publish_file(tmp, location)
-
-
-def _write_npy(path: Path, dtype: np.dtype, shape: tuple[int, ...], blocks: Iterable[Any]) -> None:
-    """A .npy file of `shape` written a block of rows at a time (plain writes: a memory map's
-    written pages would count in this process's resident memory)."""
-    with open(path, "wb") as f:
-        np.lib.format.write_array_header_2_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                                 "fortran_order": False, "shape": shape})
-        for block in blocks:
-            f.write(np.ascontiguousarray(block, dtype).tobytes())
-
-
-def _load(location: str) -> np.ndarray:
-    with open_location(location) as f:
-        return np.load(f, allow_pickle=False)
-
-
-def _read_rows(location: str, lo: int, hi: int) -> np.ndarray:
-    """Rows lo..hi of a .npy file at a path or URL, read by seeking past the others."""
-    with open_location(location) as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
-            else np.lib.format.read_array_header_2_0
-        shape, _, dtype = read_header(f)
-        row_bytes = dtype.itemsize * math.prod(shape[1:])
-        f.seek(f.tell() + lo * row_bytes)
-        data = f.read((hi - lo) * row_bytes)
-    return np.frombuffer(data, dtype).reshape(hi - lo, *shape[1:])
-
-
-def _key_bounds(keys: np.ndarray, bits: int) -> np.ndarray:
-    """Where each of the 2**bits key ranges (partition p: the keys whose top `bits` bits are p)
-    starts in ascending `keys`, and their end: int64 [2**bits + 1]."""
-    starts = [np.uint64(p << (64 - bits)) for p in range(1, 1 << bits)] if bits else []
-    return np.r_[0, np.searchsorted(keys, np.array(starts, _U64)), len(keys)].astype(np.int64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,17 +149,14 @@ def _chunk_task(item: tuple[Sequence[str], int, int, bool, _Run]) -> tuple[np.nd
     start in the rows file."""
     texts, chunk, first, done, run = item
     if done:
-        sigs, rows = _load(run.file("sig", chunk)), _load(run.file("rows", chunk))
+        sigs, rows = spill.load(run.file("sig", chunk)), spill.load(run.file("rows", chunk))
     else:
         sigs, keys = chunk_signatures((texts, run.cfg))  # a lazy view of spooled texts is read here
         active = ~(sigs == EMPTY_SIG).all(axis=1)
         rows = _bucket_rows(keys[active], run.m + first + np.flatnonzero(active))
-        _save(run.file("rows", chunk), rows)
-        _save(run.file("sig", chunk), sigs)  # last: marks the chunk done
-    return ~(sigs == EMPTY_SIG).all(axis=1), _key_bounds(rows["key"], run.bits)
-
-
-Piece = tuple[str, int, int]  # rows lo..hi of a bucket-row file
+        spill.save(run.file("rows", chunk), rows)
+        spill.save(run.file("sig", chunk), sigs)  # last: marks the chunk done
+    return ~(sigs == EMPTY_SIG).all(axis=1), spill.key_bounds(rows["key"], run.bits)
 
 
 def _pairs_in_buckets(rows: np.ndarray) -> np.ndarray:
@@ -229,26 +184,26 @@ def _distinct(pairs: np.ndarray) -> np.ndarray:
     return np.stack(np.divmod(np.unique(pairs[:, 0] * n_nodes + pairs[:, 1]), n_nodes), axis=1)
 
 
-def _partition_task(item: tuple[int, list[Piece], bool, _Run]) -> np.ndarray:
+def _partition_task(item: tuple[int, list[spill.Piece], bool, _Run]) -> np.ndarray:
     """Distinct candidate pairs [k, 2] of one partition of the bucket keys (index rows and this
     input's), at least one node from the input; kept in a pairs file for a resumed run."""
     p, pieces, done, run = item
     if done:
-        return _load(run.file("pairs", p))
-    rows = np.concatenate([np.zeros(0, _ROW)] + [_read_rows(*piece) for piece in pieces])
+        return spill.load(run.file("pairs", p))
+    rows = spill.read_pieces(pieces, _ROW)
     rows = rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]  # pieces are each sorted
     pairs = _pairs_in_buckets(rows)
     pairs = _distinct(pairs[pairs[:, 1] >= run.m])  # two index docs were both kept already
-    _save(run.file("pairs", p), pairs)
+    spill.save(run.file("pairs", p), pairs)
     return pairs
 
 
-def _index_shard_task(item: tuple[int, list[Piece], np.ndarray, _Run]) -> str:
+def _index_shard_task(item: tuple[int, list[spill.Piece], np.ndarray, _Run]) -> str:
     """The new index's rows of one key range: the old index's and those of this input's documents
     it keeps (renumbered after the old index, in input order; `excluded`: the input positions it
     does not keep, ascending). Returns the file it wrote."""
     p, pieces, excluded, run = item
-    rows = np.concatenate([np.zeros(0, _ROW)] + [_read_rows(*piece) for piece in pieces])
+    rows = spill.read_pieces(pieces, _ROW)
     position = rows["node"] - run.m
     mine = position >= 0
     dropped = np.zeros(len(rows), bool)
@@ -259,7 +214,7 @@ def _index_shard_task(item: tuple[int, list[Piece], np.ndarray, _Run]) -> str:
     mine = rows["node"] >= run.m
     rows["node"][mine] -= np.searchsorted(excluded, rows["node"][mine] - run.m)
     rows = rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]
-    _save(run.file("bucket", p), rows)
+    spill.save(run.file("bucket", p), rows)
     return run.file("bucket", p)
 
 
@@ -318,14 +273,13 @@ class DedupIndex:
                 raise ValueError(f"{name}: the index was built with {getattr(self, name)}, the "
                                  f"config says {getattr(cfg, name)}; rebuild the index")
 
-    def pieces(self, bits: int) -> list[list[Piece]]:
+    def pieces(self, bits: int) -> list[list[spill.Piece]]:
         """For each of 2**bits key ranges, the stretches of the index's shards that fall in it
         (found by binary search on the memory-mapped keys)."""
-        out: list[list[Piece]] = [[] for _ in range(1 << bits)]
+        out: list[list[spill.Piece]] = [[] for _ in range(1 << bits)]
         for q in range(1 << self.bits):
-            bounds = _key_bounds(self.shard(q)["key"], bits)
-            for p in np.flatnonzero(np.diff(bounds)).tolist():
-                out[p].append((f"{self.location}/buckets-{q:06d}.npy", int(bounds[p]), int(bounds[p + 1])))
+            spill.add_pieces(out, f"{self.location}/buckets-{q:06d}.npy",
+                             spill.key_bounds(self.shard(q)["key"], bits))
         return out
 
     @classmethod
@@ -430,15 +384,14 @@ def _index_verify(pairs: np.ndarray, index: DedupIndex, run: _Run) -> np.ndarray
         mine = np.empty((len(block), run.cfg.num_perm), np.uint32)
         for chunk in np.unique(chunks).tolist():
             at = chunks == chunk
-            mine[at] = _load(run.file("sig", chunk))[inputs[at] - chunk * run.cfg.chunk_docs]
+            mine[at] = spill.load(run.file("sig", chunk))[inputs[at] - chunk * run.cfg.chunk_docs]
         kept.append(block[(index.signatures[block[:, 0]] == mine).sum(axis=1) >= min_equal])
     return np.concatenate(kept)
 
 
 def _partition_bits(docs: int, cfg: DedupConfig) -> int:
     """Enough partitions of the bucket keys that each holds about `partition_mb` of rows."""
-    row_bytes = docs * cfg.bands * cfg.band_layouts * _ROW.itemsize
-    return max(0, math.ceil(math.log2(max(1.0, row_bytes / (cfg.partition_mb * 1e6)))))
+    return spill.partition_bits(docs * cfg.bands * cfg.band_layouts * _ROW.itemsize, cfg.partition_mb)
 
 
 def _run_dir(work_dir: str, cfg: DedupConfig, index: DedupIndex | None, ids: Sequence[str]) -> str:
@@ -452,7 +405,7 @@ def _run_dir(work_dir: str, cfg: DedupConfig, index: DedupIndex | None, ids: Seq
 
 
 def _write_index(run: _Run, index: DedupIndex | None, ids: Sequence[str], excluded: np.ndarray,
-                 parts: list[list[Piece]], engine: Engine, index_dir: Path) -> DedupIndex:
+                 parts: list[list[spill.Piece]], engine: Engine, index_dir: Path) -> DedupIndex:
     """The old index plus the input documents not `excluded`, in `index_dir` (index.json last):
     ids and signatures copied a block at a time, the bucket shards written on the engine."""
     index_dir.mkdir(parents=True, exist_ok=True)
@@ -468,10 +421,10 @@ def _write_index(run: _Run, index: DedupIndex | None, ids: Sequence[str], exclud
     chunks = list(enumerate(range(0, n, cfg.chunk_docs)))
     new_ids = ([ids[start + i] for i in np.flatnonzero(kept[start:start + cfg.chunk_docs]).tolist()]
                for _, start in chunks)
-    new_sigs = (_load(run.file("sig", c))[kept[start:start + cfg.chunk_docs]] for c, start in chunks)
-    _write_npy(index_dir / "ids.npy", np.dtype(f"<U{width}"), (total,),
+    new_sigs = (spill.load(run.file("sig", c))[kept[start:start + cfg.chunk_docs]] for c, start in chunks)
+    spill.write_npy(index_dir / "ids.npy", np.dtype(f"<U{width}"), (total,),
                itertools.chain(old_rows(index.ids) if index else (), new_ids))
-    _write_npy(index_dir / "signatures.npy", np.dtype(np.uint32), (total, cfg.num_perm),
+    spill.write_npy(index_dir / "signatures.npy", np.dtype(np.uint32), (total, cfg.num_perm),
                itertools.chain(old_rows(index.signatures) if index else (), new_sigs))
     shards = engine.map(_index_shard_task, [(p, pieces, excluded, run) for p, pieces in enumerate(parts)])
     for p, shard in enumerate(shards):
@@ -513,8 +466,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         active = np.concatenate([np.ones(0, bool)] + [a for a, _ in mapped])
         parts = index.pieces(run.bits) if index is not None else [[] for _ in range(1 << run.bits)]
         for c, (_, bounds) in enumerate(mapped):
-            for p in np.flatnonzero(np.diff(bounds)).tolist():
-                parts[p].append((run.file("rows", c), int(bounds[p]), int(bounds[p + 1])))
+            spill.add_pieces(parts, run.file("rows", c), bounds)
         del mapped
         pairs = engine.map(_partition_task, [(p, pieces, f"pairs-{p:06d}.npy" in done, run)
                                              for p, pieces in enumerate(parts)])

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,53 +37,9 @@ import numpy as np
 
 from core.decontam import DROP_REASON as CONTAMINATED
 from tasks.collect.records import FILE_LEVEL_ERRORS
+from tasks.collect.spool import DocTable
 
 PREVIEW_CHARS = 500  # of a dropped document's text in review/dropped.jsonl
-Doc = dict[str, Any]  # {"id", "text", "source", "url", "language"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class DocTable:
-    """Spooled documents, a numpy column each; rows are selected with `take`."""
-
-    sources: tuple[str, ...]  # the source names `source` indexes
-    hash_hi: np.ndarray  # uint64: the first 64 bits of the text hash; the id is them in hex
-    hash_lo: np.ndarray  # uint64: the next 64
-    source: np.ndarray  # int32
-    offset: np.ndarray  # int64: of the output line in the spool file
-    size: np.ndarray  # int64: bytes of that line
-    text_bytes: np.ndarray  # int64: of the text, UTF-8
-
-    def __len__(self) -> int:
-        return len(self.hash_hi)
-
-    def take(self, rows: np.ndarray) -> DocTable:
-        """The rows at positions (or where a mask is True), in that order."""
-        return DocTable(sources=self.sources, **{name: getattr(self, name)[rows] for name in COLUMNS})
-
-    def id(self, row: int) -> str:
-        return f"{int(self.hash_hi[row]):016x}"
-
-    @property
-    def ids(self) -> Sequence[str]:
-        """The documents' ids, made when asked for (nothing held per document)."""
-        return _Ids(self.hash_hi)
-
-
-COLUMNS = ("hash_hi", "hash_lo", "source", "offset", "size", "text_bytes")
-
-
-class _Ids(Sequence[str]):
-    def __init__(self, hash_hi: np.ndarray):
-        self.hash_hi = hash_hi
-
-    def __len__(self) -> int:
-        return len(self.hash_hi)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [f"{h:016x}" for h in self.hash_hi[i].tolist()]
-        return f"{int(self.hash_hi[i]):016x}"
 
 
 # Quarantined entries that stand for a source, not for a record (see the module docstring).
@@ -114,10 +69,6 @@ def record_step(reason: str) -> str:
 
 
 RECORD_STEPS = ("url_filter", "language", "quality_heuristics", "decontamination")
-
-
-def text_bytes(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))
 
 
 class Funnel:
@@ -167,22 +118,24 @@ class Funnel:
             self._sample(self.review, {"reason": reason, "source": source, "url": event.get("url"),
                                        **detail, "preview": event["preview"]}, reason)
 
-    def drop(self, reason: str, doc: Doc, **detail: Any) -> None:
-        """A corpus-level decision that removed `doc` (reason already prefixed, e.g. dropped_...)."""
-        for c in (self.counts, self.source(doc["source"])):
-            c[reason] += 1
-        self._fate(doc["source"], "dropped")[reason] += 1
-        self._sample(self.review, {"reason": reason, "source": doc["source"], "url": doc.get("url"),
-                                   "id": doc["id"], **detail, "preview": doc["text"][:PREVIEW_CHARS]},
-                     reason)
-
-    def drop_missing(self, reason: str, before: DocTable, after: DocTable,
-                     load: Callable[[DocTable, int], Doc]) -> None:
-        """Count each document of `before` that `after` does not hold (by id) as dropped for
-        `reason`: for a step that selects rather than rejects, like the mix. `load` reads a
-        dropped document whole, for its review sample."""
-        for row in np.flatnonzero(~np.isin(before.hash_hi, after.hash_hi)).tolist():
-            self.drop(reason, load(before, row))
+    def drop_rows(self, reason: str, docs: DocTable, rows: np.ndarray,
+                  detail: Callable[[int], dict[str, Any]] | None = None) -> None:
+        """A corpus-level decision that removed the documents at `rows` of `docs` (reason already
+        prefixed, e.g. dropped_...), counted per source; `detail(i)`: what the review sample of
+        `rows[i]` says besides the document. Only the sampled documents are read."""
+        if not len(rows):
+            return
+        counts = np.bincount(docs.source[rows], minlength=len(docs.sources))
+        for code in np.flatnonzero(counts).tolist():
+            source, n = docs.sources[code], int(counts[code])
+            self.source(source)[reason] += n
+            self._fate(source, "dropped")[reason] += n
+        self.counts[reason] += len(rows)
+        for i, row in enumerate(rows[:max(0, self._review_samples - self.counts[f"sampled_{reason}"])].tolist()):
+            doc = docs.doc(row)
+            self._sample(self.review, {"reason": reason, "source": doc["source"], "url": doc.get("url"),
+                                       "id": doc["id"], **(detail(i) if detail else {}),
+                                       "preview": doc["text"][:PREVIEW_CHARS]}, reason)
 
     def _sample(self, sink: list[dict[str, Any]], row: dict[str, Any], reason: str) -> None:
         key = f"sampled_{reason}"

@@ -23,10 +23,12 @@ too well (it memorizes them), so score the crawl out of fold: `cross_fit_scores`
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
 import sysconfig
+import tempfile
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -35,7 +37,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.decontam import ngram_hashes, token_hashes
+from core.files import is_url, open_location, publish_file
 from core.sources import DEMO_PREFIX, parse_source
+from core.stage import Engine, SerialEngine
 from tasks.collect.readers import (
     TEXT_SUFFIXES,
     Skipped,
@@ -52,6 +56,7 @@ REFERENCE_DOC_WORDS = 200  # .txt files are cut into documents of about this man
 MIN_DOCSTRING_WORDS = 40  # shorter docstrings are one-liners, not prose
 BATCH_DOCS = 32
 SCORE_BATCH_DOCS = 1024  # crawl documents featurized and scored at once
+SCORE_TASK_DOCS = 8192  # crawl documents scored by one engine task
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 _STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages",
                 "ensurepip", "pydoc_data"}
@@ -159,9 +164,9 @@ class QualityModel:
             return cls(data["weights"], meta["bias"])
 
 
-def drop_reason(score: float, cfg: QualityConfig) -> str | None:
-    """Per-document verdict: the drop reason when the score is below the threshold."""
-    return DROP_REASON if score < cfg.threshold else None
+def is_low_quality(scores: np.ndarray, cfg: QualityConfig) -> np.ndarray:
+    """Which documents are dropped (for DROP_REASON): those scoring below the threshold."""
+    return np.asarray(scores) < cfg.threshold
 
 
 def _sgd(rows, labels: np.ndarray, cfg: QualityConfig) -> QualityModel:
@@ -232,18 +237,49 @@ def train_quality_model(positives: Sequence[str], negatives: Sequence[str],
     return model, metrics
 
 
+_MODELS: dict[str, QualityModel] = {}  # per worker process: each fold's model, loaded once
+
+
+def _score_task(item: tuple[str, Sequence[str]]) -> np.ndarray:
+    """Scores of a chunk of texts (a lazy view of spooled texts is read here) by the model saved
+    at a location."""
+    location, texts = item
+    if location not in _MODELS:
+        with open_location(location) as f, np.load(f) as data:
+            _MODELS[location] = QualityModel(data["weights"], float(data["bias"]))
+    model = _MODELS[location]
+    return np.concatenate([np.zeros(0)] + [model.score(list(texts[lo:lo + SCORE_BATCH_DOCS]))
+                                           for lo in range(0, len(texts), SCORE_BATCH_DOCS)])
+
+
 def cross_fit_scores(positives: list[str], crawl: Sequence[str], cfg: QualityConfig,
-                     folds: int = 2) -> np.ndarray:
-    """Scores of every crawl document from a model that did not train on it (k-fold); the fold
-    is scored SCORE_BATCH_DOCS at a time (a text's score does not depend on its batch)."""
+                     folds: int = 2, engine: Engine | None = None, work_dir: str | None = None) -> np.ndarray:
+    """Scores of every crawl document from a model that did not train on it (k-fold). The fold
+    models train here (on capped samples); the scoring runs on `engine` (default: in this
+    process), SCORE_TASK_DOCS a task, each loading its fold's model from `work_dir` (a path or
+    URL the workers reach; default: a temporary folder). A text's score does not depend on its
+    batch."""
+    engine = engine or SerialEngine()
     fold_of = np.random.default_rng(cfg.seed).permutation(len(crawl)) % folds
     scores = np.empty(len(crawl))
-    for fold in range(folds):
-        model, _ = train_quality_model(positives, take(crawl, np.flatnonzero(fold_of != fold)), cfg)
-        mine = np.flatnonzero(fold_of == fold)
-        for start in range(0, len(mine), SCORE_BATCH_DOCS):
-            batch = mine[start:start + SCORE_BATCH_DOCS]
-            scores[batch] = model.score(list(take(crawl, batch)))
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            work_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="quality-"))
+        elif not is_url(work_dir):
+            Path(work_dir).mkdir(parents=True, exist_ok=True)
+        items, where = [], []
+        for fold in range(folds):
+            model, _ = train_quality_model(positives, take(crawl, np.flatnonzero(fold_of != fold)), cfg)
+            location = f"{work_dir}/fold-{fold}.npz"
+            tmp = Path(tempfile.mkstemp(suffix=".npz")[1])
+            np.savez(tmp, weights=model.weights, bias=np.float64(model.bias))
+            publish_file(tmp, location)
+            mine = np.flatnonzero(fold_of == fold)
+            for lo in range(0, len(mine), SCORE_TASK_DOCS):
+                items.append((location, take(crawl, mine[lo:lo + SCORE_TASK_DOCS])))
+                where.append(mine[lo:lo + SCORE_TASK_DOCS])
+        for rows, chunk in zip(where, engine.map(_score_task, items)):
+            scores[rows] = chunk
     return scores
 
 

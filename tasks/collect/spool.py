@@ -1,35 +1,42 @@
 """The kept documents on disk while the collect stage's corpus-level steps run, so the stage's
 memory does not grow with the corpus.
 
-`merge` appends each kept document's output line (`json.dumps(doc) + "\\n"`, byte for byte what a
-docs shard holds) to one uncompressed file, and the spool keeps a few numbers per document in
-columns (`DocTable`, ~44 bytes a document): its 128-bit text hash (the first 64 bits are its id),
-its source, where its line is and its text's size. The steps select rows of the table and read
-texts back in passes: `Spool.texts(table)` is a lazy sequence (`Texts`) that reads a text when it
-is asked for, slices and `take`s into further lazy views, and pickles as a path and two arrays,
-so an engine worker reads its own chunk of the corpus. The shards are written by copying lines.
+Each work unit writes its kept documents' output lines (`json.dumps(doc) + "\\n"`, byte for byte
+what a docs shard holds) to a spool file of its own beside its events (`SpoolWriter`), and each
+kept event says where its line is. Merging the events, the stage keeps a few numbers per
+document in columns (`DocTable`, 48 bytes a document): its 128-bit text hash (the first 64 bits
+are its id), its source, which spool file and where in it its line is, and its text's size.
+The steps select rows of the table and read texts back in passes: `DocTable.texts()` is a lazy
+sequence (`Texts`) that reads a text when it is asked for, slices and `take`s into further lazy
+views, and pickles as the files it needs and three arrays, so an engine worker reads its own
+chunk of the corpus (from the bucket, when the store is one). The shards are written by copying
+lines, on the engine.
 """
 from __future__ import annotations
 
 import json
 from array import array
 from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from core.files import open_location, publish_file
-from tasks.collect.funnel import COLUMNS, Doc, DocTable, text_bytes
+from core.files import open_location
 
 _BLOCK = 65_536  # documents whose positions are turned into Python numbers at once
+Doc = dict[str, Any]  # {"id", "text", "source", "url", "language"}
+
+
+def text_bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 class Texts(Sequence[str]):
     """The texts of spooled documents, read on demand (see the module docstring)."""
 
-    def __init__(self, path: str, offsets: np.ndarray, sizes: np.ndarray):
-        self.path, self.offsets, self.sizes = path, offsets, sizes
+    def __init__(self, paths: Sequence[str], file: np.ndarray, offsets: np.ndarray, sizes: np.ndarray):
+        self.paths, self.file, self.offsets, self.sizes = tuple(paths), file, offsets, sizes
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -40,17 +47,34 @@ class Texts(Sequence[str]):
         return next(iter(self.take([i])))
 
     def take(self, positions: Sequence[int] | np.ndarray) -> Texts:
-        """The texts at `positions`, in that order, as another lazy view."""
+        """The texts at `positions`, in that order, as another lazy view (naming only the files
+        it reads)."""
         positions = np.asarray(positions, dtype=np.int64)
-        return Texts(self.path, self.offsets[positions], self.sizes[positions])
+        used, file = np.unique(self.file[positions], return_inverse=True)
+        return Texts([self.paths[i] for i in used.tolist()], file.astype(np.int32),
+                     self.offsets[positions], self.sizes[positions])
+
+    def lines(self) -> Iterator[bytes]:
+        """The documents' output lines, in order."""
+        f: BinaryIO | None = None
+        current = -1
+        try:
+            for lo in range(0, len(self), _BLOCK):  # no list of every document's numbers at once
+                for file, offset, size in zip(self.file[lo:lo + _BLOCK].tolist(),
+                                              self.offsets[lo:lo + _BLOCK].tolist(),
+                                              self.sizes[lo:lo + _BLOCK].tolist()):
+                    if file != current:
+                        if f is not None:
+                            f.close()
+                        f, current = open_location(self.paths[file]), file
+                    f.seek(offset)
+                    yield f.read(size)
+        finally:
+            if f is not None:
+                f.close()
 
     def __iter__(self) -> Iterator[str]:
-        with open_location(self.path) as f:
-            for lo in range(0, len(self), _BLOCK):  # no list of every document's numbers at once
-                for offset, size in zip(self.offsets[lo:lo + _BLOCK].tolist(),
-                                        self.sizes[lo:lo + _BLOCK].tolist()):
-                    f.seek(offset)
-                    yield json.loads(f.read(size))["text"]
+        return (json.loads(line)["text"] for line in self.lines())
 
 
 def take(texts: Sequence[str], positions: Sequence[int] | np.ndarray) -> Sequence[str]:
@@ -60,54 +84,95 @@ def take(texts: Sequence[str], positions: Sequence[int] | np.ndarray) -> Sequenc
     return [texts[i] for i in positions]
 
 
-class Spool:
-    """Document lines appended to `path` by `add`; `close` gives the table to read them back by."""
+COLUMNS = ("hash_hi", "hash_lo", "source", "file", "offset", "size", "text_bytes")
+_DTYPES = {"hash_hi": np.uint64, "hash_lo": np.uint64, "source": np.int32, "file": np.int32,
+           "offset": np.int64, "size": np.int64, "text_bytes": np.int64}
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._out = open(self.path, "wb")  # noqa: SIM115 (a writer open across merge; close())
-        self._end = 0
+
+@dataclass(frozen=True, kw_only=True)
+class DocTable:
+    """Spooled documents, a numpy column each; rows are selected with `take`."""
+
+    sources: tuple[str, ...]  # the source names `source` indexes
+    paths: tuple[str, ...]  # the spool files `file` indexes (paths or URLs)
+    hash_hi: np.ndarray  # uint64: the first 64 bits of the text hash; the id is them in hex
+    hash_lo: np.ndarray  # uint64: the next 64
+    source: np.ndarray  # int32
+    file: np.ndarray  # int32
+    offset: np.ndarray  # int64: of the output line in its spool file
+    size: np.ndarray  # int64: bytes of that line
+    text_bytes: np.ndarray  # int64: of the text, UTF-8
+
+    def __len__(self) -> int:
+        return len(self.hash_hi)
+
+    def take(self, rows: np.ndarray) -> DocTable:
+        """The rows at positions (or where a mask is True), in that order."""
+        return DocTable(sources=self.sources, paths=self.paths,
+                        **{name: getattr(self, name)[rows] for name in COLUMNS})
+
+    def id(self, row: int) -> str:
+        return f"{int(self.hash_hi[row]):016x}"
+
+    @property
+    def ids(self) -> Sequence[str]:
+        """The documents' ids, made when asked for (nothing held per document)."""
+        return _Ids(self.hash_hi)
+
+    def texts(self) -> Texts:
+        """The texts, lazily, where engine workers can read them."""
+        return Texts(self.paths, self.file, self.offset, self.size)
+
+    def doc(self, row: int) -> Doc:
+        """One document, whole: for a review sample of a drop."""
+        return json.loads(next(self.texts().take([row]).lines()))
+
+
+class _Ids(Sequence[str]):
+    def __init__(self, hash_hi: np.ndarray):
+        self.hash_hi = hash_hi
+
+    def __len__(self) -> int:
+        return len(self.hash_hi)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [f"{h:016x}" for h in self.hash_hi[i].tolist()]
+        return f"{int(self.hash_hi[i]):016x}"
+
+
+class TableBuilder:
+    """A DocTable's rows appended one at a time (as the units' events are merged)."""
+
+    def __init__(self) -> None:
         self._sources: dict[str, int] = {}
-        self.readable_at = str(self.path)  # where engine workers read the texts (`share`)
-        self._columns = {name: array("Q" if name.startswith("hash") else "q") for name in COLUMNS}
+        self._columns = {name: array("Q" if _DTYPES[name] == np.uint64 else "q") for name in COLUMNS}
 
-    def add(self, doc: Doc, digest: bytes) -> None:
-        """One document, `digest` its 16-byte (or longer) text hash."""
+    def add(self, source: str, digest: bytes, file: int, offset: int, size: int, nbytes: int) -> None:
+        """One document: `digest` its 16-byte (or longer) text hash, its line at `offset` (`size`
+        bytes) of spool file `file`, `nbytes` its text's UTF-8 bytes."""
+        values = (int.from_bytes(digest[:8], "big"), int.from_bytes(digest[8:16], "big"),
+                  self._sources.setdefault(source, len(self._sources)), file, offset, size, nbytes)
+        for column, value in zip(self._columns.values(), values):
+            column.append(value)
+
+    def table(self, paths: Sequence[str]) -> DocTable:
+        columns = {name: np.frombuffer(values, np.uint64 if values.typecode == "Q" else np.int64)
+                   .astype(_DTYPES[name], copy=False) for name, values in self._columns.items()}
+        self._columns = {}
+        return DocTable(sources=tuple(self._sources), paths=tuple(paths), **columns)
+
+
+class SpoolWriter:
+    """A work unit's kept documents appended to its spool file (a local file, opened by the
+    caller); `add` says where each line went."""
+
+    def __init__(self, out: BinaryIO):
+        self._out, self._end = out, 0
+
+    def add(self, doc: Doc) -> tuple[int, int]:
+        """Write one document's output line; returns its (offset, size)."""
         line = (json.dumps(doc, ensure_ascii=False) + "\n").encode()
         self._out.write(line)
-        values = {"hash_hi": int.from_bytes(digest[:8], "big"), "hash_lo": int.from_bytes(digest[8:16], "big"),
-                  "source": self._sources.setdefault(doc["source"], len(self._sources)),
-                  "offset": self._end, "size": len(line), "text_bytes": text_bytes(doc["text"])}
-        for name, value in values.items():
-            self._columns[name].append(value)
         self._end += len(line)
-
-    def close(self) -> DocTable:
-        self._out.close()
-        columns = {name: np.frombuffer(values, np.uint64 if name.startswith("hash") else np.int64)
-                   for name, values in self._columns.items()}
-        columns["source"] = columns["source"].astype(np.int32)
-        return DocTable(sources=tuple(self._sources), **columns)
-
-    def share(self, location: str) -> None:
-        """After `close`: workers read the texts from a copy at `location` (a URL on the artifact
-        store's bucket, when they share no disk with this machine)."""
-        if location != str(self.path):
-            publish_file(self.path, location, keep=True)
-            self.readable_at = location
-
-    def texts(self, docs: DocTable) -> Texts:
-        """The texts of `docs`, lazily, where engine workers can read them."""
-        return Texts(self.readable_at, docs.offset, docs.size)
-
-    def lines(self, docs: DocTable) -> Iterator[bytes]:
-        """The output lines of `docs`, in that order."""
-        with open(self.path, "rb") as f:
-            for lo in range(0, len(docs), _BLOCK):
-                for offset, size in zip(docs.offset[lo:lo + _BLOCK].tolist(), docs.size[lo:lo + _BLOCK].tolist()):
-                    f.seek(offset)
-                    yield f.read(size)
-
-    def doc(self, docs: DocTable, row: int) -> Doc:
-        """One document, whole: for a review sample of a drop."""
-        return json.loads(next(self.lines(docs.take(np.array([row])))))
+        return self._end - len(line), len(line)

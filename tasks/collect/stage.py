@@ -13,23 +13,25 @@ Every record read ends kept, dropped with a reason or quarantined: funnel.json's
 (in = kept + dropped + quarantined, in total and per source; funnel.py) is checked before the
 stage returns, and a gap fails it with the numbers (AccountingError).
 
-Memory: the corpus-level steps hold no texts. Merging writes each kept document's output line to
-a spool file (spool.py) and keeps a row of a `DocTable` (128-bit text hash, source, where its line
-is, text bytes: numpy columns, 44 bytes a document); exact dedup sorts those hashes; the quality
-model reads texts back in batches (its training sample is capped); near dedup runs on the engine
-and spills to files (dedup.py), so the driver holds a flag a document and the candidate pairs;
-the shards are written by copying lines (sizes: docs/benchmarks.md).
+Memory: the corpus-level steps hold no texts. Each work unit writes its kept documents' output
+lines to a spool file of its own (spool.py) and its events say where; merging the events, the
+stage keeps a row of a `DocTable` per kept document (128-bit text hash, source, spool file and
+place, text bytes: numpy columns, 48 bytes a document). Exact dedup (exact_dedup.py), the quality
+model's scoring and near dedup (dedup.py) run on the engine and spill to files in out_dir, so the
+driver holds a flag or a score a document and the candidate pairs; the shards are written on the
+engine by copying lines (sizes: docs/benchmarks.md).
 
 Parallelism and resume: one work unit per part of an input file (a file larger than `unit_mb`
 splits into several: readers.split_file, computed on the engine as a WARC's needs a pass over it;
 per chunk of demo packages; per Common Crawl file, which downloads inside its unit), mapped by the
-injected engine. Each unit writes its events to `units/unit-<index>-<identity>.jsonl.gz` in out_dir
-(the stage's partial dir; with the artifact store on a bucket, its place there, so Ray nodes share
-no disk and another machine resumes them) when it finishes, named after what it read (source,
-file, part), so a killed run redoes only unfinished units, even when a changed `unit_mb` or `num_workers` (not
-hashed) plans different ones; Common Crawl files are deleted once their unit is done. Units are
-merged in input order and the corpus-level steps are deterministic, so the output does not depend
-on the engine, the worker count or the unit size.
+injected engine. Each unit writes its kept documents to `units/unit-<index>-<identity>.docs.jsonl`,
+then its events to `units/unit-<index>-<identity>.jsonl.gz`, in out_dir (the stage's partial
+dir; with the artifact store on a bucket, its place there, so Ray nodes share no disk and another
+machine resumes them), named after what it read (source, file, part), so a killed run redoes only
+unfinished units, even when a changed `unit_mb` or `num_workers` (not hashed) plans different
+ones; Common Crawl files are deleted once their unit is done. The corpus-level steps on the engine
+resume from their spilled files too. Units are merged in input order and the corpus-level steps
+are deterministic, so the output does not depend on the engine, the worker count or the unit size.
 """
 from __future__ import annotations
 
@@ -49,7 +51,15 @@ import numpy as np
 
 from core.decontam import DecontamConfig, DecontamIndex, build_index
 from core.decontam import drop_reason as contamination_reason
-from core.files import ensure_free_space, is_url, iter_jsonl, names_in, publish_file, remove_tree
+from core.files import (
+    ensure_free_space,
+    fetch_file,
+    is_url,
+    iter_jsonl,
+    names_in,
+    publish_file,
+    remove_tree,
+)
 from core.sources import file_size, parse_source
 from core.stage import Engine, SerialEngine, StageResult, worker_dir
 from tasks.collect import demo_crawl
@@ -62,23 +72,17 @@ from tasks.collect.common_crawl import (
 )
 from tasks.collect.config import DEDUP_INDEX_DIR, Config, NothingSurvived
 from tasks.collect.dedup import DedupIndex, near_dedup
-from tasks.collect.funnel import (
-    NOT_IN_MIX,
-    PREVIEW_CHARS,
-    DocTable,
-    Funnel,
-    check_accounting,
-    flatten,
-    text_bytes,
-)
+from tasks.collect.exact_dedup import first_occurrences
+from tasks.collect.funnel import NOT_IN_MIX, PREVIEW_CHARS, Funnel, check_accounting, flatten
 from tasks.collect.mixing import mix_sizes
+from tasks.collect.quality_model import DROP_REASON as QUALITY_DROP
 from tasks.collect.quality_model import (
     QualityConfig,
     cross_fit_scores,
+    is_low_quality,
     load_reference_texts,
     train_quality_model,
 )
-from tasks.collect.quality_model import drop_reason as quality_reason
 from tasks.collect.readers import (
     WHOLE,
     Part,
@@ -88,14 +92,15 @@ from tasks.collect.readers import (
     split_file,
 )
 from tasks.collect.records import ReadEvent, Skipped, quarantine_record
-from tasks.collect.spool import Spool
+from tasks.collect.spool import DocTable, SpoolWriter, TableBuilder, Texts, text_bytes
 
 log = logging.getLogger("gristmill.collect")
 
 DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
 UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
-NEAR_DEDUP_DIR = "near_dedup"  # in out_dir: near dedup's spilled signatures, bucket rows and pairs
-SPOOL_FILE = "kept.jsonl"  # in out_dir: the kept documents during the corpus-level steps
+# in out_dir, spilled files of the corpus-level steps on the engine (kept for a resumed run)
+EXACT_DEDUP_DIR, QUALITY_DIR, NEAR_DEDUP_DIR = "exact_dedup", "quality", "near_dedup"
+SPOOL_SUFFIX = ".docs.jsonl"  # beside a unit's events: its kept documents' output lines
 
 
 # ---------------------------------------------------------------- work units (per part of a file)
@@ -221,21 +226,42 @@ def unit_result_path(units_dir: str | Path, unit: WorkUnit) -> str:
     return f"{units_dir}/unit-{unit.index:05d}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}.jsonl.gz"
 
 
+def spool_path(result: str) -> str:
+    """Where the unit whose events are at `result` writes its kept documents' lines."""
+    return result.removesuffix(".jsonl.gz") + SPOOL_SUFFIX
+
+
+def _local_tmp(location: str, suffix: str) -> Path:
+    """Where a file bound for `location` is written first: beside it on a disk, in this worker's
+    temp dir for a URL."""
+    return Path(tempfile.mkstemp(suffix=suffix)[1] if is_url(location) else f"{location}.tmp")
+
+
 def process_unit(job: tuple[WorkUnit, str]) -> str:
-    """Read, extract and clean one unit into its result file (a path or URL, put there whole once
-    written); stops after `max_docs_per_source` extracted docs. Returns the result's location."""
+    """Read, extract and clean one unit: its kept documents' output lines into its spool file,
+    then every record's event (a kept one says where its line is, not its text) into its result
+    file, which marks the unit done (each put where it belongs whole once written); stops after
+    `max_docs_per_source` extracted docs. Returns the result's location."""
     unit, result = job
     cap, n_extracted = unit.config.max_docs_per_source, 0
-    # written whole first: beside the result on a disk, in this worker's temp dir for a URL
-    tmp = Path(tempfile.mkstemp(suffix=".jsonl.gz.tmp")[1] if is_url(result) else f"{result}.tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8") as out:
+    events, lines = _local_tmp(result, ".jsonl.gz.tmp"), _local_tmp(spool_path(result), ".jsonl.tmp")
+    with gzip.open(events, "wt", encoding="utf-8") as out, open(lines, "wb") as spool_file:
+        spool = SpoolWriter(spool_file)
         for item in _unit_records(unit):
             event = document_event(item, unit.config)
+            if "text" in event:  # kept: cleaned, so its size differs from `text_bytes` extracted
+                text = event.pop("text")
+                digest = text_hash(text)
+                event["offset"], event["size"] = spool.add(
+                    {"id": digest[:8].hex(), "text": text, "source": unit.source,
+                     "url": event["url"], "language": event["language"]})
+                event["hash"], event["kept_bytes"] = digest[:16].hex(), text_bytes(text)
             out.write(json.dumps(event, ensure_ascii=False) + "\n")
             n_extracted += "text_bytes" in event
             if cap is not None and n_extracted >= cap:
                 break
-    publish_file(tmp, result)
+    publish_file(lines, spool_path(result))
+    publish_file(events, result)  # last: marks the unit done
     if unit.url is not None:  # the raw download is no longer needed once its events are saved
         Path(unit.path).unlink(missing_ok=True)
     return result
@@ -246,7 +272,7 @@ def run_units(units: list[WorkUnit], units_dir: str | Path, engine: Engine) -> l
     if not is_url(units_dir):
         Path(units_dir).mkdir(parents=True, exist_ok=True)
     results = [unit_result_path(units_dir, u) for u in units]
-    done = names_in(str(units_dir))
+    done = names_in(str(units_dir))  # a spool file without its result is redone
     pending = [(u, r) for u, r in zip(units, results) if r.rsplit("/", 1)[-1] not in done]
     if len(pending) < len(units):
         log.info("collect: resuming, %d of %d units already done", len(units) - len(pending),
@@ -264,43 +290,35 @@ def text_hash(text: str) -> bytes:
 
 
 def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Funnel,
-          spool: Spool, decontam: DecontamIndex | None = None) -> DocTable:
+          decontam: DecontamIndex | None = None) -> DocTable:
     """Fold unit events in input order into the funnel (and the documents the units checked for
     contamination into `decontam`'s report), capping extracted docs per source across its
-    units, and spool the kept documents; then drop exact duplicates (the first occurrence wins),
-    found by sorting the table's 128-bit text hashes. Returns the table of the distinct
-    documents (the texts are not held)."""
+    units. Returns the table of the kept documents (their texts stay in the units' spool files)."""
     cap = config.max_docs_per_source
-    try:
-        for unit, result in zip(units, results):
-            for event in iter_jsonl([result]):
-                if cap is not None and funnel.source(unit.source)["docs_in"] >= cap:
-                    break
-                funnel.add_event(unit.source, event)
-                if decontam is not None and (event["reason"] == "kept" or "matches" in event):
-                    decontam.record(event.get("id", ""), [tuple(m) for m in event.get("matches", [])])
-                if event["reason"] != "kept":
-                    continue
-                digest = text_hash(event["text"])
-                spool.add({"id": digest[:8].hex(), "text": event["text"], "source": unit.source,
-                           "url": event["url"], "language": event["language"]}, digest)
-    finally:
-        docs = spool.close()
+    table = TableBuilder()
+    for file, (unit, result) in enumerate(zip(units, results)):
+        for event in iter_jsonl([result]):
+            if cap is not None and funnel.source(unit.source)["docs_in"] >= cap:
+                break
+            funnel.add_event(unit.source, event)
+            if decontam is not None and (event["reason"] == "kept" or "matches" in event):
+                decontam.record(event.get("id", ""), [tuple(m) for m in event.get("matches", [])])
+            if event["reason"] == "kept":
+                table.add(unit.source, bytes.fromhex(event["hash"]), file, event["offset"],
+                          event["size"], event["kept_bytes"])
     _quarantine_empty_sources(config.sources, funnel)
-    first = first_occurrences(docs)
-    for row in np.flatnonzero(~first).tolist():  # the first occurrence has the same id
-        doc = spool.doc(docs, row)
-        funnel.drop("exact_duplicates", doc, duplicate_of=doc["id"])
+    return table.table([spool_path(result) for result in results])
+
+
+def apply_exact_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Path,
+                      funnel: Funnel) -> DocTable:
+    """Drop exact duplicates: the first occurrence of each text hash wins (exact_dedup.py)."""
+    first = first_occurrences(docs.hash_hi, docs.hash_lo, engine,
+                              worker_dir(engine, out_dir / EXACT_DEDUP_DIR), config.dedup.partition_mb)
+    rows = np.flatnonzero(~first)
+    funnel.drop_rows("exact_duplicates", docs, rows,
+                     lambda i: {"duplicate_of": docs.id(rows[i])})  # the first has the same id
     return docs.take(first)
-
-
-def first_occurrences(docs: DocTable) -> np.ndarray:
-    """bool [n]: whether each row is the first with its 128-bit text hash."""
-    order = np.lexsort((np.arange(len(docs)), docs.hash_lo, docs.hash_hi))
-    hi, lo = docs.hash_hi[order], docs.hash_lo[order]
-    first = np.zeros(len(docs), bool)
-    first[order] = np.r_[True, (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])][:len(docs)]
-    return first
 
 
 def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
@@ -321,25 +339,25 @@ def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
                                   "source": source, "sample": json.dumps(why)})
 
 
-def apply_quality_model(docs: DocTable, spool: Spool, cfg: QualityConfig, out_dir: Path,
+def apply_quality_model(docs: DocTable, cfg: QualityConfig, engine: Engine, out_dir: Path,
                         funnel: Funnel) -> tuple[DocTable, dict[str, float]]:
     """Train reference-vs-crawl, save the model, drop docs whose cross-fit score (from a model
-    that did not train on them) is below the threshold."""
+    that did not train on them, scored on the engine) is below the threshold."""
     positives = load_reference_texts(cfg.reference, cfg.max_train_docs, cfg.seed)
-    crawl = spool.texts(docs)
+    crawl = docs.texts()
     model, metrics = train_quality_model(positives, crawl, cfg)
     model.save(out_dir / "quality_model")
-    keep = np.ones(len(docs), bool)
-    for row, score in enumerate(cross_fit_scores(positives, crawl, cfg)):
-        reason = quality_reason(float(score), cfg)
-        if reason is not None:
-            keep[row] = False
-            funnel.drop(f"dropped_{reason}", spool.doc(docs, row), score=round(float(score), 4))
-    return docs.take(keep), {f"quality_model_{k}": v for k, v in metrics.items()}
+    scores = cross_fit_scores(positives, crawl, cfg, engine=engine,
+                              work_dir=worker_dir(engine, out_dir / QUALITY_DIR))
+    low = is_low_quality(scores, cfg)
+    rows = np.flatnonzero(low)
+    funnel.drop_rows(f"dropped_{QUALITY_DROP}", docs, rows,
+                     lambda i: {"score": round(float(scores[rows[i]]), 4)})
+    return docs.take(~low), {f"quality_model_{k}": v for k, v in metrics.items()}
 
 
-def apply_near_dedup(docs: DocTable, spool: Spool, config: Config, engine: Engine,
-                     out_dir: Path, funnel: Funnel) -> tuple[DocTable, dict[str, int]]:
+def apply_near_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Path,
+                     funnel: Funnel) -> tuple[DocTable, dict[str, int]]:
     index = None
     if config.dedup_index_from:
         index_dir = Path(config.dedup_index_from) / DEDUP_INDEX_DIR
@@ -348,32 +366,63 @@ def apply_near_dedup(docs: DocTable, spool: Spool, config: Config, engine: Engin
         except ValueError:
             location = str(index_dir)
         index = DedupIndex.load(index_dir, location)
-    result = near_dedup(spool.texts(docs), config.dedup, engine, index, ids=docs.ids,
+    result = near_dedup(docs.texts(), config.dedup, engine, index, ids=docs.ids,
                         work_dir=worker_dir(engine, out_dir / NEAR_DEDUP_DIR),
                         index_dir=out_dir / DEDUP_INDEX_DIR)
-    for row, survivor in zip(result.removed.tolist(), result.survivor):
-        funnel.drop("near_duplicates", spool.doc(docs, row), duplicate_of=survivor)
+    funnel.drop_rows("near_duplicates", docs, result.removed,
+                     lambda i: {"duplicate_of": result.survivor[i]})
     keep = np.ones(len(docs), bool)
     keep[result.removed] = False
     return docs.take(keep), \
         {f"near_dedup_{k}": v for k, v in result.counts().items()}
 
 
-def write_shards(docs: DocTable, spool: Spool, docs_dir: Path, docs_per_shard: int) -> int:
-    """docs/part-%05d.jsonl.gz, each document's line copied from the spool; gzip mtime fixed at
-    0 so equal docs give byte-identical files."""
+def apply_mix(docs: DocTable, config: Config, funnel: Funnel) -> tuple[DocTable, dict[str, Any]]:
+    """The mix's documents in order (mixing.py; a document may repeat); the ones it did not take
+    are dropped as not in the mix."""
+    rows_of = {name: np.flatnonzero(docs.source == code) for code, name in enumerate(docs.sources)}
+    rows_of = {name: rows for name, rows in rows_of.items() if len(rows)}
+    names, picks, record = mix_sizes({name: docs.text_bytes[rows] for name, rows in rows_of.items()},
+                                     config.mix)
+    rows = np.concatenate([np.zeros(0, np.int64)] + [rows_of[name] for name in names])
+    starts = np.cumsum([0] + [len(rows_of[name]) for name in names])
+    del rows_of
+    rows = rows[starts[picks[:, 0]] + picks[:, 1]]
+    taken = np.zeros(len(docs), bool)
+    taken[rows] = True
+    funnel.drop_rows(NOT_IN_MIX, docs, np.flatnonzero(~taken))
+    return docs.take(rows), record
+
+
+def _shard_task(item: tuple[Texts, str]) -> str:
+    """Write one docs shard by copying its documents' lines; gzip mtime fixed at 0 so equal docs
+    give byte-identical files."""
+    lines, location = item
+    tmp = _local_tmp(location, ".jsonl.gz.tmp")
+    ensure_free_space(tmp.parent, int(lines.sizes.sum()), "a document shard")  # gzip only shrinks it
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+        for line in lines.lines():  # deflate's output does not depend on the pieces
+            f.write(line)
+    publish_file(tmp, location)
+    return location
+
+
+def write_shards(docs: DocTable, docs_dir: Path, docs_per_shard: int, engine: Engine) -> int:
+    """docs/part-%05d.jsonl.gz, `docs_per_shard` documents each, written on the engine (to the
+    folder's place on the bucket when the workers share no disk with this machine, then fetched)."""
     if docs_dir.exists():  # left by an interrupted earlier attempt
         shutil.rmtree(docs_dir)
     docs_dir.mkdir(parents=True)
-    n_shards = 0
-    for n_shards, start in enumerate(range(0, len(docs), docs_per_shard), start=1):
-        shard = docs.take(np.arange(start, min(start + docs_per_shard, len(docs))))
-        ensure_free_space(docs_dir, int(shard.size.sum()), "a document shard")  # gzip only shrinks it
-        with (open(docs_dir / f"part-{n_shards - 1:05d}.jsonl.gz", "wb") as raw,
-              gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f):
-            for line in spool.lines(shard):  # deflate's output does not depend on the pieces
-                f.write(line)
-    return n_shards
+    location = worker_dir(engine, docs_dir)
+    starts = range(0, len(docs), docs_per_shard)
+    written = engine.map(_shard_task, [
+        (docs.take(np.arange(start, min(start + docs_per_shard, len(docs)))).texts(),
+         f"{location}/part-{k:05d}.jsonl.gz") for k, start in enumerate(starts)])
+    if location != str(docs_dir):
+        for shard in written:
+            fetch_file(shard, docs_dir / shard.rsplit("/", 1)[-1])
+        remove_tree(location)
+    return len(written)
 
 
 def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
@@ -384,38 +433,29 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     funnel = Funnel(config.review_samples)
     units_dir = worker_dir(engine, out_dir / UNITS_DIR)
     results = run_units(units, units_dir, engine)
-    spool = Spool(out_dir / SPOOL_FILE)
     decontam = build_index(config.decontam) if config.decontam.eval_sets else None  # for its report
-    docs = merge(units, results, config, funnel, spool, decontam)
-    spool.share(worker_dir(engine, out_dir / SPOOL_FILE))
+    docs = merge(units, results, config, funnel, decontam)
     funnel.record_steps(decontaminated=decontam is not None)
+    docs = apply_exact_dedup(docs, config, engine, out_dir, funnel)
     funnel.step_docs("exact_dedup", docs)
     stats: dict[str, Any] = {}
     if config.quality.enabled:
-        docs, quality_stats = apply_quality_model(docs, spool, config.quality, out_dir, funnel)
+        docs, quality_stats = apply_quality_model(docs, config.quality, engine, out_dir, funnel)
         stats.update(quality_stats)
         funnel.step_docs("quality_model", docs)
     if config.near_dedup:
-        docs, dedup_stats = apply_near_dedup(docs, spool, config, engine, out_dir, funnel)
+        docs, dedup_stats = apply_near_dedup(docs, config, engine, out_dir, funnel)
         stats.update(dedup_stats)
         funnel.counts["near_duplicates"] = dedup_stats["near_dedup_near_duplicates"]
         funnel.step_docs("near_dedup", docs)
     if not docs:
         raise NothingSurvived("no documents survived the filters; loosen the filter thresholds")
-    rows_of = {name: np.flatnonzero(docs.source == code) for code, name in enumerate(docs.sources)}
-    rows_of = {name: rows for name, rows in rows_of.items() if len(rows)}
-    names, picks, mix_record = mix_sizes({name: docs.text_bytes[rows] for name, rows in rows_of.items()},
-                                         config.mix)
-    rows = np.concatenate([np.zeros(0, np.int64)] + [rows_of[name] for name in names])
-    starts = np.cumsum([0] + [len(rows_of[name]) for name in names])
-    mixed = docs.take(rows[starts[picks[:, 0]] + picks[:, 1]])
-    funnel.drop_missing(NOT_IN_MIX, docs, mixed, spool.doc)
-    docs = mixed
+    docs, mix_record = apply_mix(docs, config, funnel)
     funnel.step_docs("mix", docs)
     (out_dir / "mix.json").write_text(json.dumps(mix_record, indent=2) + "\n")
     report = funnel.report()
     report["accounting"] = funnel.accounting(docs)
-    report["shards"] = write_shards(docs, spool, out_dir / "docs", config.docs_per_shard)
+    report["shards"] = write_shards(docs, out_dir / "docs", config.docs_per_shard, engine)
     if decontam is not None:
         (out_dir / "decontamination.json").write_text(json.dumps(decontam.report(), indent=2) + "\n")
     (out_dir / "funnel.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -423,9 +463,8 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     artifacts = ["funnel.json", "mix.json", *funnel.write_review(out_dir / "review")]
     if config.decontam.eval_sets:
         artifacts.append("decontamination.json")
-    for spill in (units_dir, worker_dir(engine, out_dir / NEAR_DEDUP_DIR), spool.readable_at):
-        remove_tree(spill)  # the committed output is docs/; these only serve resume
-    (out_dir / SPOOL_FILE).unlink(missing_ok=True)
+    for spill_dir in (UNITS_DIR, EXACT_DEDUP_DIR, QUALITY_DIR, NEAR_DEDUP_DIR):
+        remove_tree(worker_dir(engine, out_dir / spill_dir))  # the output is docs/; these serve resume
     shutil.rmtree(out_dir / DOWNLOADS_DIR, ignore_errors=True)
     last = report["steps"][-1]
     log.info("collect: kept %d docs, %.2f MB (%s); records %s", last["docs"], last["bytes"] / 1e6,

@@ -413,7 +413,8 @@ def _write_index(run: _Run, index: DedupIndex | None, ids: Sequence[str], exclud
     kept = np.ones(n, bool)
     kept[excluded] = False
     total = m + int(kept.sum())
-    width = max([1, index.ids.dtype.itemsize // 4 if index else 1] + [len(i) for i in ids])
+    width = max([1, index.ids.dtype.itemsize // 4 if index else 1]
+                + [max(map(len, ids[lo:lo + _BLOCK_ROWS])) for lo in range(0, n, _BLOCK_ROWS)])
 
     def old_rows(array: np.ndarray) -> Iterator[np.ndarray]:
         return (array[lo:lo + _BLOCK_ROWS] for lo in range(0, m, _BLOCK_ROWS))

@@ -276,3 +276,41 @@ def test_unit_results_are_named_by_what_they_read(tmp_path):
     b = collect.WorkUnit(config=config, source="x.jsonl", index=1, path="x.jsonl", part=Part(0, 20))
     assert collect.unit_result_path(tmp_path, a) != collect.unit_result_path(tmp_path, b)
     assert Path(collect.unit_result_path(tmp_path, a)).name.startswith("unit-00001-")
+
+
+def test_a_stage_killed_in_its_corpus_level_steps_redoes_only_their_unfinished_tasks(
+        shared_data, tmp_path, monkeypatch):
+    """Killed in exact dedup's hash ranges, then in near dedup's key ranges: each rerun redoes
+    only what was not finished (units, runs, chunks and ranges written before are reused), and
+    the output is a fresh run's, byte for byte."""
+    from test_dedup import DiesPartWay
+
+    import tasks.collect.dedup as dedup
+    import tasks.collect.exact_dedup as exact_dedup
+
+    monkeypatch.setattr(exact_dedup, "RUN_ROWS", 16)
+    original = sorted((shared_data / DOLMA).glob("*.jsonl"))[0]
+    edited = tmp_path / "edited.jsonl"  # each document with a word more: a near-duplicate
+    edited.write_text("".join(json.dumps({**record, "text": record["text"] + " Indeed."}) + "\n"
+                              for record in map(json.loads, original.read_text().splitlines())))
+    sources = [str(shared_data / "warc" / "dolma_wget"), str(shared_data / DOLMA / "*.jsonl"),
+               str(original), str(edited)]  # and a file twice: exact duplicates
+    config = {"sources": sources, "dedup": {"chunk_docs": 8, "partition_mb": 0.0005}}
+    with pytest.raises(RuntimeError, match="killed"):
+        _run(tmp_path / "out", DiesPartWay(exact_dedup._partition_task, 1), **config)
+    with pytest.raises(RuntimeError, match="killed"):
+        second = DiesPartWay(dedup._partition_task, 5)
+        _run(tmp_path / "out", second, **config)
+    resumed = DiesPartWay()
+    result = _run(tmp_path / "out", resumed, **config)
+    runs, hash_ranges = (len(second.done[f"exact_dedup.{task}"]) for task in ("_run_task", "_partition_task"))
+    assert runs >= 2 and second.done["exact_dedup._run_task"] == [True] * runs
+    assert second.done["exact_dedup._partition_task"] == [True] + [False] * (hash_ranges - 1)
+    chunks, ranges = (len(resumed.done[f"dedup.{task}"]) for task in ("_chunk_task", "_partition_task"))
+    assert resumed.done["exact_dedup._partition_task"] == [True] * hash_ranges and hash_ranges >= 2
+    assert resumed.done["dedup._chunk_task"] == [True] * chunks and chunks >= 3
+    assert resumed.done["dedup._partition_task"] == [True] * 5 + [False] * (ranges - 5)
+    fresh = _run(tmp_path / "fresh", **config)
+    assert result.stats == fresh.stats
+    assert result.stats["near_duplicates"] > 0 and result.stats["exact_duplicates"] > 0
+    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")

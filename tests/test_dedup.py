@@ -322,7 +322,8 @@ def test_precision_and_recall_on_labelled_real_documents(shared_data):
 
 class DiesPartWay(SerialEngine):
     """Runs the first `n` items of a map of `fn`, then dies as a killed driver would; records,
-    for every map, which items an earlier attempt had finished (their `done` flag)."""
+    for every map of a spilling task, which items an earlier attempt had finished (their `done`
+    flag), by module and task."""
 
     def __init__(self, fn=None, n: int = 0):
         self.fn, self.n, self.done = fn, n, {}
@@ -330,7 +331,7 @@ class DiesPartWay(SerialEngine):
     def map(self, fn, items):
         if fn in (dedup._chunk_task, dedup._partition_task, exact_dedup._run_task,
                   exact_dedup._partition_task):
-            self.done[fn.__name__] = [item[-2] for item in items]
+            self.done[f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"] = [item[-2] for item in items]
         if fn is self.fn:
             super().map(fn, items[:self.n])
             raise RuntimeError("killed")
@@ -347,10 +348,10 @@ def test_a_killed_run_redoes_only_its_unfinished_chunks_and_partitions(tmp_path)
     with pytest.raises(RuntimeError, match="killed"):
         first = DiesPartWay(dedup._partition_task, 3)
         near_dedup(docs, cfg, first, work_dir=work)
-    assert first.done["_chunk_task"] == [True] * 5 + [False] * 9
+    assert first.done["dedup._chunk_task"] == [True] * 5 + [False] * 9
     resumed = DiesPartWay()
     result = near_dedup(docs, cfg, resumed, work_dir=work, index_dir=tmp_path / "resumed")
-    assert resumed.done == {"_chunk_task": [True] * 14, "_partition_task": [True] * 3 + [False] * 5}
+    assert resumed.done == {"dedup._chunk_task": [True] * 14, "dedup._partition_task": [True] * 3 + [False] * 5}
     assert result.counts() == base.counts() and result.representative == base.representative
     assert np.array_equal(result.index.signatures, base.index.signatures)
     other = near_dedup(docs[:-1], cfg, DiesPartWay(), work_dir=work)  # another input: its own files

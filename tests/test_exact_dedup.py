@@ -49,10 +49,11 @@ def test_a_killed_exact_dedup_redoes_only_its_unfinished_runs_and_ranges(monkeyp
     with pytest.raises(RuntimeError, match="killed"):
         first = DiesPartWay(exact_dedup._partition_task, 3)
         exact_dedup.first_occurrences(hi, lo, first, work, mb)
-    assert first.done["_run_task"] == [True] * 5 + [False] * 3
+    assert first.done["exact_dedup._run_task"] == [True] * 5 + [False] * 3
     resumed = DiesPartWay()
     result = exact_dedup.first_occurrences(hi, lo, resumed, work, mb)
-    assert resumed.done == {"_run_task": [True] * 8, "_partition_task": [True] * 3 + [False] * 5}
+    assert resumed.done == {"exact_dedup._run_task": [True] * 8,
+                            "exact_dedup._partition_task": [True] * 3 + [False] * 5}
     assert np.array_equal(result, _first_by_dict(hi, lo))
     other = exact_dedup.first_occurrences(hi[:-1], lo[:-1], DiesPartWay(), work, mb)  # its own files
     assert np.array_equal(other, _first_by_dict(hi[:-1], lo[:-1]))

@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import json
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,12 @@ def is_url(location: str | Path) -> bool:
     return "://" in str(location)
 
 
+def staging_path(dest: str, suffix: str) -> Path:
+    """Where a file bound for `dest` is written before `publish_file` puts it there: beside it on
+    a local disk, in this machine's temp folder for a URL; its name ends with `suffix`."""
+    return Path(tempfile.mkstemp(suffix=suffix)[1]) if is_url(dest) else Path(f"{dest}{suffix}")
+
+
 def publish_file(finished: Path, dest: str, *, keep: bool = False) -> None:
     """Put the finished local file at `dest` whole: renamed on a local disk, uploaded in one request
     to a URL (an object appears only once complete; object stores have no rename). `keep`: leave
@@ -109,9 +116,13 @@ def open_location(location: str | Path, mode: str = "rb") -> Any:
     return fsspec.open(str(location), mode).open()
 
 
-def names_in(location: str) -> set[str]:
-    """The file names directly in a folder or under a URL prefix, listed afresh; empty when absent."""
+def names_in(location: str, *, create: bool = False) -> set[str]:
+    """The file names directly in a folder or under a URL prefix, listed afresh; empty when absent.
+    `create`: make a local folder that is missing (a work folder a killed run resumes from; a URL
+    prefix needs no making)."""
     if not is_url(location):
+        if create:
+            Path(location).mkdir(parents=True, exist_ok=True)
         return {p.name for p in Path(location).iterdir()} if Path(location).is_dir() else set()
     import fsspec
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra import env
+from infra import env, ray_start
 
 if TYPE_CHECKING:
     from flows.config import PipelineConfig
+    from flows.dag import PlannedStage
 
 GATE_EXIT = 3  # a data gate tripped: approve (--approve-gates) or loosen collect.gates
 
@@ -75,6 +77,22 @@ def run(config: str, overrides: list[str], until: str | None = None, approve_gat
         return _fail(error)
     if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
         return _fail("; ".join(problems))
+    try:
+        _start_ray_early(planned)
+        return _run(pipeline_config, home, until, approve_gates)
+    finally:
+        ray_start.stop_early()  # when the stage it was started for did not take it
+
+
+def _start_ray_early(planned: list[PlannedStage]) -> None:
+    """When the first stage to compute runs on a local Ray, start it now, on a thread, beside the
+    imports and services that come before the stage (infra/ray_start.py)."""
+    first = next((stage for stage in planned if not stage.complete), None)
+    if first is not None and first.spec.uses_ray and not os.environ.get("RAY_ADDRESS"):
+        ray_start.start_early(getattr(first.config, "num_workers", 1))
+
+
+def _run(pipeline_config: PipelineConfig, home: Path, until: str | None, approve_gates: bool) -> int:
     with _importing():
         from core.files import DiskSpaceError
         from flows.gates import GatesRejected, GatesStopped

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from core.stage import SerialEngine, map_name, map_progress
-from infra import env
+from infra import env, ray_start
 
 env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
 import ray  # noqa: E402
@@ -68,22 +68,29 @@ class RayEngine:
         self.worker_dirs = worker_dirs
         self._started_here = False
         self._session_dir: str | None = None
+        self._early: ray_start.EarlyRay | None = None
         self._actors: list = []
         # map name (the mapped function's) -> Ray node id -> units that node ran, over this engine's maps
         self.units_per_node: dict[str, Counter[str]] = {}
 
     def start(self) -> None:
-        """Join the cluster named by RAY_ADDRESS, or start a local Ray; idempotent."""
+        """Join the cluster named by RAY_ADDRESS, or take the local Ray started early
+        (infra/ray_start.py), or start a local Ray; idempotent."""
+        address = os.environ.get("RAY_ADDRESS")
+        if (early := ray_start.take_early()) is not None:
+            if address or self.runtime_env or _local_cpus(early.num_workers) != _local_cpus(self.num_workers):
+                ray_start.stop_early(early)  # started for other workers or settings than these
+            else:
+                self._early, self._session_dir, self._started_here = early, early.session_dir, True
+                log.info("ray: local, %s workers (started early)", self.num_workers)
+                return
         if ray.is_initialized():
             return
-        address = os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, log_to_driver=False, runtime_env=self.runtime_env)
         else:
-            ray.init(num_cpus=max(self.num_workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False, runtime_env=self.runtime_env)
+            self._session_dir = init_local(self.num_workers, self.runtime_env)
             self._started_here = True
-            self._session_dir = _session_dir()
         log.info("ray: %s, %s workers", address or "local", self.num_workers)
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
@@ -121,10 +128,30 @@ class RayEngine:
                 ray.kill(actor)
         self._actors = []
         if self._started_here and ray.is_initialized():
-            ray.shutdown()
+            shutdown_local(self._session_dir)
             self._started_here = False
-            if self._session_dir:
-                shutil.rmtree(self._session_dir, ignore_errors=True)
+        if self._early is not None:
+            self._early.release()
+            self._early = None
+
+
+def _local_cpus(num_workers: int) -> int:
+    return max(num_workers, os.cpu_count() or 1)
+
+
+def init_local(num_workers: int, runtime_env: dict | None = None) -> str | None:
+    """Start a local Ray with room for `num_workers` workers; its session directory."""
+    ray.init(num_cpus=_local_cpus(num_workers), include_dashboard=False, log_to_driver=False,
+             configure_logging=False, runtime_env=runtime_env)
+    return _session_dir()
+
+
+def shutdown_local(session_dir: str | None) -> None:
+    """Stop the local Ray and remove its session directory (logs, sockets), so runs do not pile
+    them up in the system temp folder."""
+    ray.shutdown()
+    if session_dir:
+        shutil.rmtree(session_dir, ignore_errors=True)
 
 
 def _placements(count: int) -> list[str | NodeAffinitySchedulingStrategy]:

@@ -33,7 +33,10 @@ def test_tiny_run_computes_every_stage_and_commits_manifests(tiny_run):
     assert not list((home / "artifacts").glob("*/*.partial"))
     evaluate = json.loads((committed_dir(home, "evaluate") / "manifest.json").read_text())
     assert evaluate["stats"]["base_val_bpb"] > 0
-    assert "computing" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "computing" in log
+    # collect, the first stage to compute, took the local Ray started beside the services
+    assert "ray: local, 2 workers (started early)" in log, log[-3000:]
 
 
 def test_rerun_reuses_everything_and_changes_no_file(tiny_run, prefect_server):
@@ -44,6 +47,7 @@ def test_rerun_reuses_everything_and_changes_no_file(tiny_run, prefect_server):
     log = proc.stdout + proc.stderr
     assert all(f"{stage}: reused" in log for stage in STAGES), log[-3000:]
     assert "computing" not in log
+    assert "gristmill.ray" not in log  # no stage computes: no Ray was started for one
     assert artifact_files(home) == before
 
 

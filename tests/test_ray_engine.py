@@ -1,6 +1,6 @@
 """The Ray engine: results in input order whatever the worker count, a worker killed mid-call is
 restarted and the call retried, the node of each unit counted, and a local Ray leaves no session
-directory behind."""
+directory behind (also one started early, infra/ray_start.py)."""
 from __future__ import annotations
 
 import logging
@@ -80,3 +80,58 @@ def test_a_single_call_runs_here_without_starting_ray(monkeypatch):
         assert engine.map(abs, [-1, -2]) == [1, 2] and ray.is_initialized()
     finally:
         engine.shutdown()
+
+
+def _ray_start_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "gristmill-ray-start"]
+
+
+def test_a_ray_started_early_is_taken_by_the_engine_and_ends_with_it(monkeypatch, caplog):
+    """`gristmill run` starts a local Ray on a thread while it starts its services
+    (infra/ray_start.py); the engine works on that Ray, and its shutdown stops it, removes its
+    session directory and ends the thread (Ray's processes die with the thread that started them,
+    so the thread lives exactly as long as that Ray)."""
+    import ray
+
+    from infra import ray_start
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_start.start_early(2)
+    assert len(_ray_start_threads()) == 1
+    engine = RayEngine(num_workers=2)
+    try:
+        with caplog.at_level(logging.INFO, "gristmill.ray"):
+            assert engine.map(abs, [-1, -2, -3]) == [1, 2, 3]
+        assert "ray: local, 2 workers (started early)" in caplog.text
+        session = engine._session_dir
+        assert session and Path(session).is_dir() and len(_ray_start_threads()) == 1
+    finally:
+        engine.shutdown()
+    assert not ray.is_initialized() and not Path(session).exists() and not _ray_start_threads()
+
+
+def test_an_early_ray_no_engine_takes_is_stopped_and_one_for_other_workers_replaced(monkeypatch):
+    """The stage that was to use the early Ray did not compute: stop_early stops it and its
+    thread. An engine with more workers than the early Ray has CPUs for starts its own."""
+    import ray
+
+    from infra import ray_start
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_start.start_early(1)
+    ray_start.stop_early()
+    assert not ray.is_initialized() and not _ray_start_threads()
+    ray_start.stop_early()  # none pending: nothing to do
+
+    workers = (os.cpu_count() or 1) + 1
+    ray_start.start_early(1)
+    engine = RayEngine(num_workers=workers)
+    try:
+        assert engine.map(abs, [-1, -2]) == [1, 2]
+        assert engine._early is None and ray.cluster_resources()["CPU"] == workers
+        assert not _ray_start_threads()  # the early one was stopped before this one started
+    finally:
+        engine.shutdown()
+    assert not ray.is_initialized()

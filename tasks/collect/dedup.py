@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.files import fetch_file, is_url, names_in
+from core.files import fetch_file, names_in
 from core.stage import Engine
 from tasks.collect import spill
 from tasks.collect.minhash import (
@@ -59,9 +59,10 @@ INDEX_FORMAT = 3  # 3: bucket rows in key-sorted shards (2: one band-key matrix)
 _U64 = np.uint64
 _ROW = np.dtype([("key", "<u8"), ("col", "<u2"), ("node", "<i8")])  # a bucket row: 18 bytes
 _PAIRS_PER_BLOCK = 65_536  # candidate pairs verified at once against the index's signatures
-# pairs of input documents checked exactly at once: both shingle sets of each (~300 8-byte
-# hashes for a 300-word page) are sorted together, so a block holds ~40 MB per temporary
-_EXACT_PAIRS_PER_BLOCK = 8_192
+# pairs of input documents checked exactly at once, a task each: both shingle sets of each (~300
+# 8-byte hashes for a 300-word page) are sorted together, so a block holds ~10 MB per temporary;
+# small enough that a corpus's few blocks still keep every worker busy to the end
+_EXACT_PAIRS_PER_BLOCK = 2_048
 _PAIRED_PER_BUCKET = 8  # a bucket's node is paired with at most this many earlier nodes
 _BLOCK_ROWS = 65_536  # rows copied at once into the new index's files
 
@@ -130,7 +131,7 @@ class _Run:
     m: int  # index documents: nodes 0..m-1; input document i is node m + i
 
     def file(self, kind: str, n: int) -> str:
-        return f"{self.work_dir}/{kind}-{n:06d}.npy"
+        return spill.file_in(self.work_dir, kind, n)
 
 
 def _bucket_rows(keys: np.ndarray, nodes: np.ndarray) -> np.ndarray:
@@ -457,9 +458,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
             work_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="near-dedup-"))
         run = _Run(work_dir=_run_dir(str(work_dir), cfg, index, ids), cfg=cfg,
                    bits=_partition_bits(m + n, cfg), m=m)
-        if not is_url(run.work_dir):
-            Path(run.work_dir).mkdir(parents=True, exist_ok=True)
-        done = names_in(run.work_dir)
+        done = names_in(run.work_dir, create=True)
         chunks = [(texts[s:s + cfg.chunk_docs], c, s, f"sig-{c:06d}.npy" in done, run)
                   for c, s in enumerate(range(0, n, cfg.chunk_docs))]
         mapped = engine.map(_chunk_task, chunks)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.files import is_url, names_in
+from core.files import names_in
 from core.stage import Engine
 from tasks.collect import spill
 
@@ -33,7 +33,7 @@ class _Run:
     bits: int
 
     def file(self, kind: str, n: int) -> str:
-        return f"{self.work_dir}/{kind}-{n:06d}.npy"
+        return spill.file_in(self.work_dir, kind, n)
 
 
 def _sorted(rows: np.ndarray) -> np.ndarray:
@@ -77,9 +77,7 @@ def first_occurrences(hash_hi: np.ndarray, hash_lo: np.ndarray, engine: Engine, 
     for lo in range(0, n, RUN_ROWS):
         digest.update(hash_hi[lo:lo + RUN_ROWS].tobytes() + hash_lo[lo:lo + RUN_ROWS].tobytes())
     run = _Run(work_dir=f"{work_dir}/run-{digest.hexdigest()[:16]}", bits=bits)
-    if not is_url(run.work_dir):
-        Path(run.work_dir).mkdir(parents=True, exist_ok=True)
-    done = names_in(run.work_dir)
+    done = names_in(run.work_dir, create=True)
     starts = range(0, n, RUN_ROWS)
     bounds = engine.map(_run_task, [(k, hash_hi[s:s + RUN_ROWS], hash_lo[s:s + RUN_ROWS], s,
                                      f"run-{k:06d}.npy" in done, run) for k, s in enumerate(starts)])

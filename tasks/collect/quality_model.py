@@ -37,7 +37,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.decontam import ngram_hashes, token_hashes
-from core.files import is_url, open_location, publish_file
+from core.files import is_url, open_location, publish_file, staging_path
 from core.sources import DEMO_PREFIX, parse_source
 from core.stage import Engine, SerialEngine
 from tasks.collect.readers import (
@@ -271,7 +271,7 @@ def cross_fit_scores(positives: list[str], crawl: Sequence[str], cfg: QualityCon
         for fold in range(folds):
             model, _ = train_quality_model(positives, take(crawl, np.flatnonzero(fold_of != fold)), cfg)
             location = f"{work_dir}/fold-{fold}.npz"
-            tmp = Path(tempfile.mkstemp(suffix=".npz")[1])
+            tmp = staging_path(location, ".tmp.npz")  # np.savez adds .npz to a name without it
             np.savez(tmp, weights=model.weights, bias=np.float64(model.bias))
             publish_file(tmp, location)
             mine = np.flatnonzero(fold_of == fold)

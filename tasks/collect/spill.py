@@ -6,23 +6,27 @@ range's task reads its stretch of every file (`Piece`) by seeking, not the whole
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from core.files import is_url, open_location, publish_file
+from core.files import open_location, publish_file, staging_path
 
 Piece = tuple[str, int, int]  # rows lo..hi of a spilled .npy file
 
 
 def save(location: str, array: np.ndarray) -> None:
     """`array` as a .npy file at a path or URL, put there whole once written."""
-    tmp = Path(tempfile.mkstemp(suffix=".npy")[1]) if is_url(location) else Path(f"{location}.tmp.npy")
+    tmp = staging_path(location, ".tmp.npy")  # np.save adds .npy to a name without it
     np.save(tmp, array, allow_pickle=False)
     publish_file(tmp, location)
+
+
+def file_in(work_dir: str, kind: str, n: int) -> str:
+    """The location of a step's n-th spilled file of a kind (`run`, `rows`, ...) in its work folder."""
+    return f"{work_dir}/{kind}-{n:06d}.npy"
 
 
 def load(location: str) -> np.ndarray:

@@ -41,7 +41,6 @@ import itertools
 import json
 import logging
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,11 +53,11 @@ from core.decontam import drop_reason as contamination_reason
 from core.files import (
     ensure_free_space,
     fetch_file,
-    is_url,
     iter_jsonl,
     names_in,
     publish_file,
     remove_tree,
+    staging_path,
 )
 from core.sources import file_size, parse_source
 from core.stage import Engine, SerialEngine, StageResult, worker_dir
@@ -101,6 +100,9 @@ UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
 # in out_dir, spilled files of the corpus-level steps on the engine (kept for a resumed run)
 EXACT_DEDUP_DIR, QUALITY_DIR, NEAR_DEDUP_DIR = "exact_dedup", "quality", "near_dedup"
 SPOOL_SUFFIX = ".docs.jsonl"  # beside a unit's events: its kept documents' output lines
+# zlib's default level for the shards and events: level 9 (gzip's) costs more CPU for a file
+# barely smaller (docs/benchmarks.md)
+GZIP_LEVEL = 6
 
 
 # ---------------------------------------------------------------- work units (per part of a file)
@@ -231,12 +233,6 @@ def spool_path(result: str) -> str:
     return result.removesuffix(".jsonl.gz") + SPOOL_SUFFIX
 
 
-def _local_tmp(location: str, suffix: str) -> Path:
-    """Where a file bound for `location` is written first: beside it on a disk, in this worker's
-    temp dir for a URL."""
-    return Path(tempfile.mkstemp(suffix=suffix)[1] if is_url(location) else f"{location}.tmp")
-
-
 def process_unit(job: tuple[WorkUnit, str]) -> str:
     """Read, extract and clean one unit: its kept documents' output lines into its spool file,
     then every record's event (a kept one says where its line is, not its text) into its result
@@ -244,8 +240,8 @@ def process_unit(job: tuple[WorkUnit, str]) -> str:
     `max_docs_per_source` extracted docs. Returns the result's location."""
     unit, result = job
     cap, n_extracted = unit.config.max_docs_per_source, 0
-    events, lines = _local_tmp(result, ".jsonl.gz.tmp"), _local_tmp(spool_path(result), ".jsonl.tmp")
-    with gzip.open(events, "wt", encoding="utf-8") as out, open(lines, "wb") as spool_file:
+    events, lines = staging_path(result, ".tmp"), staging_path(spool_path(result), ".tmp")
+    with gzip.open(events, "wt", compresslevel=GZIP_LEVEL, encoding="utf-8") as out, open(lines, "wb") as spool_file:
         spool = SpoolWriter(spool_file)
         for item in _unit_records(unit):
             event = document_event(item, unit.config)
@@ -269,10 +265,8 @@ def process_unit(job: tuple[WorkUnit, str]) -> str:
 
 def run_units(units: list[WorkUnit], units_dir: str | Path, engine: Engine) -> list[str]:
     """Result files of every unit, computing only those not finished by an earlier attempt."""
-    if not is_url(units_dir):
-        Path(units_dir).mkdir(parents=True, exist_ok=True)
     results = [unit_result_path(units_dir, u) for u in units]
-    done = names_in(str(units_dir))  # a spool file without its result is redone
+    done = names_in(str(units_dir), create=True)  # a spool file without its result is redone
     pending = [(u, r) for u, r in zip(units, results) if r.rsplit("/", 1)[-1] not in done]
     if len(pending) < len(units):
         log.info("collect: resuming, %d of %d units already done", len(units) - len(pending),
@@ -398,9 +392,10 @@ def _shard_task(item: tuple[Texts, str]) -> str:
     """Write one docs shard by copying its documents' lines; gzip mtime fixed at 0 so equal docs
     give byte-identical files."""
     lines, location = item
-    tmp = _local_tmp(location, ".jsonl.gz.tmp")
+    tmp = staging_path(location, ".tmp")
     ensure_free_space(tmp.parent, int(lines.sizes.sum()), "a document shard")  # gzip only shrinks it
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
+                                                   compresslevel=GZIP_LEVEL) as f:
         for line in lines.lines():  # deflate's output does not depend on the pieces
             f.write(line)
     publish_file(tmp, location)

@@ -1,0 +1,106 @@
+"""A local Ray started ahead of need, on a thread of its own, while the process goes on.
+
+A local Ray takes seconds to start (a dozen processes, each importing Ray), and so do the
+imports and the Prefect server a run starts before its first stage. `gristmill run` knows from
+its plan whether a stage that runs on Ray will compute: then it calls `start_early`, and the
+first `RayEngine` to start (infra/ray_engine.py) takes that Ray with `take_early` instead of
+starting its own. Nothing here imports Ray on the caller's thread: the thread does.
+
+The thread lives until the Ray it started is shut down, because Ray's processes are set to die
+with the thread that started them (Linux's parent-death signal), not with the process. Ray's
+`init` on the main thread makes SIGTERM exit the process by SystemExit, so that `finally` blocks
+(the engine's shutdown among them) run; from another thread it cannot, so `start_early` does it.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+_lock = threading.Lock()
+_pending: EarlyRay | None = None
+
+
+class EarlyRay:
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.session_dir: str | None = None
+        self._thread = threading.Thread(target=self._hold, name="gristmill-ray-start", daemon=True)
+
+    def _hold(self) -> None:
+        try:
+            from infra.ray_engine import init_local
+
+            logging.getLogger("ray._private.worker").addFilter(_NotMainThreadNote())
+
+            self.session_dir = init_local(self.num_workers)
+        except BaseException as error:  # raised where the Ray is taken, on the engine's thread
+            self._error = error
+        finally:
+            self._ready.set()
+        self._done.wait()
+
+    def wait(self) -> EarlyRay:
+        """Block until Ray has started; raise what starting it raised."""
+        self._ready.wait()
+        if self._error is not None:
+            self.release()
+            raise self._error
+        return self
+
+    def release(self) -> None:
+        """Let the thread end: after `ray.shutdown()` (its processes are gone by then)."""
+        self._done.set()
+        self._thread.join()
+
+
+class _NotMainThreadNote(logging.Filter):
+    """Drops Ray's warning that it set no SIGTERM handler off the main thread: `start_early` sets it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "current thread is not the main thread" not in record.getMessage()
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    sys.exit(signum)
+
+
+def start_early(num_workers: int) -> None:
+    """Start a local Ray for `num_workers` workers on a thread; returns at once. Idempotent.
+    Call it on the main thread."""
+    global _pending
+    with _lock:
+        if _pending is None:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            _pending = EarlyRay(num_workers)
+            _pending._thread.start()
+
+
+def take_early() -> EarlyRay | None:
+    """The Ray `start_early` started, once it is up (the taker shuts it down and releases it); None
+    when there is none."""
+    global _pending
+    with _lock:
+        early, _pending = _pending, None
+    return early.wait() if early is not None else None
+
+
+def stop_early(early: EarlyRay | None = None) -> None:
+    """Shut down an early Ray that no engine took (the stage that was to use it did not compute,
+    or asked for other settings): `early`, or the one pending."""
+    global _pending
+    if early is None:
+        with _lock:
+            early, _pending = _pending, None
+    if early is None:
+        return
+    early._ready.wait()
+    if early._error is None:
+        from infra.ray_engine import shutdown_local
+
+        shutdown_local(early.session_dir)
+    early.release()

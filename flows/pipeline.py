@@ -31,7 +31,7 @@ from flows.notify import notify, rollbacks
 from flows.progress import stage_progress
 from flows.registry import Decision, register_and_promote
 from flows.report_card import Section, registry_section
-from infra import env
+from infra import env, ray_start
 from infra.artifacts import ArtifactStore
 from infra.memory import PeakRSS
 from infra.tracking import is_server
@@ -80,9 +80,11 @@ def _engine(stage: PlannedStage, store: ArtifactStore) -> Engine:
         RayEngine,  # imported lazily: only data stages pay Ray's start-up
     )
 
-    # with the store on a bucket, workers write there: Ray's nodes need not share a disk
+    # with the store on a bucket, workers write there: Ray's nodes need not share a disk; a local
+    # Ray that `gristmill run` started early for this stage (infra/ray_start.py) is handed over
     return RayEngine(num_workers=getattr(stage.config, "num_workers", 1),
-                     worker_dirs=store.remote_location if store.remote is not None else None)
+                     worker_dirs=store.remote_location if store.remote is not None else None,
+                     early=ray_start.take_early())
 
 
 def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Runtime, run_id: str,

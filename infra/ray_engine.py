@@ -23,10 +23,10 @@ import shutil
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from core.stage import SerialEngine, map_name, map_progress
-from infra import env, ray_start
+from infra import env
 
 env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
 import ray  # noqa: E402
@@ -57,10 +57,11 @@ class _Worker:
 
 class RayEngine:
     def __init__(self, num_workers: int, runtime_env: dict | None = None,
-                 worker_dirs: Callable[[Path], str] | None = None):
+                 worker_dirs: Callable[[Path], str] | None = None, early: Any = None):
         """`runtime_env`: Ray's, for every task and actor of this driver (e.g. environment variables);
         `worker_dirs`: where workers write what belongs in a stage folder of this machine, when
-        that is not the folder itself (core.stage.worker_dir)."""
+        that is not the folder itself (core.stage.worker_dir); `early`: a local Ray started ahead
+        of need (infra/ray_start.py's EarlyRay), used when it fits, else stopped."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
@@ -68,18 +69,21 @@ class RayEngine:
         self.worker_dirs = worker_dirs
         self._started_here = False
         self._session_dir: str | None = None
-        self._early: ray_start.EarlyRay | None = None
+        self._early_pending = early
+        self._early: Any = None  # the early Ray this engine works on
         self._actors: list = []
         # map name (the mapped function's) -> Ray node id -> units that node ran, over this engine's maps
         self.units_per_node: dict[str, Counter[str]] = {}
 
     def start(self) -> None:
-        """Join the cluster named by RAY_ADDRESS, or take the local Ray started early
-        (infra/ray_start.py), or start a local Ray; idempotent."""
+        """Join the cluster named by RAY_ADDRESS, or take the local Ray started early, or start a
+        local Ray; idempotent."""
         address = os.environ.get("RAY_ADDRESS")
-        if (early := ray_start.take_early()) is not None:
+        if (early := self._early_pending) is not None:
+            self._early_pending = None
+            early.wait()
             if address or self.runtime_env or _local_cpus(early.num_workers) != _local_cpus(self.num_workers):
-                ray_start.stop_early(early)  # started for other workers or settings than these
+                early.stop()  # started for other workers or settings than these
             else:
                 self._early, self._session_dir, self._started_here = early, early.session_dir, True
                 log.info("ray: local, %s workers (started early)", self.num_workers)
@@ -133,6 +137,9 @@ class RayEngine:
         if self._early is not None:
             self._early.release()
             self._early = None
+        if self._early_pending is not None:  # never started: the early Ray goes unused
+            self._early_pending.stop()
+            self._early_pending = None
 
 
 def _local_cpus(num_workers: int) -> int:

@@ -3,8 +3,8 @@
 A local Ray takes seconds to start (a dozen processes, each importing Ray), and so do the
 imports and the Prefect server a run starts before its first stage. `gristmill run` knows from
 its plan whether a stage that runs on Ray will compute: then it calls `start_early`, and the
-first `RayEngine` to start (infra/ray_engine.py) takes that Ray with `take_early` instead of
-starting its own. Nothing here imports Ray on the caller's thread: the thread does.
+flow hands that Ray (`take_early`) to the stage's `RayEngine` (infra/ray_engine.py), which works
+on it instead of starting its own. Nothing here imports Ray on the caller's thread: the thread does.
 
 The thread lives until the Ray it started is shut down, because Ray's processes are set to die
 with the thread that started them (Linux's parent-death signal), not with the process. Ray's
@@ -57,6 +57,15 @@ class EarlyRay:
         self._done.set()
         self._thread.join()
 
+    def stop(self) -> None:
+        """Shut this Ray down (once started) and end its thread."""
+        self._ready.wait()
+        if self._error is None:
+            from infra.ray_engine import shutdown_local
+
+            shutdown_local(self.session_dir)
+        self.release()
+
 
 class _NotMainThreadNote(logging.Filter):
     """Drops Ray's warning that it set no SIGTERM handler off the main thread: `start_early` sets it."""
@@ -81,26 +90,15 @@ def start_early(num_workers: int) -> None:
 
 
 def take_early() -> EarlyRay | None:
-    """The Ray `start_early` started, once it is up (the taker shuts it down and releases it); None
-    when there is none."""
+    """The Ray `start_early` started, perhaps still starting (the taker waits for it with `wait`
+    and ends it with `stop`, or with `release` after shutting Ray down); None when there is none."""
     global _pending
     with _lock:
         early, _pending = _pending, None
-    return early.wait() if early is not None else None
+    return early
 
 
-def stop_early(early: EarlyRay | None = None) -> None:
-    """Shut down an early Ray that no engine took (the stage that was to use it did not compute,
-    or asked for other settings): `early`, or the one pending."""
-    global _pending
-    if early is None:
-        with _lock:
-            early, _pending = _pending, None
-    if early is None:
-        return
-    early._ready.wait()
-    if early._error is None:
-        from infra.ray_engine import shutdown_local
-
-        shutdown_local(early.session_dir)
-    early.release()
+def stop_early() -> None:
+    """Stop an early Ray that nothing took (the stage it was started for did not compute)."""
+    if (early := take_early()) is not None:
+        early.stop()

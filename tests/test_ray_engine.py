@@ -90,9 +90,9 @@ def _ray_start_threads() -> list:
 
 def test_a_ray_started_early_is_taken_by_the_engine_and_ends_with_it(monkeypatch, caplog):
     """`gristmill run` starts a local Ray on a thread while it starts its services
-    (infra/ray_start.py); the engine works on that Ray, and its shutdown stops it, removes its
-    session directory and ends the thread (Ray's processes die with the thread that started them,
-    so the thread lives exactly as long as that Ray)."""
+    (infra/ray_start.py), and the flow hands it to the stage's engine, which works on it; the
+    engine's shutdown stops it, removes its session directory and ends the thread (Ray's processes
+    die with the thread that started them, so the thread lives exactly as long as that Ray)."""
     import ray
 
     from infra import ray_start
@@ -100,7 +100,7 @@ def test_a_ray_started_early_is_taken_by_the_engine_and_ends_with_it(monkeypatch
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ray_start.start_early(2)
     assert len(_ray_start_threads()) == 1
-    engine = RayEngine(num_workers=2)
+    engine = RayEngine(num_workers=2, early=ray_start.take_early())
     try:
         with caplog.at_level(logging.INFO, "gristmill.ray"):
             assert engine.map(abs, [-1, -2, -3]) == [1, 2, 3]
@@ -127,7 +127,7 @@ def test_an_early_ray_no_engine_takes_is_stopped_and_one_for_other_workers_repla
 
     workers = (os.cpu_count() or 1) + 1
     ray_start.start_early(1)
-    engine = RayEngine(num_workers=workers)
+    engine = RayEngine(num_workers=workers, early=ray_start.take_early())
     try:
         assert engine.map(abs, [-1, -2]) == [1, 2]
         assert engine._early is None and ray.cluster_resources()["CPU"] == workers

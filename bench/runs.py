@@ -32,8 +32,14 @@ def committed_dir(home: Path, stage: str) -> Path:
 
 
 def committed_files(home: Path, stage: str) -> dict[str, str]:
-    """relative path -> sha256 of the committed output of `stage` (from its manifest), but the
+    """relative path -> sha256 of the committed output of `stage` in `home`, but the files that
+    record timings."""
+    return manifest_files(committed_dir(home, stage))
+
+
+def manifest_files(artifact: Path) -> dict[str, str]:
+    """relative path -> sha256 of the committed `artifact` directory (from its manifest), but the
     files that record timings."""
-    manifest = json.loads((committed_dir(home, stage) / "manifest.json").read_text())
+    manifest = json.loads((artifact / "manifest.json").read_text())
     return {rel: info["sha256"] for rel, info in manifest["files"].items()
             if Path(rel).name not in TIMED_FILES}

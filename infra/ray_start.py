@@ -35,7 +35,7 @@ class EarlyRay:
         try:
             from infra.ray_engine import init_local
 
-            logging.getLogger("ray._private.worker").addFilter(_NotMainThreadNote())
+            logging.getLogger("ray._private.worker").addFilter(_NOT_MAIN_THREAD_NOTE)
 
             self.session_dir = init_local(self.num_workers)
         except BaseException as error:  # raised where the Ray is taken, on the engine's thread
@@ -72,6 +72,10 @@ class _NotMainThreadNote(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "current thread is not the main thread" not in record.getMessage()
+
+
+# One instance: `addFilter` adds an object once, so each early start does not add another.
+_NOT_MAIN_THREAD_NOTE = _NotMainThreadNote()
 
 
 def _exit_on_sigterm(signum: int, _frame) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import FAST, STAGES, TinyRun, gristmill, plan_of
+from pipeline_helpers import FAST, STAGES, TinyRun, committed_dir, gristmill, plan_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -112,7 +112,8 @@ def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
     home = tmp_path_factory.mktemp("e2e") / "home"
     assert plan_of(home, overrides) == {s: "run" for s in STAGES}
     proc = gristmill(home, "run", "configs/tiny.yaml", *overrides)
-    return TinyRun(home=home, proc=proc, overrides=overrides, reference_vocab=reference_vocab)
+    return TinyRun(home=home, proc=proc, overrides=overrides, reference_vocab=reference_vocab,
+                   committed={stage: committed_dir(home, stage) for stage in STAGES})
 
 
 @pytest.fixture(scope="session")

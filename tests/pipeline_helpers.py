@@ -2,17 +2,18 @@
 end-to-end test, so they share one run (the `tiny_run` fixture in conftest.py)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.runs import REPO, STAGES, cli_env, committed_dir, committed_files
+from bench.runs import REPO, STAGES, cli_env, committed_dir, committed_files, manifest_files
 from bench.runs import SHORT as FAST
 
 # What end-to-end tests import from here: bench/runs.py's helpers, shared with the benchmarks, and these.
 __all__ = ["FAST", "REPO", "STAGES", "TinyRun", "checkpoint_steps", "cli_env", "committed_dir", "committed_files",
-           "gristmill", "plan_of"]
+           "gristmill", "manifest_files", "plan_of"]
 
 
 def gristmill(home: Path, *args: str, timeout: int = 1200,
@@ -44,3 +45,13 @@ class TinyRun(NamedTuple):
     proc: subprocess.CompletedProcess
     overrides: list[str]  # FAST plus the reference vocabulary: what every reuse must repeat
     reference_vocab: str
+    # stage -> its committed directory, recorded right after the run: later tests add other
+    # artifacts of some stages to the same home (other methods, the preset's own SFT)
+    committed: dict[str, Path]
+
+    def home_with(self, home: Path, stages: tuple[str, ...] = STAGES) -> Path:
+        """A fresh `home` holding copies of this run's committed artifacts of `stages`."""
+        for stage in stages:
+            source = self.committed[stage]
+            shutil.copytree(source, home / "artifacts" / stage / source.name)
+        return home

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_short_fault_suite_survives_every_trial(tiny_run, prefect_server, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench", "chaos", "--trials", "3", "--seed", "0",
-                           "--reference", str(tiny_run.home), "--work", str(tmp_path),
+                           "--reference", str(tiny_run.home_with(tmp_path / "shared-run")), "--work", str(tmp_path),
                            "--prefect-api-url", prefect_server["PREFECT_API_URL"],
                            *tiny_run.overrides], cwd=REPO, env=cli_env(tmp_path / "unused"),
                           capture_output=True, text=True, timeout=1800)

@@ -439,7 +439,7 @@ def test_collect_on_two_ray_nodes_runs_units_on_both_and_writes_the_local_runs_b
                           capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    ours, local = committed_dir(home, "collect"), committed_dir(tiny_run.home, "collect")
+    ours, local = committed_dir(home, "collect"), tiny_run.committed["collect"]
     assert ours.name == local.name  # the engine is not part of the key
 
     manifest = json.loads((ours / "manifest.json").read_text())

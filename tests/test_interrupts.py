@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, committed_files, gristmill
+from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, committed_files, gristmill, manifest_files
 
 from infra.processes import alive, process_tree
 
@@ -113,4 +113,4 @@ def test_signals_at_several_stages_stop_fast_and_the_next_run_resumes_identicall
     pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
     assert pretrain["stats"]["resumed_from_step"] == step
     for stage in ("collect", "tokenize", "pretrain", "sft"):
-        assert committed_files(home, stage) == committed_files(tiny_run.home, stage), stage
+        assert committed_files(home, stage) == manifest_files(tiny_run.committed[stage]), stage

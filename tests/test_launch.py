@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, gristmill
+from pipeline_helpers import REPO, TinyRun, checkpoint_steps, cli_env, committed_dir, gristmill
 
 from core.launch import LaunchConfig, launch_problems
 from core.stage import read_metrics
@@ -29,23 +28,16 @@ TWO = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2",
        "sft.launch.backend=accelerate", "sft.launch.processes=2"]
 
 
-def _home_with_data(tiny_run, home: Path, stages: tuple[str, ...] = ("collect", "tokenize")) -> Path:
-    """A fresh home holding the shared run's committed artifacts of `stages`."""
-    for stage in stages:
-        source = committed_dir(tiny_run.home, stage)
-        shutil.copytree(source, home / "artifacts" / stage / source.name)
-    return home
-
-
-def _same_training(home: Path, reference: Path, stage: str, held_out: str = "val_loss") -> None:
-    """The stage's loss curve and held-out loss equal the reference run's up to reduction order.
+def _same_training(home: Path, reference: TinyRun, stage: str, held_out: str = "val_loss") -> None:
+    """The stage's loss curve and held-out loss equal the shared run's up to reduction order.
     The preset pretrains with Muon, whose Newton-Schulz step runs in bfloat16 (torch.optim.Muon):
     the all-reduced gradient's last bits, rounded there, move the 60-step curve by up to 8.7e-4
     (1.3e-4 relative, measured), and every later stage starts from that model; ranks that saw the
     wrong data would differ by far more. With AdamW pretraining the curves agree within 1e-4."""
-    ours, theirs = (read_metrics(committed_dir(h, stage) / "metrics.jsonl") for h in (home, reference))
+    ours, theirs = (read_metrics(artifact / "metrics.jsonl")
+                    for artifact in (committed_dir(home, stage), reference.committed[stage]))
     assert [r["step"] for r in ours] == [r["step"] for r in theirs]
-    pretrain = json.loads((committed_dir(reference, "pretrain") / "manifest.json").read_text())
+    pretrain = json.loads((reference.committed["pretrain"] / "manifest.json").read_text())
     muon = pretrain["config"].get("optimizer") == "muon"
     for key in ("loss", held_out):
         expected = [r[key] for r in theirs if key in r]
@@ -53,7 +45,7 @@ def _same_training(home: Path, reference: Path, stage: str, held_out: str = "val
         assert expected and [r[key] for r in ours if key in r] == close, key
 
 
-def _resumed_to_the_shared_result(text: str, home: Path, shared: Path, killed_at: int,
+def _resumed_to_the_shared_result(text: str, home: Path, shared: TinyRun, killed_at: int,
                                   launch: dict[str, object]) -> None:
     """The re-run's output `text` says it resumed from a checkpoint at least as new as the one the
     kill left; its committed pretrain artifact records `launch`, has the shared run's key, and
@@ -63,7 +55,7 @@ def _resumed_to_the_shared_result(text: str, home: Path, shared: Path, killed_at
     pretrain = json.loads((committed_dir(home, "pretrain") / "manifest.json").read_text())
     assert step >= killed_at and pretrain["stats"]["resumed_from_step"] == step
     assert pretrain["meta"]["launch"] == launch
-    assert pretrain["key"] == committed_dir(shared, "pretrain").name.split("-", 1)[1]
+    assert pretrain["key"] == shared.committed["pretrain"].name.split("-", 1)[1]
     _same_training(home, shared, "pretrain")
 
 
@@ -117,7 +109,7 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     3. SFT by hand on a cluster without Ray: the per-node command `--dry-run` prints, as two
        machine ranks on this machine (gloo, one process each), trains the shared run's SFT curve
        within 1e-4 and commits what the pipeline then reuses."""
-    home = _home_with_data(tiny_run, tmp_path / "home")
+    home = tiny_run.home_with(tmp_path / "home", ("collect", "tokenize"))
     two = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
     args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
             "pretrain.checkpoint_every=20", "--until", "pretrain"]
@@ -138,11 +130,11 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
 
     rerun = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *two, "--until", "pretrain",
                       services=prefect_server)
-    _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run.home, killed_at,
+    _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run, killed_at,
                                   {"backend": "accelerate", "processes": 2, "nodes": 1, "world_size": 2})
 
     # SFT from the shared run's own pretrained weights, so its curve can be compared step by step.
-    home = _home_with_data(tiny_run, tmp_path / "sft-home", ("collect", "tokenize", "pretrain"))
+    home = tiny_run.home_with(tmp_path / "sft-home", ("collect", "tokenize", "pretrain"))
     by_hand = ["sft.launch.backend=accelerate", "sft.launch.processes=1", "sft.launch.nodes=2"]
     planned = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
                               *by_hand, "--until", "sft", "--dry-run"], cwd=REPO, env=cli_env(home),
@@ -166,7 +158,7 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     assert sft["stats"]["world_size"] == 2 and sft["stats"]["steps"] == 30
     # Ranks hold different numbers of assistant tokens; each one's loss is its share of the global
     # batch's mean, so the curve is the one-process run's.
-    _same_training(home, tiny_run.home, "sft", held_out="heldout_loss")
+    _same_training(home, tiny_run, "sft", held_out="heldout_loss")
     log = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "sft", services=prefect_server)
     assert "sft: reused" in log.stdout + log.stderr
 
@@ -286,7 +278,7 @@ def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, two_r
     within 10 s, as Ctrl-C does under Accelerate; kill -9 of
     a worker fails the stage in one line; the re-run resumes and trains the shared inline run's
     loss curve and validation loss within 1e-4, under the same key."""
-    home = _home_with_data(tiny_run, tmp_path / "home")
+    home = tiny_run.home_with(tmp_path / "home", ("collect", "tokenize"))
     on_ray = ["pretrain.launch.backend=ray", "pretrain.launch.processes=1", "pretrain.launch.nodes=2"]
     args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *on_ray,
             "pretrain.checkpoint_every=20", "--until", "pretrain"]
@@ -305,5 +297,5 @@ def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, two_r
 
     rerun = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
-    _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run.home, killed_at,
+    _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run, killed_at,
                                   {"backend": "ray", "processes": 1, "nodes": 2, "world_size": 2})

@@ -78,7 +78,7 @@ SFT_PPL_RATIO_FAST = 1.45
 def test_sft_keeps_the_base_models_language(tiny_run):
     """The evaluate stage's validation perplexity of the SFT model against the base model's,
     measured in the same stage on the same tokens."""
-    models = json.loads((committed_dir(tiny_run.home, "evaluate") / "results.json").read_text())["models"]
+    models = json.loads((tiny_run.committed["evaluate"] / "results.json").read_text())["models"]
     assert models["sft"]["val_ppl"] <= SFT_PPL_RATIO_FAST * models["base"]["val_ppl"]
 
 

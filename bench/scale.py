@@ -66,6 +66,11 @@ at each compared worker count (largest --datatrove-docs size; every size's ratio
 growth <= 200 bytes/doc; 1 -> 2 workers >= 1.8x (wall time, largest sweep size); near-dup recall
 >= datatrove's with precision >= 0.99; every junk document dropped. The last line is one JSON
 object with the headline figures, `goals` saying which pass.
+
+Beside the 1 -> 2 goal, at the largest sweep size: the same work units in bare processes
+(`process_unit`, the stage's own, CEILING_UNITS WARC and JSONL units after one to warm up; no Ray,
+no services), one alone and then two at once, --ceiling-rounds times: two at once over one alone
+is `units_scaling_ceiling_1_to_2`, what 1 -> 2 workers could reach on this machine at that time.
 """
 from __future__ import annotations
 
@@ -497,6 +502,53 @@ def run_peer(corpus: Corpus, workers: int, work: Path) -> dict[str, Any]:
             "quality": near_dup_quality(corpus, _labels(corpus, clusters), cleaned)}
 
 
+# ---------------------------------------------------------------- the machine's own 1 -> 2
+
+CEILING_UNITS = 6  # of each kind (WARC, JSONL) a ceiling child times, after one to warm up
+
+
+def units_child(spec: dict[str, Any]) -> float:
+    """Seconds for one bare process (no Ray, no services) to run the collect stage's own
+    `process_unit` over CEILING_UNITS WARC and JSONL units of the corpus each, after a first
+    unit that loads the models."""
+    from bench.memory import _tiny_collect
+    from tasks.collect.stage import plan_units, process_unit, unit_result_path
+
+    cfg = _tiny_collect().model_copy(update={"sources": spec["sources"]})
+    out = Path(spec["work"])
+    units = plan_units(cfg, out)
+    by_kind = [[u for u in units if u.source == source] for source in spec["sources"]]
+    warm_up, timed = by_kind[0][0], [u for kind in by_kind for u in kind[1:1 + CEILING_UNITS]]
+    process_unit((warm_up, str(unit_result_path(out, warm_up))))
+    start = time.perf_counter()
+    for unit in timed:
+        process_unit((unit, str(unit_result_path(out, unit))))
+    return time.perf_counter() - start
+
+
+def units_ceiling(corpus: Corpus, rounds: int, work: Path) -> float:
+    """How much more of the same work two bare processes get done at once than one alone on this
+    machine, now (median over `rounds`, each one alone then two at once): what 1 -> 2 workers
+    could reach if nothing but the units ran."""
+    def children(count: int, tag: str) -> list[float]:
+        procs = []
+        for i in range(count):
+            (child := work / f"ceiling-{tag}-{i}").mkdir(parents=True)
+            spec = {"sources": corpus.sources, "work": str(child)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.scale", "--units-child",
+                                           json.dumps(spec)], cwd=REPO, stdout=subprocess.PIPE, text=True))
+        return [float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+
+    ratios = []
+    for r in range(rounds):
+        [alone], pair = children(1, f"{r}-alone"), children(2, f"{r}-pair")
+        ratios.append(2 * alone / max(pair))
+        _log(f"units ceiling round {r}: one alone {alone:.1f} s, two at once {pair[0]:.1f} / "
+             f"{pair[1]:.1f} s -> {ratios[-1]:.3f}")
+    shutil.rmtree(work)
+    return statistics.median(ratios)
+
+
 # ---------------------------------------------------------------- the benchmark
 
 @dataclass(kw_only=True)
@@ -504,6 +556,7 @@ class Results:
     runs: list[dict[str, Any]] = field(default_factory=list)  # every timed run
     quality: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (system, N)
     corpus: dict[int, dict[str, Any]] = field(default_factory=dict)
+    units_ceiling: float | None = None  # units_ceiling() at the largest sweep size
 
     def median(self, system: str, n: int, workers: int, key: str) -> float | None:
         values = [r[key] for r in self.runs
@@ -533,6 +586,8 @@ def measure(args: argparse.Namespace, work: Path) -> Results:
                 if not args.keep:
                     for path in work.glob(f"*-{n}-w{w}-r{r}"):
                         shutil.rmtree(path)
+        if n == max(args.sweep_docs) and {1, 2} <= set(args.workers) and args.ceiling_rounds:
+            res.units_ceiling = units_ceiling(corpus, args.ceiling_rounds, work / f"ceiling-{n}")
         if n in args.datatrove_docs:
             labelled = run_ours(corpus, top, work / f"home-{n}-labelled", labelled=True)
             res.quality[("ours", n)] = labelled["quality"]
@@ -615,6 +670,9 @@ def report(args: argparse.Namespace, res: Results) -> int:
             print(f"fit over {', '.join(f'{n:,}' for n in fitted[w])} docs, {w} worker(s): time "
                   f"exponent {time_exp[w]:.3f} (the stage alone {stage_exp[w]:.3f}), driver peak "
                   f"RSS {driver_slope[w]:+.0f} bytes/doc")
+    if res.units_ceiling is not None:
+        print(f"the same units in bare processes, two at once against one alone: {res.units_ceiling:.3f}x "
+              f"(median of {args.ceiling_rounds} rounds; the ceiling of 1 -> 2 workers on this machine now)")
     print("goals: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in goals.items()))
     print(json.dumps({
         "bench": "scale", "docs": largest, "sizes": sizes, "workers": args.workers,
@@ -634,6 +692,7 @@ def report(args: argparse.Namespace, res: Results) -> int:
         "driver_bytes_per_doc_by_workers": {str(w): round(v, 1) for w, v in driver_slope.items()
                                             if v is not None},
         "scaling_1_to_2_workers": None if scaling is None else round(scaling, 3),
+        "units_scaling_ceiling_1_to_2": None if res.units_ceiling is None else round(res.units_ceiling, 3),
         "precision": q_ours["precision"], "recall": q_ours["recall"],
         "datatrove_precision": q_peer["precision"], "datatrove_recall": q_peer["recall"],
         "accounting_balanced": goals["accounting_balanced"], "goals": goals,
@@ -660,10 +719,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, help="write corpora, homes and logs here and keep them")
+    parser.add_argument("--ceiling-rounds", type=int, default=3,
+                        help="rounds of the units' own 1 -> 2 ceiling at the largest sweep size (0: skip)")
     parser.add_argument("--datatrove-child", help=argparse.SUPPRESS)
+    parser.add_argument("--units-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.datatrove_child:
         print(json.dumps(datatrove_child(json.loads(args.datatrove_child))))
+        return 0
+    if args.units_child:
+        print(units_child(json.loads(args.units_child)))
         return 0
     args.sweep_docs = args.sweep_docs or args.docs
     args.datatrove_docs = args.datatrove_docs or args.docs[:1]

@@ -79,8 +79,6 @@ started = time.perf_counter()
 from infra.services import start_embedded_services
 start_embedded_services(env.gristmill_home())
 print(json.dumps(time.perf_counter() - started))
-from prefect.server.api.server import SubprocessASGIServer
-SubprocessASGIServer().stop()
 """
 
 

@@ -42,6 +42,7 @@ from core.stage import Manifest
 from flows.report_card import Section
 from flows.reports import FUNNEL, funnel_markdown
 from infra.artifacts import ArtifactStore
+from infra.services import is_embedded_prefect
 from infra.tracking.runs import Tracker
 from tasks.collect.gates import GatesConfig, Trip, check, samples
 
@@ -129,7 +130,7 @@ class GatesRejected(RuntimeError):
 def person_can_answer() -> bool:
     """Whether the run talks to a Prefect server with a UI someone can open: a standing server
     (PREFECT_API_URL), not the CLI's embedded one, which lives only as long as the run."""
-    return bool(os.environ.get("PREFECT_API_URL"))
+    return bool(os.environ.get("PREFECT_API_URL")) and not is_embedded_prefect()
 
 
 def _read_jsonl(path) -> list[dict]:

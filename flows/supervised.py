@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infra import env, ray_start
+from infra.services import EmbeddedServices
 
 if TYPE_CHECKING:
     from flows.config import PipelineConfig
@@ -77,9 +78,11 @@ def run(config: str, overrides: list[str], until: str | None = None, approve_gat
         return _fail(error)
     if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
         return _fail("; ".join(problems))
+    services = EmbeddedServices(home)
+    services.launch()  # Prefect's server boots beside the imports and Ray's start
     try:
         _start_ray_early(planned)
-        return _run(pipeline_config, home, until, approve_gates)
+        return _run(pipeline_config, services, until, approve_gates)
     finally:
         ray_start.stop_early()  # when the stage it was started for did not take it
 
@@ -92,17 +95,17 @@ def _start_ray_early(planned: list[PlannedStage]) -> None:
         ray_start.start_early(getattr(first.config, "num_workers", 1))
 
 
-def _run(pipeline_config: PipelineConfig, home: Path, until: str | None, approve_gates: bool) -> int:
+def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str | None,
+         approve_gates: bool) -> int:
     with _importing():
         from core.files import DiskSpaceError
         from flows.gates import GatesRejected, GatesStopped
         from flows.pipeline import pipeline
         from infra.launch import LaunchFailed
-        from infra.services import start_embedded_services
         from infra.tracking import TrackingUnavailable, is_server, tracking_uri
 
     try:
-        start_embedded_services(home)
+        services.ready()
         outputs = pipeline(config=pipeline_config, until=until, approve_gates=approve_gates)
     except KeyboardInterrupt:  # Ctrl-C relayed by the supervisor, which reports it in one line
         return 130
@@ -114,7 +117,7 @@ def _run(pipeline_config: PipelineConfig, home: Path, until: str | None, approve
         return 1
     for stage, path in outputs.items():
         print(f"{stage:<9} {path}")
-    uri = tracking_uri(home)
+    uri = tracking_uri(services.home)
     print(f"MLflow: {uri}" if is_server(uri) else f"MLflow: mlflow ui --backend-store-uri {uri}")
     return 0
 
@@ -141,13 +144,14 @@ def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> i
         pipeline_config = _load(config, overrides)
     except ConfigError as error:
         return _fail(error)
+    services = EmbeddedServices(env.gristmill_home())
+    services.launch()
     with _importing():
         from flows.gates import GatesRejected, GatesStopped
         from flows.refresh import data_refresh
-        from infra.services import start_embedded_services
 
     try:
-        start_embedded_services(env.gristmill_home())
+        services.ready()
         outcome = data_refresh(config=pipeline_config, approve_gates=approve_gates)
     except KeyboardInterrupt:
         return 130

@@ -19,6 +19,7 @@ import tasks.collect.stage as collect
 from core.stage import SerialEngine
 from tasks.collect.config import fingerprint
 from tasks.collect.funnel import AccountingError
+from tasks.collect.quality_model import QualityModel
 from tasks.collect.readers import FILE_LEVEL_ERRORS, read_file
 
 DOLMA = Path("jsonl") / "dolma_cc"
@@ -214,6 +215,41 @@ def test_quality_model_drops_low_scores_and_is_saved(shared_data, tmp_path):
     assert accounting["dropped"]["skipped_record_request"] > 0  # WARC requests: read, not documents
     scores = [r["score"] for r in _review(tmp_path / "out") if r["reason"] == "dropped_low_quality_score"]
     assert scores and max(scores) < 0.5
+
+
+def test_a_model_trained_before_scores_in_the_work_units(shared_data, tmp_path):
+    """`quality.model`: the work units drop what the saved model scores low, as they clean; the
+    output is the unscored run's minus exactly those documents (their duplicates share the score),
+    and the artifact keeps the model that scored it."""
+    sources = [str(shared_data / "warc"), str(shared_data / DOLMA)]
+    reference = [str(shared_data / "corpus" / "nltk_inaugural")]
+    trained = _run(tmp_path / "trained", sources=sources, near_dedup=False,
+                   quality={"enabled": True, "reference": reference, "threshold": 0.5, "max_train_docs": 400})
+    model_dir = shutil.copytree(tmp_path / "trained" / "quality_model", tmp_path / "model")
+    unscored = _run(tmp_path / "unscored", sources=sources, near_dedup=False)
+    config = {"sources": sources, "near_dedup": False,
+              "quality": {"enabled": True, "model": str(model_dir), "threshold": 0.5}}
+    scored = _run(tmp_path / "scored", **config)
+    model = QualityModel.load(model_dir)
+    expected = [d for d in _docs(tmp_path / "unscored") if model.score([d["text"]])[0] >= 0.5]
+    assert 0 < len(expected) < unscored.stats["docs_out"]
+    assert _docs(tmp_path / "scored") == expected
+    stats = scored.stats
+    assert stats["dropped_low_quality_score"] >= unscored.stats["docs_out"] - len(expected)
+    assert "quality_model_heldout_auc" in trained.stats and "quality_model_heldout_auc" not in stats
+    steps = [s["step"] for s in json.loads((tmp_path / "scored" / "funnel.json").read_text())["steps"]]
+    assert steps.index("quality_heuristics") < steps.index("quality_model") < steps.index("exact_dedup")
+    assert steps.count("quality_model") == 1
+    _accounting(tmp_path / "scored", stats)
+    review = [r for r in _review(tmp_path / "scored") if r["reason"] == "dropped_low_quality_score"]
+    assert review and all(r["score"] < 0.5 for r in review)
+    copied = QualityModel.load(tmp_path / "scored" / "quality_model")
+    assert np.array_equal(copied.weights, model.weights) and copied.bias == model.bias
+    before = fingerprint(collect.Config(**config))
+    QualityModel(model.weights * 2, model.bias).save(model_dir)  # another model in its place
+    assert fingerprint(collect.Config(**config)) != before
+    with pytest.raises(FileNotFoundError, match=r"quality model: .*missing"):
+        _run(tmp_path / "bad", sources=sources, quality={"enabled": True, "model": str(tmp_path / "missing")})
 
 
 def test_bad_inputs_are_quarantined_and_the_stage_completes(shared_data, tmp_path):

@@ -137,7 +137,7 @@ def test_cross_fit_scores_are_the_same_scored_on_an_engine_in_any_order(monkeypa
     engine = ShuffledEngine(0)
     assert np.array_equal(cross_fit_scores(reference, crawl, cfg, engine=engine, work_dir=str(tmp_path)),
                           expected)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fold-0.npz", "fold-1.npz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fold-0", "fold-1"]  # saved as QualityModel.save does
 
 
 def test_reference_sources_txt_jsonl_and_errors(tmp_path):

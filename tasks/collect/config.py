@@ -271,10 +271,11 @@ class Config(CleaningConfig):
 def fingerprint(config: Config) -> str:
     """Digest of the inputs: every input file's content, the installed packages (demo: versions,
     and the documentation files of editable installs), the crawl files chosen ('cc:' files never
-    change), eval sets, reference text and the earlier dedup index."""
+    change), eval sets, reference text (or the quality model trained before) and the earlier dedup
+    index."""
     extra = [*config.decontam.eval_sets]
     if config.quality.enabled:
-        extra += config.quality.reference
+        extra += [config.quality.model] if config.quality.model else config.quality.reference
     if config.dedup_index_from:
         extra.append(str(Path(config.dedup_index_from) / DEDUP_INDEX_DIR))
     inputs = fingerprint_sources(config.sources, SUPPORTED_SUFFIXES,

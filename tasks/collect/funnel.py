@@ -1,10 +1,11 @@
 """The collect stage's funnel: every record's fate, counted in total and per source, and samples
 of what each step removed, kept for review.
 
-Record-level events (read, extracted, URL, language, heuristic filters, decontamination) come from
-the work units; corpus-level steps (exact dedup, quality model, near dedup, mixing) are added by
-the stage as it applies them. `report()` is `funnel.json`: the steps in order with documents and
-bytes after each, reasons grouped by kind, languages, per-source counts, and `accounting`.
+Record-level events (read, extracted, URL, language, heuristic filters, decontamination, the score
+of a quality model trained before) come from the work units; corpus-level steps (exact dedup, a
+quality model trained on the crawl, near dedup, mixing) are added by the stage as it applies them.
+`report()` is `funnel.json`: the steps in order with documents and bytes after each, reasons
+grouped by kind, languages, per-source counts, and `accounting`.
 
 Accounting (`Funnel.accounting`, checked by `check_accounting`): every record read is accounted for,
 in total and per source,
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from core.decontam import DROP_REASON as CONTAMINATED
+from tasks.collect.quality_model import DROP_REASON as LOW_QUALITY
 from tasks.collect.records import FILE_LEVEL_ERRORS
 from tasks.collect.spool import DocTable
 
@@ -61,6 +63,8 @@ def record_step(reason: str) -> str:
     """The record-level step a drop reason belongs to."""
     if reason == f"dropped_{CONTAMINATED}":
         return "decontamination"
+    if reason == f"dropped_{LOW_QUALITY}":  # scored in the units by a model trained before
+        return "quality_model"
     if reason.startswith("dropped_url"):
         return "url_filter"
     if reason.startswith("dropped_language"):
@@ -68,7 +72,7 @@ def record_step(reason: str) -> str:
     return "quality_heuristics"
 
 
-RECORD_STEPS = ("url_filter", "language", "quality_heuristics", "decontamination")
+RECORD_STEPS = ("url_filter", "language", "quality_heuristics", "decontamination", "quality_model")
 
 
 class Funnel:
@@ -115,6 +119,7 @@ class Funnel:
             self._sample(self.quarantine, {**event["quarantine"], "source": source}, reason)
         if "preview" in event:
             detail = {"matches": event["matches"][:10]} if "matches" in event else {}
+            detail |= {"score": event["score"]} if "score" in event else {}
             self._sample(self.review, {"reason": reason, "source": source, "url": event.get("url"),
                                        **detail, "preview": event["preview"]}, reason)
 
@@ -143,13 +148,14 @@ class Funnel:
             self.counts[key] += 1
             sink.append(row)
 
-    def record_steps(self, decontaminated: bool = False) -> None:
+    def record_steps(self, decontaminated: bool = False, quality_scored: bool = False) -> None:
         """Append read → extracted → each record-level filter, from the event counts
-        (decontamination only when it ran)."""
+        (decontamination and the quality model only when they ran in the units)."""
         docs, nbytes = self.counts["docs_in"], self.extracted_bytes
         self.step("records_read", self.counts["records_read"], self.counts["bytes_in"])
         self.step("extracted", docs, nbytes)
-        for step in RECORD_STEPS[:None if decontaminated else -1]:
+        skipped = {"decontamination": not decontaminated, "quality_model": not quality_scored}
+        for step in (step for step in RECORD_STEPS if not skipped.get(step)):
             docs -= sum(n for k, n in self.counts.items()
                         if k.startswith("dropped_") and record_step(k) == step)
             nbytes -= self.dropped_bytes[step]

@@ -18,7 +18,11 @@ installed Python packages): same subject, so what separates them is style (prose
 link lists, changelogs, tables; docstrings carry no Markdown, so heavy markup also scores low).
 For a web crawl use a broad reference (encyclopedia, books,
 curated web), as DCLM and FineWeb-Edu do. A model scores the documents it was trained on
-too well (it memorizes them), so score the crawl out of fold: `cross_fit_scores`.
+too well (it memorizes them), so score the crawl out of fold: `cross_fit_scores`. That needs the
+whole crawl first, so it runs after the work units, on the engine. A model saved by an earlier run
+(`model`: its collect artifact's `quality_model` folder) scores in the work units instead, each
+document as it is cleaned (`load_model`, once per process), as DCLM and FineWeb-Edu apply a
+classifier trained once to a whole crawl.
 """
 from __future__ import annotations
 
@@ -92,6 +96,13 @@ class QualityConfig(BaseModel):
     heldout_fraction: float = Field(0.2, ge=0, lt=1, description="Fraction of each class held "
                                                                  "out to measure the model.")
     seed: int = Field(0, description="Seed of sampling, the held-out split and SGD order.")
+    model: str | None = Field(
+        None, description="A model saved by an earlier run (the `quality_model` folder of its "
+                          "collect artifact; a path or URL): the work units score each document "
+                          "with it as they clean it, and nothing is trained (`reference` and the "
+                          "training settings are unused). Without it the model is trained on "
+                          "`reference` against this crawl and scores the crawl out of fold, after "
+                          "the units.")
 
 
 # ---- features -----------------------------------------------------------------------------------
@@ -147,21 +158,36 @@ class QualityModel:
     def score_rows(self, rows) -> np.ndarray:
         return _sigmoid(_logits(rows, self.weights.astype(np.float64), self.bias))
 
-    def save(self, path: Path) -> None:
-        """Write `quality_model.npz` (weights) and `quality_model.json` (bias, buckets) in path."""
-        path.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(path / MODEL_FILES[0], weights=self.weights)
-        meta = {"bias": self.bias, "ngram_buckets": len(self.weights), "features": "uni+bigram"}
-        (path / MODEL_FILES[1]).write_text(json.dumps(meta, indent=2))
+    def save(self, location: str | Path) -> None:
+        """Write `quality_model.npz` (weights) and `quality_model.json` (bias, buckets) in the
+        folder at `location` (a path or URL)."""
+        if not is_url(location):
+            Path(location).mkdir(parents=True, exist_ok=True)
+        weights = staging_path(f"{location}/{MODEL_FILES[0]}", ".tmp.npz")  # savez adds .npz otherwise
+        np.savez_compressed(weights, weights=self.weights)
+        meta = staging_path(f"{location}/{MODEL_FILES[1]}", ".tmp")
+        meta.write_text(json.dumps({"bias": self.bias, "ngram_buckets": len(self.weights),
+                                    "features": "uni+bigram"}, indent=2))
+        for staged, name in ((weights, MODEL_FILES[0]), (meta, MODEL_FILES[1])):
+            publish_file(staged, f"{location}/{name}")
 
     @classmethod
-    def load(cls, path: Path) -> QualityModel:
-        for name in MODEL_FILES:
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"quality model: {path / name} is missing")
-        meta = json.loads((path / MODEL_FILES[1]).read_text())
-        with np.load(path / MODEL_FILES[0]) as data:
-            return cls(data["weights"], meta["bias"])
+    def load(cls, location: str | Path) -> QualityModel:
+        """The model saved in the folder at `location`; FileNotFoundError naming a missing file."""
+        try:
+            with open_location(f"{location}/{MODEL_FILES[1]}") as f:
+                meta = json.load(f)
+            with open_location(f"{location}/{MODEL_FILES[0]}") as f, np.load(f) as data:
+                return cls(data["weights"], meta["bias"])
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"quality model: {location}: {MODEL_FILES[0]} and "
+                                    f"{MODEL_FILES[1]} expected ({error})") from None
+
+
+@lru_cache(maxsize=4)
+def load_model(location: str) -> QualityModel:
+    """`QualityModel.load`, once per process and location (a work unit's or a scoring task's)."""
+    return QualityModel.load(location)
 
 
 def is_low_quality(scores: np.ndarray, cfg: QualityConfig) -> np.ndarray:
@@ -237,17 +263,11 @@ def train_quality_model(positives: Sequence[str], negatives: Sequence[str],
     return model, metrics
 
 
-_MODELS: dict[str, QualityModel] = {}  # per worker process: each fold's model, loaded once
-
-
 def _score_task(item: tuple[str, Sequence[str]]) -> np.ndarray:
     """Scores of a chunk of texts (a lazy view of spooled texts is read here) by the model saved
     at a location."""
     location, texts = item
-    if location not in _MODELS:
-        with open_location(location) as f, np.load(f) as data:
-            _MODELS[location] = QualityModel(data["weights"], float(data["bias"]))
-    model = _MODELS[location]
+    model = load_model(location)
     return np.concatenate([np.zeros(0)] + [model.score(list(texts[lo:lo + SCORE_BATCH_DOCS]))
                                            for lo in range(0, len(texts), SCORE_BATCH_DOCS)])
 
@@ -270,10 +290,8 @@ def cross_fit_scores(positives: list[str], crawl: Sequence[str], cfg: QualityCon
         items, where = [], []
         for fold in range(folds):
             model, _ = train_quality_model(positives, take(crawl, np.flatnonzero(fold_of != fold)), cfg)
-            location = f"{work_dir}/fold-{fold}.npz"
-            tmp = staging_path(location, ".tmp.npz")  # np.savez adds .npz to a name without it
-            np.savez(tmp, weights=model.weights, bias=np.float64(model.bias))
-            publish_file(tmp, location)
+            location = f"{work_dir}/fold-{fold}"
+            model.save(location)
             mine = np.flatnonzero(fold_of == fold)
             for lo in range(0, len(mine), SCORE_TASK_DOCS):
                 items.append((location, take(crawl, mine[lo:lo + SCORE_TASK_DOCS])))

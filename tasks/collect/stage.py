@@ -5,8 +5,10 @@ Funnel, each step a counted decision (funnel.json, review/ samples of what each 
   read records (readers.py; non-documents skipped by type, corrupt input quarantined)
   → extract main text (trafilatura) and repair Unicode (ftfy)
   → URL block list → language ID → Gopher quality/repetition, FineWeb, C4 → PII scrub
-    (cleaning.py) → benchmark decontamination (core/decontam.py), per record, in the work units
-  → exact dedup on normalized text → model-based quality score (quality_model.py)
+    (cleaning.py) → benchmark decontamination (core/decontam.py) [→ the score of a quality model
+    trained before, `quality.model`], per record, in the work units
+  → exact dedup on normalized text → [model-based quality score of a model trained here on the
+    crawl, out of fold (quality_model.py)]
   → MinHash-LSH near-dedup (dedup.py) → per-source mixing (mixing.py)
   → `docs/part-%05d.jsonl.gz` with {"id", "text", "source", "url", "language"}.
 Every record read ends kept, dropped with a reason or quarantined: funnel.json's `accounting`
@@ -77,8 +79,10 @@ from tasks.collect.mixing import mix_sizes
 from tasks.collect.quality_model import DROP_REASON as QUALITY_DROP
 from tasks.collect.quality_model import (
     QualityConfig,
+    QualityModel,
     cross_fit_scores,
     is_low_quality,
+    load_model,
     load_reference_texts,
     train_quality_model,
 )
@@ -192,9 +196,15 @@ def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
     outcome = clean_document(text, item.url, config)
     matches = contamination(outcome.text, config.decontam) if outcome.kept else []
     reason = contamination_reason(matches) if matches else outcome.reason
+    score = None
+    if reason is None and config.quality.enabled and config.quality.model:  # a model trained before
+        score = load_model(config.quality.model).score([outcome.text])
+        reason = QUALITY_DROP if is_low_quality(score, config.quality)[0] else None
     event = {"reason": "kept" if reason is None else f"dropped_{reason}",
              "nbytes": item.nbytes, "text_bytes": text_bytes(text), "url": item.url,
              "language": outcome.language}
+    if score is not None and reason is not None:
+        event["score"] = round(float(score[0]), 4)
     if outcome.pii_counts:
         event["pii"] = outcome.pii_counts
     if matches:  # for decontamination.json: which items, in which document
@@ -423,6 +433,10 @@ def write_shards(docs: DocTable, docs_dir: Path, docs_per_shard: int, engine: En
 def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     """Read and clean every source, then dedup, decontaminate and mix into out_dir/docs."""
     out_dir = Path(out_dir)
+    scored_in_units = config.quality.enabled and config.quality.model is not None
+    if scored_in_units:  # read here first: a missing model fails before any unit runs
+        load_model.cache_clear()  # a model saved anew at the same place since an earlier run
+        QualityModel.load(config.quality.model).save(out_dir / "quality_model")  # what scored this
     units = plan_units(config, out_dir / DOWNLOADS_DIR, engine)
     log.info("collect: %d work units from %d sources", len(units), len(config.sources))
     funnel = Funnel(config.review_samples)
@@ -430,11 +444,11 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     results = run_units(units, units_dir, engine)
     decontam = build_index(config.decontam) if config.decontam.eval_sets else None  # for its report
     docs = merge(units, results, config, funnel, decontam)
-    funnel.record_steps(decontaminated=decontam is not None)
+    funnel.record_steps(decontaminated=decontam is not None, quality_scored=scored_in_units)
     docs = apply_exact_dedup(docs, config, engine, out_dir, funnel)
     funnel.step_docs("exact_dedup", docs)
     stats: dict[str, Any] = {}
-    if config.quality.enabled:
+    if config.quality.enabled and not scored_in_units:
         docs, quality_stats = apply_quality_model(docs, config.quality, engine, out_dir, funnel)
         stats.update(quality_stats)
         funnel.step_docs("quality_model", docs)

@@ -433,9 +433,9 @@ def write_shards(docs: DocTable, docs_dir: Path, docs_per_shard: int, engine: En
 def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     """Read and clean every source, then dedup, decontaminate and mix into out_dir/docs."""
     out_dir = Path(out_dir)
+    load_model.cache_clear()  # in this process: a model saved anew at a place since an earlier run
     scored_in_units = config.quality.enabled and config.quality.model is not None
     if scored_in_units:  # read here first: a missing model fails before any unit runs
-        load_model.cache_clear()  # a model saved anew at the same place since an earlier run
         QualityModel.load(config.quality.model).save(out_dir / "quality_model")  # what scored this
     units = plan_units(config, out_dir / DOWNLOADS_DIR, engine)
     log.info("collect: %d work units from %d sources", len(units), len(config.sources))

@@ -31,11 +31,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from core.files import locked
 from infra import env, schemas
+from infra.stack import http_ok
 
 LOCK = "services.lock"
 EMBEDDED_PREFECT = "GRISTMILL_EMBEDDED_PREFECT"  # "1" beside PREFECT_API_URL: the run's own server
@@ -44,7 +44,6 @@ EMBEDDED_PREFECT = "GRISTMILL_EMBEDDED_PREFECT"  # "1" beside PREFECT_API_URL: t
 PORTS = range(8000, 9000)
 PORT_IN_USE_EXIT = 3  # uvicorn's, when the port was taken anyway
 STOP_GRACE_S = 5.0
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an http_proxy
 
 
 def is_embedded_prefect() -> bool:
@@ -129,7 +128,7 @@ class EmbeddedServices:
                 why = (f"port {self._port} was taken before it bound it" if self._server.returncode ==
                        PORT_IN_USE_EXIT else f"it exited with code {self._server.returncode}")
                 raise RuntimeError(f"Prefect's server did not start: {why}")
-            elif _answers(f"http://127.0.0.1:{self._port}/api/health"):
+            elif http_ok(f"http://127.0.0.1:{self._port}/api/health"):
                 return
             time.sleep(0.1)
         raise RuntimeError(f"Prefect's server did not answer within {timeout_s:.0f} s "
@@ -142,14 +141,6 @@ def _free_port() -> int:
             probe.bind(("127.0.0.1", port))
             return port
     raise RuntimeError(f"no free port for Prefect's server in {PORTS.start}-{PORTS.stop - 1}")
-
-
-def _answers(url: str) -> bool:
-    try:
-        with _DIRECT.open(url, timeout=3) as response:
-            return response.status == 200
-    except (OSError, ValueError):
-        return False
 
 
 def start_embedded_services(home: Path) -> None:

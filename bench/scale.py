@@ -30,7 +30,8 @@ and a record without text, each WARC file an image response.
              RSS high-water mark, so a peak between samples is not missed, only growth in a
              process's last 0.2 s) for the driver (`python -m flows.supervised`, the child of
              `gristmill run` that runs the flow and the stage) and each Ray worker
-             (`ray::_Worker` processes), and the sum of RSS over the tree. Disk written: bytes
+             (`ray::_Worker` processes), and the sum of RSS over the tree; and the workers'
+             CPU seconds (user + system, as last sampled: `worker_cpu_s`). Disk written: bytes
              under the home's artifacts/ after the run. Accounting: funnel.json's `accounting`
              must balance (the benchmark fails otherwise).
   datatrove  one fresh process (`--datatrove-child`, cold too), LocalPipelineExecutor with
@@ -70,7 +71,10 @@ object with the headline figures, `goals` saying which pass.
 Beside the 1 -> 2 goal, at the largest sweep size: the same work units in bare processes
 (`process_unit`, the stage's own, CEILING_UNITS WARC and JSONL units after one to warm up; no Ray,
 no services), one alone and then two at once, --ceiling-rounds times: two at once over one alone
-is `units_scaling_ceiling_1_to_2`, what 1 -> 2 workers could reach on this machine at that time.
+is `units_scaling_ceiling_1_to_2`, what 1 -> 2 workers could reach on this machine at that time,
+and the CPU seconds of each of the two over those of the one alone is `units_cpu_inflation_1_to_2`.
+The pipeline's own figure of that is `worker_cpu_inflation_1_to_2` (the workers' CPU seconds at 2
+workers over those at 1, same units); `scaling_1_to_2_by_repeat` has each repeat's 1 -> 2 pair.
 """
 from __future__ import annotations
 
@@ -317,6 +321,7 @@ class TreePeaks:
         self.root = psutil.Process(pid)
         self.peak: dict[int, int] = {}
         self.workers: set[int] = set()  # pids seen as Ray's `_Worker` actors
+        self.worker_cpu: dict[int, float] = {}  # their user + system seconds, as last sampled
         self.driver = pid  # `gristmill run` supervises a child that runs the flow: that one
         self.tree_peak = 0
         self._stop = threading.Event()
@@ -332,6 +337,9 @@ class TreePeaks:
             with contextlib.suppress(psutil.Error):
                 total += proc.memory_info().rss
                 self.peak[proc.pid] = max(self.peak.get(proc.pid, 0), _vm_hwm(proc.pid))
+                if proc.pid in self.workers:
+                    cpu = proc.cpu_times()
+                    self.worker_cpu[proc.pid] = cpu.user + cpu.system
                 if proc.pid not in self.workers and proc.pid != self.driver:
                     cmdline = " ".join(proc.cmdline())
                     if "ray::_Worker" in cmdline:
@@ -356,7 +364,8 @@ class TreePeaks:
     def figures(self) -> dict[str, Any]:
         return {"driver_peak_mb": round(self.peak.get(self.driver, 0) / MB, 1),
                 "worker_peak_mb": sorted(round(self.peak[p] / MB, 1) for p in self.workers),
-                "tree_peak_mb": round(self.tree_peak / MB, 1)}
+                "tree_peak_mb": round(self.tree_peak / MB, 1),
+                "worker_cpu_s": round(sum(self.worker_cpu.values()), 1)}
 
 
 def run_tree(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[float, TreePeaks]:
@@ -507,9 +516,9 @@ def run_peer(corpus: Corpus, workers: int, work: Path) -> dict[str, Any]:
 CEILING_UNITS = 6  # of each kind (WARC, JSONL) a ceiling child times, after one to warm up
 
 
-def units_child(spec: dict[str, Any]) -> float:
-    """Seconds for one bare process (no Ray, no services) to run the collect stage's own
-    `process_unit` over CEILING_UNITS WARC and JSONL units of the corpus each, after a first
+def units_child(spec: dict[str, Any]) -> dict[str, float]:
+    """Wall and CPU seconds for one bare process (no Ray, no services) to run the collect stage's
+    own `process_unit` over CEILING_UNITS WARC and JSONL units of the corpus each, after a first
     unit that loads the models."""
     from bench.memory import _tiny_collect
     from tasks.collect.stage import plan_units, process_unit, unit_result_path
@@ -520,33 +529,37 @@ def units_child(spec: dict[str, Any]) -> float:
     by_kind = [[u for u in units if u.source == source] for source in spec["sources"]]
     warm_up, timed = by_kind[0][0], [u for kind in by_kind for u in kind[1:1 + CEILING_UNITS]]
     process_unit((warm_up, str(unit_result_path(out, warm_up))))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for unit in timed:
         process_unit((unit, str(unit_result_path(out, unit))))
-    return time.perf_counter() - start
+    return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
 
 
-def units_ceiling(corpus: Corpus, rounds: int, work: Path) -> float:
+def units_ceiling(corpus: Corpus, rounds: int, work: Path) -> tuple[float, float]:
     """How much more of the same work two bare processes get done at once than one alone on this
-    machine, now (median over `rounds`, each one alone then two at once): what 1 -> 2 workers
-    could reach if nothing but the units ran."""
-    def children(count: int, tag: str) -> list[float]:
+    machine, now: what 1 -> 2 workers could reach if nothing but the units ran; and how much more
+    CPU time the same units take in each of the two than alone (medians over `rounds`, each one
+    alone then two at once)."""
+    def children(count: int, tag: str) -> list[dict[str, float]]:
         procs = []
         for i in range(count):
             (child := work / f"ceiling-{tag}-{i}").mkdir(parents=True)
             spec = {"sources": corpus.sources, "work": str(child)}
             procs.append(subprocess.Popen([sys.executable, "-m", "bench.scale", "--units-child",
                                            json.dumps(spec)], cwd=REPO, stdout=subprocess.PIPE, text=True))
-        return [float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+        return [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
 
-    ratios = []
+    ratios, inflations = [], []
     for r in range(rounds):
         [alone], pair = children(1, f"{r}-alone"), children(2, f"{r}-pair")
-        ratios.append(2 * alone / max(pair))
-        _log(f"units ceiling round {r}: one alone {alone:.1f} s, two at once {pair[0]:.1f} / "
-             f"{pair[1]:.1f} s -> {ratios[-1]:.3f}")
+        ratios.append(2 * alone["seconds"] / max(p["seconds"] for p in pair))
+        inflations.append(statistics.mean(p["cpu_s"] for p in pair) / alone["cpu_s"])
+        _log(f"units ceiling round {r}: one alone {alone['seconds']:.1f} s ({alone['cpu_s']:.1f} CPU-s), "
+             f"two at once {pair[0]['seconds']:.1f} / {pair[1]['seconds']:.1f} s "
+             f"({pair[0]['cpu_s']:.1f} / {pair[1]['cpu_s']:.1f} CPU-s) -> {ratios[-1]:.3f}, "
+             f"CPU x{inflations[-1]:.3f}")
     shutil.rmtree(work)
-    return statistics.median(ratios)
+    return statistics.median(ratios), statistics.median(inflations)
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -556,7 +569,7 @@ class Results:
     runs: list[dict[str, Any]] = field(default_factory=list)  # every timed run
     quality: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # (system, N)
     corpus: dict[int, dict[str, Any]] = field(default_factory=dict)
-    units_ceiling: float | None = None  # units_ceiling() at the largest sweep size
+    units_ceiling: tuple[float, float] | None = None  # units_ceiling() at the largest sweep size
 
     def median(self, system: str, n: int, workers: int, key: str) -> float | None:
         values = [r[key] for r in self.runs
@@ -651,8 +664,15 @@ def report(args: argparse.Namespace, res: Results) -> int:
     n_dt = max(args.datatrove_docs)  # the goal is judged at the largest size compared
     ratios = ratios_by_docs[n_dt]
     n_sweep = max(args.sweep_docs)
+    swept = {1, 2} <= set(args.workers)
     scaling = (res.median("ours", n_sweep, 1, "seconds") / res.median("ours", n_sweep, 2, "seconds")
-               if {1, 2} <= set(args.workers) else None)
+               if swept else None)
+    # The same work at either count: any CPU time more at 2 workers is what two busy vCPUs cost
+    # each other (shared caches, memory, the host), which no scheduling of ours wins back.
+    worker_cpu = {w: res.median("ours", n_sweep, w, "worker_cpu_s") for w in (1, 2)} if swept else {}
+    by_repeat = [one["seconds"] / two["seconds"] for one, two in zip(
+        *([r for r in res.runs if (r["system"], r["docs"], r["workers"]) == ("ours", n_sweep, w)]
+          for w in (1, 2)))] if swept else []
     q_ours, q_peer = res.quality[("ours", n_dt)], res.quality[("datatrove", n_dt)]
     time_exponent, bytes_per_doc = time_exp[top], driver_slope[top]  # the count run at every N
     goals = {
@@ -670,9 +690,16 @@ def report(args: argparse.Namespace, res: Results) -> int:
             print(f"fit over {', '.join(f'{n:,}' for n in fitted[w])} docs, {w} worker(s): time "
                   f"exponent {time_exp[w]:.3f} (the stage alone {stage_exp[w]:.3f}), driver peak "
                   f"RSS {driver_slope[w]:+.0f} bytes/doc")
+    if swept:
+        print(f"1 -> 2 workers at {n_sweep:,} docs: {scaling:.3f}x (each repeat: "
+              f"{', '.join(f'{x:.3f}' for x in by_repeat)}); the workers' CPU for the same work "
+              f"{worker_cpu[1]:.1f} s at 1 worker, {worker_cpu[2]:.1f} s at 2 "
+              f"(x{worker_cpu[2] / worker_cpu[1]:.3f})")
     if res.units_ceiling is not None:
-        print(f"the same units in bare processes, two at once against one alone: {res.units_ceiling:.3f}x "
-              f"(median of {args.ceiling_rounds} rounds; the ceiling of 1 -> 2 workers on this machine now)")
+        ceiling, inflation = res.units_ceiling
+        print(f"the same units in bare processes, two at once against one alone: {ceiling:.3f}x, "
+              f"CPU time per unit x{inflation:.3f} (medians of {args.ceiling_rounds} rounds; the "
+              f"ceiling of 1 -> 2 workers on this machine now)")
     print("goals: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in goals.items()))
     print(json.dumps({
         "bench": "scale", "docs": largest, "sizes": sizes, "workers": args.workers,
@@ -692,7 +719,11 @@ def report(args: argparse.Namespace, res: Results) -> int:
         "driver_bytes_per_doc_by_workers": {str(w): round(v, 1) for w, v in driver_slope.items()
                                             if v is not None},
         "scaling_1_to_2_workers": None if scaling is None else round(scaling, 3),
-        "units_scaling_ceiling_1_to_2": None if res.units_ceiling is None else round(res.units_ceiling, 3),
+        "scaling_1_to_2_by_repeat": [round(x, 3) for x in by_repeat],
+        "worker_cpu_s_by_workers": {str(w): v for w, v in worker_cpu.items()},
+        "worker_cpu_inflation_1_to_2": round(worker_cpu[2] / worker_cpu[1], 3) if swept else None,
+        "units_scaling_ceiling_1_to_2": None if res.units_ceiling is None else round(res.units_ceiling[0], 3),
+        "units_cpu_inflation_1_to_2": None if res.units_ceiling is None else round(res.units_ceiling[1], 3),
         "precision": q_ours["precision"], "recall": q_ours["recall"],
         "datatrove_precision": q_peer["precision"], "datatrove_recall": q_peer["recall"],
         "accounting_balanced": goals["accounting_balanced"], "goals": goals,
@@ -728,7 +759,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(datatrove_child(json.loads(args.datatrove_child))))
         return 0
     if args.units_child:
-        print(units_child(json.loads(args.units_child)))
+        print(json.dumps(units_child(json.loads(args.units_child))))
         return 0
     args.sweep_docs = args.sweep_docs or args.docs
     args.datatrove_docs = args.datatrove_docs or args.docs[:1]

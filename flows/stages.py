@@ -40,6 +40,9 @@ class StageSpec:
     fingerprint: Callable[[Any], str | None] = reads_no_external_data  # digest of external data read
     upstream: tuple[str, ...] = ()
     uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
+    # "module.function" each Ray worker started ahead of the stage calls first (what its units
+    # all load: imports, models), so that cost overlaps the run's own start (infra/ray_start.py)
+    warm_worker: str | None = None
     uses_gpu: bool = False  # computed under the `gpu` concurrency limit (flows/pipeline.py)
     # "module.function" called as f(manifest, tracker, mlflow_run_id, owner) once the stage is
     # done or reused, to show it in MLflow and Prefect (flows/reports.py); `owner`: the run is the
@@ -74,7 +77,8 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec(name="collect", run="tasks.collect.stage.run", config=collect.Config,
               description="Collect and clean raw documents.",
               version=collect.VERSION, fingerprint=collect.fingerprint,
-              uses_ray=True, publisher="flows.reports.publish_collect"),
+              uses_ray=True, warm_worker="tasks.collect.stage.warm_worker",
+              publisher="flows.reports.publish_collect"),
     StageSpec(name="tokenize", run="tasks.tokenize.stage.run", config=tokenize.Config,
               description="Train the tokenizer, write token shards.",
               version=tokenize.VERSION, fingerprint=tokenize.fingerprint,

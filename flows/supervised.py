@@ -92,7 +92,7 @@ def _start_ray_early(planned: list[PlannedStage]) -> None:
     imports and services that come before the stage (infra/ray_start.py)."""
     first = next((stage for stage in planned if not stage.complete), None)
     if first is not None and first.spec.uses_ray and not os.environ.get("RAY_ADDRESS"):
-        ray_start.start_early(getattr(first.config, "num_workers", 1))
+        ray_start.start_early(getattr(first.config, "num_workers", 1), first.spec.warm_worker)
 
 
 def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str | None,

@@ -17,6 +17,7 @@ not the web UI, and it too binds 127.0.0.1). A local Ray's session directory
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shutil
@@ -49,6 +50,14 @@ class _Worker:
 
     def call(self, fn: Callable[[T], R], item: T) -> R:
         return fn(item)
+
+    def warm(self, dotted: str) -> None:
+        """Call the function at "module.function" (a stage's `warm_worker`: imports, models)."""
+        module, _, name = dotted.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)()
+        except Exception:  # the first unit meets the same error, and reports it
+            log.debug("warming %s failed", dotted, exc_info=True)
 
     def call_at(self, fn: Callable[[T], R], index: int, item: T) -> tuple[int, str, R]:
         """(index, the node that ran it, result)."""
@@ -86,6 +95,11 @@ class RayEngine:
                 early.stop()  # started for other workers or settings than these
             else:
                 self._early, self._session_dir, self._started_here = early, early.session_dir, True
+                if len(early.workers) == self.num_workers:  # started, and warming, beside the run's start
+                    self._actors = early.workers
+                else:
+                    for actor in early.workers:
+                        ray.kill(actor)
                 log.info("ray: local, %s workers (started early)", self.num_workers)
                 return
         if ray.is_initialized():
@@ -106,9 +120,7 @@ class RayEngine:
             return SerialEngine().map(fn, items)
         self.start()
         if not self._actors:
-            self._actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
-                                            scheduling_strategy=placement).remote()
-                            for placement in _placements(self.num_workers)]
+            self._actors = start_workers(self.num_workers)
         pool = ActorPool(self._actors[: len(items)])
         results: list = [None] * len(items)
         nodes: Counter[str] = Counter()
@@ -140,6 +152,18 @@ class RayEngine:
         if self._early_pending is not None:  # never started: the early Ray goes unused
             self._early_pending.stop()
             self._early_pending = None
+
+
+def start_workers(count: int, warm: str | None = None) -> list:
+    """`count` worker actors, placed on the cluster's nodes in turn; each first calls `warm`
+    ("module.function"), when given, before any call sent to it later."""
+    actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
+                              scheduling_strategy=placement).remote()
+              for placement in _placements(count)]
+    if warm:
+        for actor in actors:
+            actor.warm.remote(warm)
+    return actors
 
 
 def _local_cpus(num_workers: int) -> int:

@@ -4,7 +4,11 @@ A local Ray takes seconds to start (a dozen processes, each importing Ray), and 
 imports and the Prefect server a run starts before its first stage. `gristmill run` knows from
 its plan whether a stage that runs on Ray will compute: then it calls `start_early`, and the
 flow hands that Ray (`take_early`) to the stage's `RayEngine` (infra/ray_engine.py), which works
-on it instead of starting its own. Nothing here imports Ray on the caller's thread: the thread does.
+on it instead of starting its own. As soon as Ray is up the thread also starts the engine's worker
+actors, and each first calls the stage's `warm_worker` (the collect stage's loads Trafilatura,
+the language-ID model and spaCy's tokenizer, ~2 s a worker), so that the workers load them while
+the run waits for its Prefect server, not after. Nothing here imports Ray on the caller's thread:
+the thread does.
 
 The thread lives until the Ray it started is shut down, because Ray's processes are set to die
 with the thread that started them (Linux's parent-death signal), not with the process. Ray's
@@ -23,8 +27,10 @@ _pending: EarlyRay | None = None
 
 
 class EarlyRay:
-    def __init__(self, num_workers: int):
+    def __init__(self, num_workers: int, warm: str | None = None):
         self.num_workers = num_workers
+        self.warm = warm
+        self.workers: list = []  # the engine's actors, started (and warming) as soon as Ray is up
         self._ready = threading.Event()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -33,11 +39,12 @@ class EarlyRay:
 
     def _hold(self) -> None:
         try:
-            from infra.ray_engine import init_local
+            from infra.ray_engine import init_local, start_workers
 
             logging.getLogger("ray._private.worker").addFilter(_NOT_MAIN_THREAD_NOTE)
 
             self.session_dir = init_local(self.num_workers)
+            self.workers = start_workers(self.num_workers, self.warm)
         except BaseException as error:  # raised where the Ray is taken, on the engine's thread
             self._error = error
         finally:
@@ -82,14 +89,15 @@ def _exit_on_sigterm(signum: int, _frame) -> None:
     sys.exit(signum)
 
 
-def start_early(num_workers: int) -> None:
-    """Start a local Ray for `num_workers` workers on a thread; returns at once. Idempotent.
+def start_early(num_workers: int, warm: str | None = None) -> None:
+    """Start a local Ray and its `num_workers` workers on a thread, each worker calling `warm`
+    ("module.function", the stage's `warm_worker`) first; returns at once. Idempotent.
     Call it on the main thread."""
     global _pending
     with _lock:
         if _pending is None:
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
-            _pending = EarlyRay(num_workers)
+            _pending = EarlyRay(num_workers, warm)
             _pending._thread.start()
 
 

@@ -97,19 +97,41 @@ def test_a_ray_started_early_is_taken_by_the_engine_and_ends_with_it(monkeypatch
 
     from infra import ray_start
 
+    def warmed(_) -> tuple[int, int]:  # nested, so Ray ships it by value to the workers
+        """What the collect stage's warm_worker loaded in this worker before any unit ran."""
+        from tasks.collect import langid, rules
+
+        return rules._spacy.cache_info().currsize, langid.load_model.cache_info().currsize
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray_start.start_early(2)
+    ray_start.start_early(2, warm="tasks.collect.stage.warm_worker")
     assert len(_ray_start_threads()) == 1
-    engine = RayEngine(num_workers=2, early=ray_start.take_early())
+    early = ray_start.take_early()
+    engine = RayEngine(num_workers=2, early=early)
     try:
         with caplog.at_level(logging.INFO, "gristmill.ray"):
-            assert engine.map(abs, [-1, -2, -3]) == [1, 2, 3]
+            assert engine.map(warmed, [0, 1]) == [(1, 1), (1, 1)]  # in each of the two workers
         assert "ray: local, 2 workers (started early)" in caplog.text
+        assert engine._actors == early.workers and len(early.workers) == 2
+        assert engine.map(abs, [-1, -2, -3]) == [1, 2, 3]
         session = engine._session_dir
         assert session and Path(session).is_dir() and len(_ray_start_threads()) == 1
     finally:
         engine.shutdown()
     assert not ray.is_initialized() and not Path(session).exists() and not _ray_start_threads()
+
+
+def test_a_warm_up_that_fails_leaves_the_workers_to_their_units(monkeypatch):
+    """The error of a stage's warm_worker is the units' to meet and report: the map runs."""
+    from infra import ray_start
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_start.start_early(2, warm="no_such_module.warm")
+    engine = RayEngine(num_workers=2, early=ray_start.take_early())
+    try:
+        assert engine.map(abs, [-1, -2, -3]) == [1, 2, 3] and len(engine._actors) == 2
+    finally:
+        engine.shutdown()
 
 
 def test_an_early_ray_no_engine_takes_is_stopped_and_one_for_other_workers_replaced(monkeypatch):
@@ -120,7 +142,7 @@ def test_an_early_ray_no_engine_takes_is_stopped_and_one_for_other_workers_repla
     from infra import ray_start
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray_start.start_early(1)
+    ray_start.start_early(1, warm="no_such_module.warm")
     ray_start.stop_early()
     assert not ray.is_initialized() and not _ray_start_threads()
     ray_start.stop_early()  # none pending: nothing to do

@@ -79,20 +79,20 @@ class EmbeddedServices:
         uses. `gristmill up` (infra/stack.py) starts standing servers instead; with its exports
         set, this only looks up the experiment."""
         with self._lock:  # taken by `launch`, or now
-            if self._server is not None:
-                self._wait_for_server()
-            else:
+            if self._server is None:
                 self._lock.enter_context(locked(self.home, LOCK))
-                if not os.environ.get("PREFECT_API_URL"):
-                    from prefect.server.api.server import SubprocessASGIServer
-
-                    self._seed_prefect()
-                    SubprocessASGIServer().start()
             if not os.environ.get("MLFLOW_TRACKING_URI"):
                 schemas.seed_mlflow(self.home)
             from infra.tracking.runs import Tracker
 
-            Tracker(self.home)
+            Tracker(self.home)  # first: while the launched server is still starting
+            if self._server is not None:
+                self._wait_for_server()
+            elif not os.environ.get("PREFECT_API_URL"):
+                from prefect.server.api.server import SubprocessASGIServer
+
+                self._seed_prefect()
+                SubprocessASGIServer().start()
 
     def stop(self) -> None:
         """Stop the launched server (at exit; idempotent)."""

@@ -667,8 +667,8 @@ def report(args: argparse.Namespace, res: Results) -> int:
     swept = {1, 2} <= set(args.workers)
     scaling = (res.median("ours", n_sweep, 1, "seconds") / res.median("ours", n_sweep, 2, "seconds")
                if swept else None)
-    # The same work at either count: any CPU time more at 2 workers is what two busy vCPUs cost
-    # each other (shared caches, memory, the host), which no scheduling of ours wins back.
+    # The same units at either count: CPU time more at 2 workers is the second worker's own start
+    # (imports, models) plus what two busy vCPUs cost each other (shared caches, memory, the host).
     worker_cpu = {w: res.median("ours", n_sweep, w, "worker_cpu_s") for w in (1, 2)} if swept else {}
     by_repeat = [one["seconds"] / two["seconds"] for one, two in zip(
         *([r for r in res.runs if (r["system"], r["docs"], r["workers"]) == ("ours", n_sweep, w)]

@@ -19,6 +19,7 @@ unattended.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -34,6 +35,9 @@ from infra.processes import ProcessTree, alive
 GRACE_S = 7.0  # the child's time to unwind before everything left is killed; exit stays < 10 s
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 SUPERVISOR_ENV = "GRISTMILL_SUPERVISOR_PID"  # set in the child: whom to watch
+# How often the child's process tree is walked (which reads every process on the machine, on the
+# cores the stage's workers use): its Ray and Prefect processes live for the whole run.
+TREE_EVERY_S = 2.0
 
 
 def die_with_supervisor(poll_s: float = 0.5) -> None:
@@ -80,8 +84,11 @@ def supervise(argv: Sequence[str], poll_s: float = 0.5, stopped_note: str = "") 
         forward()  # a signal that came while the child was being started
         tree = ProcessTree(child.pid)
         deadline: float | None = None
+        found_at = -math.inf
         while child.poll() is None:
-            tree.refresh()
+            if time.monotonic() - found_at >= TREE_EVERY_S:
+                tree.refresh()
+                found_at = time.monotonic()
             if received and deadline is None:
                 deadline = time.monotonic() + GRACE_S
             if deadline is not None and (len(received) > 1 or time.monotonic() > deadline):

@@ -33,3 +33,21 @@ def test_peak_counts_child_processes():
     alone = tree_rss_bytes(psutil.Process())
     assert peak.peak_bytes - alone > 250 * MB
     assert peak.child_mb > 300 and peak.own_mb < peak.mb - 250  # the child's 300 MB are not ours
+
+
+def test_the_tree_is_looked_for_every_tree_every_s_not_every_sample(monkeypatch):
+    import psutil
+
+    walks = []
+    children = psutil.Process.children
+
+    def counted(self, recursive=False):
+        walks.append(time.monotonic())
+        return children(self, recursive=recursive)
+
+    monkeypatch.setattr(psutil.Process, "children", counted)
+    with PeakRSS(interval_s=0.01, tree_every_s=0.25) as peak:
+        time.sleep(1.0)
+    # ~100 samples, ~4 walks (+1 at the end); each walk reads every process on the machine
+    assert 3 <= len(walks) <= 7, walks
+    assert peak.own_mb > 0

@@ -98,11 +98,13 @@ class DedupConfig(BaseModel):
                                            "persisted index) are comparable only under one seed.")
     chunk_docs: int = Field(1024, ge=1, description="Documents per signature task (independent "
                                                     "of the worker count; results do not change).")
-    partition_mb: float = Field(64, gt=0, description="Spilled rows per partition task: near "
+    partition_mb: float = Field(16, gt=0, description="Spilled rows per partition task: near "
                                                        "dedup's bucket rows (18 bytes a band of a "
                                                        "document, index included) and exact "
                                                        "dedup's hashes (24 bytes a document); "
-                                                       "results do not change.")
+                                                       "smaller: more tasks for the workers to "
+                                                       "share, each holding less. Results do not "
+                                                       "change; the index's shards do.")
 
     @model_validator(mode="after")
     def _check_permutations(self) -> DedupConfig:

@@ -1,6 +1,6 @@
 """Exact dedup on the engine: which documents are the first with their 128-bit text hash.
 
-    first = first_occurrences(docs.hash_hi, docs.hash_lo, engine, work_dir, partition_mb=64)
+    first = first_occurrences(docs.hash_hi, docs.hash_lo, engine, work_dir, partition_mb=16)
 
 Sorted runs, then partitions, as an external sort: the hashes are cut into runs of RUN_ROWS
 documents; each run is a task that sorts its rows (hash, row) and spills them to the work folder
@@ -69,7 +69,7 @@ def _partition_task(item: tuple[int, list[spill.Piece], bool, _Run]) -> np.ndarr
 
 
 def first_occurrences(hash_hi: np.ndarray, hash_lo: np.ndarray, engine: Engine, work_dir: str | Path,
-                      partition_mb: float = 64) -> np.ndarray:
+                      partition_mb: float = 16) -> np.ndarray:
     """bool [n]: whether each row is the first with its 128-bit hash (hash_hi, hash_lo)."""
     n = len(hash_hi)
     bits = spill.partition_bits(n * _ROW.itemsize, partition_mb)

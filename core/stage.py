@@ -20,6 +20,7 @@ wraps them with the artifact store and tracking.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -116,6 +117,13 @@ class SerialEngine:
                 results.append(fn(item))
                 progress.advance(1)
         return results
+
+
+def load(dotted: str) -> Any:
+    """The object at "module.name", importing the module (the stage table names code this way, so
+    that reading the table imports no stage's dependencies)."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def map_name(fn: Callable) -> str:

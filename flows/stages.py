@@ -8,13 +8,12 @@ stage is a package in `tasks/` plus one entry here.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.stage import StageConfig, StageResult
+from core.stage import StageConfig, StageResult, load
 from tasks.align import config as align
 from tasks.collect import config as collect
 from tasks.evaluate import config as evaluate
@@ -59,12 +58,6 @@ class StageSpec:
 
     def load_publisher(self) -> Callable[..., None] | None:
         return None if self.publisher is None else load(self.publisher)
-
-
-def load(dotted: str) -> Any:
-    """The object at "module.name", importing the module."""
-    module, _, name = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def upstream_parameters(run: Callable[..., Any]) -> set[str]:

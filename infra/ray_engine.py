@@ -17,7 +17,6 @@ not the web UI, and it too binds 127.0.0.1). A local Ray's session directory
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import shutil
@@ -26,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from core.stage import SerialEngine, map_name, map_progress
+from core.stage import SerialEngine, load, map_name, map_progress
 from infra import env
 
 env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
@@ -53,9 +52,8 @@ class _Worker:
 
     def warm(self, dotted: str) -> None:
         """Call the function at "module.function" (a stage's `warm_worker`: imports, models)."""
-        module, _, name = dotted.rpartition(".")
         try:
-            getattr(importlib.import_module(module), name)()
+            load(dotted)()
         except Exception:  # the first unit meets the same error, and reports it
             log.debug("warming %s failed", dotted, exc_info=True)
 

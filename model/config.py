@@ -46,14 +46,15 @@ class LoopConfig(TrainConfig):
     accumulation, the LR schedule's shape, evaluation cadence, compilation, MFU and spike rollback."""
 
     unhashed_fields: ClassVar[frozenset[str]] = (
-        TrainConfig.unhashed_fields | {"eval_every", "compile", "peak_tflops"})
+        TrainConfig.unhashed_fields | {"eval_every", "compile", "peak_tflops", "fsdp"})
 
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches each step's batch is split into "
                                                        "(a memory knob; batch_size must divide evenly).")
     tokens_per_step: int | None = Field(
-        None, gt=0, description="Target tokens per optimizer step (all processes). When set, batch_size is "
-                                "the micro-batch (sequences per forward pass) and the stage derives the "
-                                "accumulation: grad_accum_steps = tokens_per_step / (batch_size * seq_len).")
+        None, gt=0, description="Tokens per optimizer step, all processes together (the global batch, the "
+                                "same whatever the process count). When set, batch_size is the micro-batch "
+                                "(sequences per process per forward pass) and the accumulation follows: "
+                                "tokens_per_step / (processes * batch_size * seq_len), which must be whole.")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="adamw: AdamW for every parameter. muon: Muon for the transformer blocks' "
                              "matrices, AdamW for the embedding, norms and biases, with one lr and "
@@ -66,8 +67,12 @@ class LoopConfig(TrainConfig):
     decay_frac: float = Field(0.2, ge=0, le=1, description="wsd only: share of max_steps spent decaying.")
     eval_every: int = Field(50, ge=0, description="Run the stage's evaluation every N steps "
                                                    "(and always at the end); 0: only at the end.")
-    compile: bool = Field(False, description="torch.compile the model (inductor). Pays off on GPU; on a "
-                                             "CPU it adds ~30 s of compilation and gains nothing.")
+    compile: bool = Field(False, description="torch.compile each decoder block (inductor). Pays off on GPU; "
+                                             "on a CPU it adds ~30 s of compilation and gains nothing.")
+    fsdp: bool = Field(False, description="Shard each decoder block's weights, gradients and optimizer state "
+                                          "over the data-parallel processes (FSDP2, applied by the training "
+                                          "loop; bf16 compute, fp32 gradient reduction). Same result as "
+                                          "replicas up to reduction order (operational).")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak FLOP/s (in TFLOP/s) of one device, for the logged MFU. None: known "
                                 "GPUs by name (bf16 dense), no MFU on CPU.")
@@ -88,18 +93,21 @@ class LoopConfig(TrainConfig):
                              f"(tokens_per_step={self.tokens_per_step}, grad_accum_steps={self.grad_accum_steps})")
         return self
 
-    def with_seq_len(self, seq_len: int) -> LoopConfig:
-        """For fixed-length sequences: a copy with tokens_per_step resolved into batch_size (sequences
-        per step) and grad_accum_steps (micro-batches of the configured batch_size)."""
+    def with_seq_len(self, seq_len: int, world_size: int = 1) -> LoopConfig:
+        """For fixed-length sequences trained by `world_size` processes: a copy with tokens_per_step
+        resolved into batch_size (sequences per step, all processes) and grad_accum_steps (micro-
+        batches of the configured batch_size per process). Refused, naming the keys, when
+        tokens_per_step is not a whole number of micro-batches on every process."""
         if self.tokens_per_step is None:
             return self
-        micro_tokens = self.batch_size * seq_len
+        micro_tokens = world_size * self.batch_size * seq_len
         if self.tokens_per_step % micro_tokens:
-            raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must be a multiple of batch_size * "
-                             f"seq_len = {self.batch_size} * {seq_len} = {micro_tokens}")
+            raise ValueError(f"tokens_per_step ({self.tokens_per_step}) must be a multiple of processes * "
+                             f"batch_size * seq_len = {world_size} * {self.batch_size} * {seq_len} = "
+                             f"{micro_tokens}; change tokens_per_step, batch_size or the launch's processes")
         accum = self.tokens_per_step // micro_tokens
         return self.model_copy(update={"tokens_per_step": None, "grad_accum_steps": accum,
-                                       "batch_size": self.batch_size * accum})
+                                       "batch_size": world_size * self.batch_size * accum})
 
 
 class LoraConfig(StageConfig):

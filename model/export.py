@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from core.chat import DOC_SEPARATOR, IM_END
+from model.parallel import full_model_state, is_rank0, is_sharded, with_aliases
 
 
 def generation_config(tokenizer: Any) -> GenerationConfig:
@@ -24,15 +25,31 @@ def generation_config(tokenizer: Any) -> GenerationConfig:
 
 def exports_here() -> bool:
     """Whether this process writes a training stage's outputs: the only process, or rank 0 of a
-    data-parallel launch (every rank holds the same weights)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return not distributed or torch.distributed.get_rank() == 0
+    data-parallel launch."""
+    return is_rank0()
+
+
+def _unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A plain copy of `model` on rank 0's CPU (None on other ranks); for a sharded model every
+    rank must call it, as its weights are gathered."""
+    if not is_sharded(model):
+        return model if is_rank0() else None
+    state = full_model_state(model)
+    if not is_rank0():
+        return None
+    copy = AutoModelForCausalLM.from_config(model.config)
+    copy.load_state_dict(with_aliases(copy, state))
+    return copy
 
 
 def export_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
     """Write `model` and `tokenizer` to `out_dir` (replaced if it exists, e.g. after a crash
-    mid-export). Weights are saved as safetensors only."""
+    mid-export) from rank 0. Every rank of a sharded (FSDP) model must call it: its full weights
+    are gathered first; a replicated model needs only rank 0. Weights are saved as safetensors only."""
     out_dir = Path(out_dir)
+    model = _unsharded(model)
+    if model is None:
+        return out_dir
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)

@@ -1,14 +1,18 @@
 """The one training loop of the training stages (pretrain, SFT, and later alignment).
 
 Accelerate runs it on CPU, one GPU, or several processes (`accelerate launch`, `torchrun`, Ray
-Train); AdamW or Muon (model/optim.py) with a warmup+cosine or warmup-stable-decay LR, gradient clipping
-and optional gradient accumulation, bf16 autocast and optional `torch.compile` on GPU. Resume is
-exact: batches come from `get_batch(index)`, a pure function of (seed, index), and the state of
-model, optimizer, scheduler and RNGs is checkpointed every `checkpoint_every` steps under
-`work_dir/checkpoints/step-%07d` (model/checkpoint.py: written aside and renamed when complete,
-digests in the marker, a damaged checkpoint skipped on resume, free space checked first). Resume
-unpickles nothing freely: weights are safetensors, optimizer and RNG states load with
-`weights_only=True`, the LR scheduler's state is JSON.
+Train), replicated (DDP) or sharded (FSDP2; model/parallel.py); AdamW or Muon (model/optim.py) with a
+warmup+cosine or warmup-stable-decay LR, gradient clipping and gradient accumulation, bf16 on GPU
+and optional per-block `torch.compile`. Each process runs `batch_size` sequences per forward pass
+(the config resolved by `LoopConfig.with_seq_len`). Resume is exact: batches come from
+`get_batch(index)`, a pure function of (seed, index), so the data position is the step (plus the
+rollback offset), and the whole state of model, optimizer and scheduler is checkpointed every
+`checkpoint_every` steps under `work_dir/checkpoints/step-%07d` (model/checkpoint.py: written aside
+and renamed when complete, digests in the marker, a damaged checkpoint skipped on resume, free
+space checked first). Checkpoints hold full, gathered state, so a run may resume on another number
+of processes; one that asks for another global batch is refused. Resume unpickles nothing freely:
+weights are safetensors, optimizer and RNG states load with `weights_only=True`, the LR
+scheduler's state is JSON.
 
 Faults: a non-finite loss or gradient norm, or a loss spike (above the rolling mean of the last
 `spike_window` losses by `spike_zscore` standard deviations), rolls training back to the last
@@ -29,9 +33,11 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -50,6 +56,17 @@ from model.checkpoint import (
 )
 from model.config import LoopConfig
 from model.optim import make_optimizer
+from model.parallel import (
+    clip_grad_norm,
+    compile_blocks,
+    full_model_state,
+    full_optimizer_state,
+    is_rank0,
+    is_sharded,
+    load_model_state,
+    load_optimizer_state,
+    shard,
+)
 from model.schedule import lr_multiplier
 from model.throughput import Throughput, device_peak_tflops
 
@@ -58,6 +75,9 @@ LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
 SCHEDULER_FILE = "scheduler.json"  # the LR scheduler's state inside a checkpoint
+MODEL_FILE = "model.safetensors"  # the full weights, each tied tensor once
+OPTIMIZER_FILE = "optimizer.pt"  # the full optimizer state by parameter name; absent before the first step
+RNG_FILE = "rng-{rank}.pt"  # each process's torch RNG states (adapter dropout)
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
 LABEL_TOTAL = "label_total"  # batch column: labelled tokens in the whole global batch (with_label_totals)
 RECENT_LOSSES = 10  # steps averaged into the reported final train loss
@@ -155,17 +175,18 @@ def mean_token_loss(model: torch.nn.Module, batches: list[Batch]) -> float:
     return total / max(count, 1)
 
 
-def make_accelerator(cfg: LoopConfig) -> Accelerator:
-    """An Accelerator for cfg.device: the mixed precision a launcher chose (PRECISION_VAR: `accelerate
-    launch` sets it from its config file or the stage's `launch.mixed_precision`), else bf16
-    autocast on CUDA and full fp32 on CPU."""
+def make_accelerator(cfg: LoopConfig) -> tuple[Accelerator, str]:
+    """An Accelerator for cfg.device, and the precision to train in: the one a launcher chose
+    (PRECISION_VAR: `accelerate launch` sets it from its config file or the stage's
+    `launch.mixed_precision`), else bf16 on CUDA and full fp32 on CPU. A sharded model gets its
+    precision from FSDP's policy (model/parallel.py), so its Accelerator adds no autocast."""
     use_cuda = resolve_device(cfg.device).type == "cuda"
     if not torch.distributed.is_initialized():
         # Accelerate's state is a process-wide singleton; in one process, stages may ask for
         # different devices (a CPU test, then a CUDA run), so start from a clean state.
         AcceleratorState._reset_state(reset_partial_state=True)
     precision = os.environ.get(PRECISION_VAR) or ("bf16" if use_cuda else "no")
-    return Accelerator(cpu=not use_cuda, mixed_precision=precision)
+    return Accelerator(cpu=not use_cuda, mixed_precision="no" if cfg.fsdp else precision), precision
 
 
 def _shard(batch: Batch, accelerator: Accelerator) -> Batch:
@@ -184,14 +205,16 @@ def _train_step(model, optimizer, scheduler, batch: Batch, loss_fn: LossFn, cfg:
     total = torch.zeros((), device=accelerator.device)
     for i, micro in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        # Gradients are only all-reduced on the last micro-batch.
-        with nullcontext() if last else accelerator.no_sync(model):
+        # Replicas all-reduce gradients on the last micro-batch only; shards reduce-scatter each
+        # micro-batch's, which keeps only a shard of the gradients in memory (torchtitan's default).
+        with nullcontext() if last or is_sharded(model) else accelerator.no_sync(model):
             loss = loss_fn(model, {k: v.to(accelerator.device) for k, v in micro.items()})
             # The all-reduce averages gradients over processes; the shares are to be summed.
             accelerator.backward(loss * accelerator.num_processes)
         total += loss.detach()
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    accelerator.unscale_gradients(optimizer)  # fp16's loss scale; nothing under bf16 or fp32
+    grad_norm = clip_grad_norm(model.parameters(), max_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -203,38 +226,86 @@ def _tokens_in(batch: Batch) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
-def _fresh_state() -> dict[str, Any]:
+def _fresh_state(cfg: LoopConfig) -> dict[str, Any]:
     """Loop state at step 0; saved in each checkpoint's marker. `skip_offset`: batches skipped by
-    rollbacks (step s trains on batch s + skip_offset); `loss_window`: recent losses for spike checks."""
+    rollbacks (step s trains on batch s + skip_offset: the data position); `loss_window`: recent
+    losses for spike checks; `global_batch`: sequences per step, which a resume must keep."""
     return {"step": 0, "tokens_seen": 0, "recent_losses": [], "eval": {}, "skip_offset": 0, "rollbacks": 0,
-            "loss_window": []}
+            "loss_window": [], "global_batch": cfg.batch_size}
 
 
-def _load_checkpoint(accelerator: Accelerator, scheduler: Any, path: Path) -> dict[str, Any]:
-    """Weights (safetensors), optimizer and RNG states through Accelerate, which loads them with
-    `weights_only=True`; the scheduler from JSON: nothing on resume is unpickled freely."""
-    accelerator.load_state(str(path))
-    scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
-    return {**_fresh_state(), **read_marker(path)}
+@dataclass
+class Parts:
+    """What the loop trains with; checkpoints hold the state of the last three."""
+
+    accelerator: Accelerator
+    model: torch.nn.Module  # as prepared: DDP-wrapped, sharded, or plain
+    optimizer: Any  # Accelerate's wrapper of the optimizer
+    scheduler: Any
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without a DDP wrapper (a sharded model is its own)."""
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer
 
 
-def _save_checkpoint(accelerator: Accelerator, model: torch.nn.Module, scheduler: Any, work_dir: Path,
-                     state: dict[str, Any], keep: int) -> None:
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+def _load_checkpoint(parts: Parts, path: Path, cfg: LoopConfig) -> dict[str, Any]:
+    """Model, optimizer, scheduler and this rank's RNG states from `path`, read by rank 0 and
+    broadcast (any world size, sharded or not); nothing is unpickled freely. A checkpoint of
+    another global batch is refused."""
+    marker = read_marker(path)
+    saved_batch = marker.get("global_batch", cfg.batch_size)
+    if saved_batch != cfg.batch_size:
+        raise ValueError(f"the checkpoint {path} trained {saved_batch} sequences per step and this run "
+                         f"{cfg.batch_size}: keep tokens_per_step (or batch_size) as it was, or train anew")
+    load_model_state(parts.module, safetensors.torch.load_file(path / MODEL_FILE) if is_rank0() else {})
+    optimizer = parts.inner_optimizer
+    if (path / OPTIMIZER_FILE).is_file():
+        saved = torch.load(path / OPTIMIZER_FILE, weights_only=True) if is_rank0() else {}
+        load_optimizer_state(parts.module, optimizer, saved)
+    else:  # a checkpoint from before the first step: the optimizer starts afresh
+        optimizer.state.clear()
+    rng = path / RNG_FILE.format(rank=parts.accelerator.process_index)
+    if rng.is_file():
+        states = torch.load(rng, weights_only=True)
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["cuda"])
+    parts.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+    return {**_fresh_state(cfg), **marker}
+
+
+def _save_checkpoint(parts: Parts, work_dir: Path, state: dict[str, Any], keep: int) -> None:
+    """Every rank takes part (the state is gathered); rank 0 writes weights, optimizer and scheduler,
+    every rank its RNG states. Before the first step the optimizer has no state and none is
+    written: asking torch for it would create it with an optimizer step."""
+    model_bytes = sum(p.numel() * p.element_size() for p in parts.model.parameters())
+    weights = full_model_state(parts.module)
+    optimizer = full_optimizer_state(parts.module, parts.inner_optimizer) if parts.inner_optimizer.state else None
 
     def write(directory: Path) -> None:
-        accelerator.save_state(str(directory))
-        if accelerator.is_main_process:
-            (directory / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()) + "\n")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, directory / RNG_FILE.format(rank=parts.accelerator.process_index))
+        if is_rank0():
+            safetensors.torch.save_file(weights, directory / MODEL_FILE)
+            if optimizer is not None:
+                torch.save(optimizer, directory / OPTIMIZER_FILE)
+            (directory / SCHEDULER_FILE).write_text(json.dumps(parts.scheduler.state_dict()) + "\n")
 
     # weights + AdamW's two moments, about 3x the model in float32
     save_checkpoint(work_dir, state, keep, write, expected_bytes=3 * model_bytes,
-                    main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+                    main=parts.accelerator.is_main_process, barrier=parts.accelerator.wait_for_everyone)
 
 
-def _resume(accelerator: Accelerator, scheduler: Any, work_dir: Path, metrics: MetricsLog,
-            log: logging.Logger) -> dict:
+def _resume(parts: Parts, work_dir: Path, metrics: MetricsLog, cfg: LoopConfig, log: logging.Logger) -> dict:
     """Load the newest complete checkpoint that verifies, if any; returns its saved loop state."""
+    accelerator = parts.accelerator
     if accelerator.is_main_process:
         clear_partial_checkpoints(work_dir)
     accelerator.wait_for_everyone()
@@ -243,11 +314,11 @@ def _resume(accelerator: Accelerator, scheduler: Any, work_dir: Path, metrics: M
     if good is None:
         if accelerator.is_main_process:
             metrics.truncate_after(-1)  # entries from a run that crashed before its first checkpoint
-        return _fresh_state()
+        return _fresh_state(cfg)
     step, path = good
     if step:
         log.info("resuming from step %d (%s)", step, path)
-    state = _load_checkpoint(accelerator, scheduler, path)
+    state = _load_checkpoint(parts, path, cfg)
     if accelerator.is_main_process:
         metrics.truncate_after(step)
     return state
@@ -264,11 +335,11 @@ def _anomaly(loss: float, grad_norm: float, window: list[float], cfg: LoopConfig
     return None
 
 
-def _rollback(accelerator: Accelerator, scheduler: Any, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
+def _rollback(parts: Parts, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
               loss: float, reason: str, cfg: LoopConfig, log: logging.Logger) -> dict[str, Any]:
     """Restore the last complete checkpoint and skip every batch from it up to the offending one;
     the new offset is written into that checkpoint's marker so a later resume keeps it."""
-    failed = state["step"] + 1
+    failed, accelerator = state["step"] + 1, parts.accelerator
     if state["rollbacks"] >= cfg.max_rollbacks:
         raise TrainingDiverged(
             f"training loss is {loss} ({reason}) at step {failed} after {state['rollbacks']} rollbacks "
@@ -278,7 +349,7 @@ def _rollback(accelerator: Accelerator, scheduler: Any, work_dir: Path, metrics:
         raise TrainingDiverged(f"training loss is {loss} ({reason}) at step {failed} and no intact "
                                "checkpoint is left to roll back to")
     good_step, path = good
-    saved = _load_checkpoint(accelerator, scheduler, path)
+    saved = _load_checkpoint(parts, path, cfg)
     skipped = failed - good_step  # the batches of steps good_step+1 .. failed
     state = {**saved, "skip_offset": state["skip_offset"] + skipped, "rollbacks": state["rollbacks"] + 1}
     log.warning("%s loss %.4g at step %d: rolled back to step %d, skipping %d batches (rollback %d of %d)",
@@ -298,18 +369,25 @@ def _due(done: int, every: int, max_steps: int) -> bool:
     return done == max_steps or (every > 0 and done % every == 0)
 
 
-def _prepare(model: torch.nn.Module, cfg: LoopConfig):
-    """Accelerator, prepared model and optimizer, and the LR scheduler (saved with checkpoints as JSON)."""
-    accelerator = make_accelerator(cfg)
+def _prepare(model: torch.nn.Module, cfg: LoopConfig) -> Parts:
+    """Accelerator, the model replicated (DDP) or sharded (FSDP2) and optionally compiled per block,
+    the optimizer, and the LR scheduler (saved with checkpoints as JSON)."""
+    accelerator, precision = make_accelerator(cfg)
     model.train()
     model.to(accelerator.device)  # before the optimizer exists, so that it can be the fused one
+    if cfg.fsdp:
+        shard(model, precision)  # torchtitan's order: shard, then compile each block
     if cfg.compile:
-        model.compile()  # in place: parameter names, and so checkpoints, are those of the eager model
-    model, optimizer = accelerator.prepare(model, make_optimizer(model, cfg))
+        compile_blocks(model)
+    optimizer = make_optimizer(model, cfg)
+    if cfg.fsdp:
+        optimizer = accelerator.prepare(optimizer)  # the model is not Accelerate's to wrap
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     # Stepped by us once per optimizer step (a prepared scheduler steps once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, cfg.max_steps, cfg.schedule, cfg.warmup_frac, cfg.decay_frac, cfg.min_lr_ratio))
-    return accelerator, model, optimizer, scheduler
+    return Parts(accelerator, model, optimizer, scheduler)
 
 
 def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopConfig, work_dir: Path,
@@ -325,11 +403,12 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     values returned by `evaluate` (also logged every `eval_every` steps and at the end)."""
     log = log or logging.getLogger("gristmill.train")
     Path(work_dir).mkdir(parents=True, exist_ok=True)
-    accelerator, model, optimizer, scheduler = _prepare(model, cfg)
-    state = _resume(accelerator, scheduler, work_dir, metrics, log)
+    parts = _prepare(model, cfg)
+    accelerator, model, optimizer, scheduler = parts.accelerator, parts.model, parts.optimizer, parts.scheduler
+    state = _resume(parts, work_dir, metrics, cfg, log)
     resumed_from = state["step"]
     if cfg.max_rollbacks and not complete_checkpoints(work_dir):
-        _save_checkpoint(accelerator, model, scheduler, work_dir, state, cfg.keep_checkpoints)  # a rollback target
+        _save_checkpoint(parts, work_dir, state, cfg.keep_checkpoints)  # a rollback target
     peak_tflops = device_peak_tflops(cfg.peak_tflops, accelerator.device)
     meter = Throughput(flops_per_token, peak_tflops, accelerator.num_processes)
     t0, tokens_now = time.perf_counter(), 0
@@ -345,7 +424,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
             reason = _anomaly(loss, grad_norm, state["loss_window"], cfg)
             if reason:
                 before = state["step"]
-                state = _rollback(accelerator, scheduler, work_dir, metrics, state, loss, reason, cfg, log)
+                state = _rollback(parts, work_dir, metrics, state, loss, reason, cfg, log)
                 progress.advance(state["step"] - before)
                 continue
             tokens = _tokens_in(batch) * accelerator.num_processes
@@ -358,8 +437,9 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
             if _due(done, cfg.log_every, cfg.max_steps):
                 row.update(meter.report())
             if evaluate is not None and _due(done, cfg.eval_every, cfg.max_steps):
-                with accelerator.autocast():
-                    state["eval"] = evaluate(accelerator.unwrap_model(model))
+                # Eager: a no-grad pass through the compiled blocks would compile them anew.
+                with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
+                    state["eval"] = evaluate(parts.module)
                 row.update(state["eval"])
             if accelerator.is_main_process:
                 metrics.log(done, **row)
@@ -370,7 +450,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
                          "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()), extra={PROGRESS_LINE: True})
             # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
             if _due(done, cfg.checkpoint_every, cfg.max_steps):
-                _save_checkpoint(accelerator, model, scheduler, work_dir, state, cfg.keep_checkpoints)
+                _save_checkpoint(parts, work_dir, state, cfg.keep_checkpoints)
     elapsed = time.perf_counter() - t0
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     recent = state["recent_losses"]

@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from core.launch import LaunchConfig
 from model.config import LoopConfig, ModelConfig
 
-VERSION = 2  # 2: each process's loss is its share of the global batch's token mean (model/loop.py)
+VERSION = 3  # 3: Muon orthogonalises in the device's fast precision; micro-batches per process (model/)
 
 
 class Config(LoopConfig):
@@ -32,7 +32,7 @@ class Config(LoopConfig):
     def _check_seq_len(self) -> Config:
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
-        self.with_seq_len(self.seq_len)  # tokens_per_step must be whole micro-batches
+        self.with_seq_len(self.seq_len, self.launch.world_size)  # whole micro-batches on every process
         return self
 
 

@@ -11,7 +11,7 @@ mfu, val_loss, val_bpb, rollback events).
 Distributed: `run` is the same function in every data-parallel process: the pipeline launches it
 as its `launch` section says (core/launch.py: Accelerate, or Ray Train), and `python -m
 tasks.pretrain` runs it under `torchrun` / `accelerate launch` by hand (see infra/accelerate/).
-Only process 0 exports.
+Every process takes part in the export (a sharded model is gathered); process 0 writes it.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from model.data import (
 )
 from model.export import export_model, exports_here
 from model.loop import Batch, mean_token_loss, train
+from model.parallel import launched_world_size
 from model.plan import flops_per_token
 from model.presets import build_model, count_params
 from tasks.pretrain.config import Config
@@ -71,7 +72,8 @@ def val_batches(data: np.ndarray, config: Config) -> list[Batch]:
 
 
 def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) -> StageResult:
-    config = config.with_seq_len(config.seq_len)  # tokens_per_step -> batch_size, grad_accum_steps
+    # tokens_per_step -> batch_size (all processes) and grad_accum_steps (micro-batches per process)
+    config = config.with_seq_len(config.seq_len, launched_world_size())
     tok_root = Path(tokenize.path)
     tokenizer = AutoTokenizer.from_pretrained(tok_root / "tokenizer")
     train_data = load_tokens(tok_root / "tokens", "train", config.seq_len)
@@ -99,8 +101,8 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
     unigram = unigram_loss(train_data, read_tokens(tok_root / "tokens", "val"), len(tokenizer))
     log.info("val_loss %.4f nats (%.4f bits/byte); unigram baseline %.4f nats",
              summary["val_loss"], summary["val_bpb"], unigram)
-    if exports_here():  # the other data-parallel processes hold the same weights
-        export_model(model, tokenizer, out_dir / "model")
+    export_model(model, tokenizer, out_dir / "model")  # every rank: a sharded model is gathered first
+    if exports_here():
         remove_checkpoints(out_dir)  # the exported model is the artifact; optimizer state is not
     stats = {"final_train_loss": summary["final_train_loss"], "val_loss": summary["val_loss"],
              "val_bpb": summary["val_bpb"], "unigram_val_loss": unigram,

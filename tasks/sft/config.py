@@ -56,10 +56,18 @@ class Config(LoopConfig):
     def _windows_split_evenly(self) -> Config:
         # The loop splits every tensor of a batch into grad_accum_steps micro-batches; fewer windows
         # than micro-batches would leave some micro-batches without their share of text.
-        accum = (self.with_seq_len(self.max_seq_len) if self.packing else self).grad_accum_steps
+        accum = (self.with_seq_len(self.max_seq_len, self.launch.world_size) if self.packing
+                 else self).grad_accum_steps
         if self.pretrain_mix > 0 and self.pretrain_windows % accum:
             raise ValueError(f"pretrain_windows ({self.pretrain_windows}) must be a multiple of the "
                              f"gradient accumulation steps ({accum})")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_unsharded(self) -> Config:
+        if self.fsdp and self.lora is not None:
+            raise ValueError("fsdp: true with lora: adapters train on an unsharded base model; set fsdp: false "
+                             "or remove lora")
         return self
 
 

@@ -58,6 +58,7 @@ from model.loop import (
 )
 from model.lora import apply_lora, export_lora, trainable_parameters
 from model.packing import Example, collate_packed, pack_examples
+from model.parallel import launched_world_size
 from tasks.sft.config import Config
 from tasks.sft.conversations import load_conversations
 
@@ -193,7 +194,7 @@ def batch_source(config: Config, train_set: list[Example], pad_id: int, text: np
         tokens = sum(len(ids) for ids, _ in train_set)
         collate_fn, loss_fn = collate_packed, causal_lm_loss
         stats = {"packed_rows": len(units), "packed_fill": tokens / (len(units) * config.max_seq_len)}
-    loop_config = config.with_seq_len(config.max_seq_len) if config.packing else config
+    loop_config = config.with_seq_len(config.max_seq_len, launched_world_size()) if config.packing else config
 
     mixing = config.pretrain_mix > 0
     if mixing:
@@ -257,11 +258,11 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
     artifacts = ["model/config.json", "model/generation_config.json"]
     if config.lora is not None:
         artifacts.append("adapter/adapter_config.json")
+    if config.lora is None:
+        export_model(model, tokenizer, out_dir / "model")  # every rank: a sharded model is gathered first
+    elif exports_here():
+        export_lora(model, tokenizer, out_dir / "model", out_dir / "adapter")
     if exports_here():
-        if config.lora is not None:
-            export_lora(model, tokenizer, out_dir / "model", out_dir / "adapter")
-        else:
-            export_model(model, tokenizer, out_dir / "model")
         remove_checkpoints(out_dir)
     # Pretraining tokens the loop's tokens_seen leaves out (it counts the conversation rows).
     text_tokens_seen = summary["steps"] * config.pretrain_windows * config.max_seq_len if config.pretrain_mix else 0

@@ -19,9 +19,7 @@ on the driver with `record`, and `report()` is the JSON the evaluate stage shows
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import re
 import unicodedata
 from collections import defaultdict
@@ -34,6 +32,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.files import JsonLinesError, iter_jsonl
 from core.sources import source_files
 
 DROP_REASON = "benchmark_contamination"  # a crawled document's drop reason in the collect funnel
@@ -158,17 +157,10 @@ def _read_records(path: Path) -> Iterator[dict]:
         import pyarrow.parquet as pq
         yield from pq.read_table(path).to_pylist()
         return
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"eval set file {path}, line {line_no}: bad JSON ({err})") from err
-                if not isinstance(record, dict):
-                    raise ValueError(f"eval set file {path}, line {line_no}: not a JSON object")
-                yield record
+    try:
+        yield from iter_jsonl([path], objects_only=True)
+    except JsonLinesError as error:  # names the file and line
+        raise ValueError(f"eval set file {error}") from None
 
 
 def eval_files(source: str) -> tuple[str, list[Path]]:

@@ -36,15 +36,30 @@ def describe_files(directory: Path, exclude: str) -> dict[str, dict[str, Any]]:
             for p in sorted(Path(directory).rglob("*")) if p.is_file() and p.name != exclude}
 
 
-def iter_jsonl(paths: Iterable[Path | str]) -> Iterable[dict[str, Any]]:
-    """Yield records from JSON-lines files (gzip/zstd by suffix), local or fsspec URLs."""
+class JsonLinesError(ValueError):
+    """A line of a JSON-lines file that is not JSON (or not an object where one is required); the
+    message starts with `file:line`."""
+
+
+def iter_jsonl(paths: Iterable[Path | str], *, objects_only: bool = False) -> Iterator[Any]:
+    """Yield records from JSON-lines files (gzip/zstd by suffix), local or fsspec URLs; blank lines
+    are skipped. A line that is not JSON raises JsonLinesError naming the file and line, and so does
+    one that is not a JSON object when `objects_only` (else the caller decides what such a record
+    is: a reader that counts it as a drop reason)."""
     import fsspec
 
     for path in paths:
         with fsspec.open(str(path), "rt", encoding="utf-8", compression="infer") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise JsonLinesError(f"{path}:{number}: not JSON ({error.msg})") from None
+                if objects_only and not isinstance(record, dict):
+                    raise JsonLinesError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+                yield record
 
 
 SPACE_MARGIN = 1.2  # free space asked for, over the expected size of a write

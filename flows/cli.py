@@ -14,6 +14,9 @@
     gristmill status | gristmill down                    # what `up` started: health; stop it
     gristmill serve configs/tiny.yaml                    # `pipeline` + `data-refresh` deployments, for the UI
     gristmill refresh configs/tiny.yaml                  # new inputs -> next corpus version, once
+    gristmill verify [--stage STAGE] [--repair]          # re-hash committed artifacts against manifests
+
+Guides: docs/operations.md (runs, servers, data refresh), docs/evaluation.md, docs/cluster.md.
 """
 from __future__ import annotations
 
@@ -255,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--refresh-cron", metavar="CRON",
                        help="schedule of `data-refresh`, e.g. \"0 3 * * 1\" (default: refresh.cron)")
     refresh = _command(commands, _refresh, "refresh", "collect what is new in collect.sources into the "
-                                                      "next corpus version, once (README: Data refresh)")
+                                                      "next corpus version, once (docs/operations.md#data-refresh)")
     _config_arguments(refresh, "YAML preset")
     _approve_gates_argument(refresh)
     verify = _command(commands, _verify, "verify", "re-hash every committed artifact against its manifest")
@@ -268,8 +271,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _command(commands, func, name: str, summary: str) -> argparse.ArgumentParser:
-    """The subcommand `name`, which runs `func(args)`."""
-    command = commands.add_parser(name, help=summary)
+    """The subcommand `name`, which runs `func(args)`; `summary` heads its --help too."""
+    command = commands.add_parser(name, help=summary, description=summary)
     command.set_defaults(func=func)
     return command
 
@@ -284,7 +287,7 @@ def _config_arguments(command: argparse.ArgumentParser, config_help: str) -> Non
 def _approve_gates_argument(command: argparse.ArgumentParser) -> None:
     command.add_argument("--approve-gates", action="store_true",
                          help="go on when a data gate trips (collect.gates: what collect removed) instead of "
-                              "stopping with exit 3; recorded as an approval (docs/operations.md: Data gates)")
+                              "stopping with exit 3; recorded as an approval (docs/operations.md#data-gates)")
 
 
 def _add_plan(commands) -> None:
@@ -303,7 +306,7 @@ def _add_plan(commands) -> None:
 
 def _add_evaluate(commands) -> None:
     evaluate = _command(commands, _evaluate, "evaluate", "score a Hugging Face causal-LM directory on "
-                                                         "benchmark files (README: Evaluation)")
+                                                         "benchmark files (docs/evaluation.md)")
     evaluate.add_argument("model_dir", type=Path, help="HF model directory (config, weights, tokenizer)")
     evaluate.add_argument("--task", action="append", required=True, metavar="FILE",
                           help="benchmark JSONL file; repeat for several")
@@ -314,7 +317,7 @@ def _add_evaluate(commands) -> None:
     evaluate.add_argument("--delimiter", action="append", default=[], metavar="TASK=TEXT",
                           help="text between query and choice for the llm-foundry multiple-choice file "
                                "of that task name (JSON escapes: copa_part1='\\nAnswer: '); default: "
-                               "its task's (README: Evaluation); repeat for several")
+                               "its task's (docs/evaluation.md#formats); repeat for several")
     evaluate.add_argument("--out", type=Path, default=Path("results.json"),
                           help="results JSON (default results.json); per-item rows go beside it "
                                "in NAME.items.jsonl")
@@ -332,7 +335,7 @@ def _add_stack(commands) -> None:
     from infra.stack import Ports
 
     up = _command(commands, _up, "up", "start a Prefect server, an MLflow server and a Ray head "
-                                       "(README: Servers)")
+                                       "(docs/operations.md#servers-gristmill-up)")
     up.add_argument("--host", default="127.0.0.1",
                     help="interface to bind (default 127.0.0.1; another one exposes them to the network "
                          "and needs PREFECT_SERVER_API_AUTH_STRING and MLFLOW_AUTH_ADMIN_PASSWORD)")

@@ -151,7 +151,7 @@ def check_exposure(host: str) -> None:
     missing = [name for name in (PREFECT_AUTH, MLFLOW_AUTH) if not os.environ.get(name)]
     if missing:
         raise ValueError(f"--host {host} exposes Prefect and MLflow to the network: set "
-                         f"{' and '.join(missing)} first (basic auth; see README, Servers)")
+                         f"{' and '.join(missing)} first (basic auth; see docs/operations.md#exposing-the-servers)")
 
 
 def _mlflow_auth(home: Path) -> tuple[tuple[str, ...], dict[str, str]]:

@@ -2,8 +2,10 @@
 holding a benchmark item is flagged with that item, unrelated text is not, and the report counts."""
 from __future__ import annotations
 
+import gzip
 import json
 import pickle
+import re
 
 import pytest
 
@@ -168,3 +170,15 @@ def test_missing_or_duplicate_eval_sets_are_named(tmp_path):
     b = _write_jsonl(tmp_path / "sub" / "x.jsonl", [{"question": "z " * 20, "answer": "a"}])
     with pytest.raises(ValueError, match="'x'"):
         build_index(DecontamConfig(eval_sets=[a, b]))
+
+
+def test_a_bad_eval_set_line_is_named_by_file_and_line(tmp_path):
+    gzipped = tmp_path / "quiz.jsonl.gz"
+    with gzip.open(gzipped, "wt") as f:
+        f.write(json.dumps({"question": "q " * 20, "answer": "a"}) + "\n\n{oops\n")
+    with pytest.raises(ValueError, match=rf"eval set file {re.escape(str(gzipped))}:3: not JSON"):
+        build_index(DecontamConfig(eval_sets=[str(gzipped)]))
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=rf"eval set file {re.escape(str(listed))}:1: expected a JSON object"):
+        build_index(DecontamConfig(eval_sets=[str(listed)]))

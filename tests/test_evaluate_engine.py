@@ -210,6 +210,17 @@ def test_bad_items_are_counted_and_shown_and_an_all_bad_file_is_an_error(tiny_mo
         load_task(bad)
 
 
+def test_a_bad_line_is_named_by_file_and_line_and_only_the_lines_read_count(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"query": "Q", "choices": ["a", "b"], "gold": 0}\n\n[1]\n{"query"\n')
+    with pytest.raises(EvalDataError, match=f"{path}:3: expected a JSON object, got list"):
+        load_task(path)
+    path.write_text('{"query": "Q", "choices": ["a", "b"], "gold": 0}\n{"query"\n')
+    with pytest.raises(EvalDataError, match=f"{path}:2: not JSON"):
+        load_task(path)
+    assert len(load_task(path, limit=1).items) == 1  # the first N records: the bad line is never read
+
+
 def test_an_unparsable_gsm8k_answer_is_a_counted_problem(tmp_path):
     path = _jsonl(tmp_path / "gsm.jsonl", [{"question": "1+1?", "answer": "1+1=2\n#### 2"},
                                            {"question": "?", "answer": "no final line"}])

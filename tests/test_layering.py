@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md, enforced on the import graph of our own modules.
+"""The layering rules of docs/development.md#layout, enforced on the import graph of our own modules.
 
 Every import counts: at module top, inside functions, and `importlib.import_module("...")` with a
 literal name. Layers, top to bottom: flows → infra → tasks → model → core; arrows only point

@@ -37,7 +37,7 @@ def _environment_path() -> list[str]:
     """sys.path without the directory the program was started from ('' or the working directory,
     there under `python -m` in a source checkout, whose `*.egg-info` would then shadow the
     installed metadata): what the demo reads depends on the environment, not on where a run is
-    started (a console script, the runner `gristmill up` keeps, a worker)."""
+    started (a console script, a run's supervised child, a Ray worker)."""
     cwd = os.getcwd()
     return [entry for entry in sys.path if entry and os.path.abspath(entry) != cwd]
 

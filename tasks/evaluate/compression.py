@@ -4,8 +4,9 @@ A model trained on a corpus should predict its held-out text better than xz or z
 better still than they do after reading the same training text. So, on exactly the bytes
 `val_bpb` is measured on: xz (`-9e`, Python's liblzma) and zstd (level 22), each alone and given
 the training text (the size of compress(train + val) minus compress(train), the conditional
-code length). The training text is the first `train_cap_bytes` of the decoded train split: xz's
-window at -9 is 64 MiB and zstd's at level 22 is 128 MiB, so text further back cannot help them.
+code length). The training text is the first `compression_train_mb` MiB of the decoded train
+split: xz's window at -9 is 64 MiB and zstd's at level 22 is 128 MiB, so text further back cannot
+help them.
 """
 from __future__ import annotations
 

@@ -35,11 +35,12 @@ class Config(StageConfig):
     max_new_tokens: int = Field(16, description="Greedy generation budget per arithmetic answer (tokens).")
     batch_size: int = Field(16, description="Sequences per forward pass / generation batch.")
     tasks: tuple[str, ...] = Field((), description="Benchmark JSONL files scored by the benchmark engine "
-                                                   "(formats recognised from their fields: README, Evaluation).")
+                                                   "(formats recognised from their fields: "
+                                                   "docs/evaluation.md#formats).")
     delimiters: dict[str, str] = Field({}, description="Continuation delimiter (text between query and "
                                        "choice, llm-foundry's continuation_delimiter) by task name, for "
                                        "llm-foundry multiple-choice files; a file not named here uses its "
-                                       "benchmark's (README, Evaluation).")
+                                       "benchmark's (docs/evaluation.md#formats).")
     limit: int | None = Field(500, description="Items scored per benchmark file (the first N; None: all).")
     gsm8k_max_new_tokens: int = Field(256, description="Generation budget per GSM8K answer (tokens).")
     gsm8k_samples: int = Field(0, description="Sampled GSM8K answers per problem for pass@k (0: greedy only).")

@@ -26,12 +26,14 @@ A record that cannot be scored (gold out of range, a field missing, an unparsabl
 """
 from __future__ import annotations
 
-import json
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from core.files import JsonLinesError, iter_jsonl
 
 Kind = Literal["choice", "greedy", "generate"]
 
@@ -196,21 +198,12 @@ def piqa_labels_path(path: Path) -> Path:
 
 
 def read_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise EvalDataError(f"{path}:{number}: not JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise EvalDataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
-    return records
+    """The first `limit` records of a benchmark file (None: all); EvalDataError naming the file
+    and line of one that is not a JSON object."""
+    try:
+        return list(itertools.islice(iter_jsonl([path], objects_only=True), limit))
+    except JsonLinesError as error:
+        raise EvalDataError(str(error)) from None
 
 
 SPLIT_NAMES = ("valid", "val", "test", "train", "dev")

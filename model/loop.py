@@ -63,6 +63,7 @@ from model.parallel import (
     full_optimizer_state,
     is_rank0,
     is_sharded,
+    launched_world_size,
     load_model_state,
     load_optimizer_state,
     shard,
@@ -84,16 +85,6 @@ RECENT_LOSSES = 10  # steps averaged into the reported final train loss
 # Floor of the rolling std as a fraction of the rolling mean loss: on a flat loss curve (std near
 # 0) ordinary batch-to-batch noise must not count as a spike.
 MIN_SPIKE_STD_FRAC = 0.01
-
-
-def _not_tied_embedding_notice(record: logging.LogRecord) -> bool:
-    """Accelerate warns at every checkpoint that it "removed shared tensor lm_head.weight": the
-    tied input/output embedding is one tensor, stored once, and loads back tied (resume is checked
-    bit for bit in tests/test_pretrain.py). The notice says nothing a user can act on."""
-    return "Removed shared tensor" not in record.getMessage()
-
-
-logging.getLogger("accelerate.utils.other").addFilter(_not_tied_embedding_notice)
 
 
 class TrainingDiverged(RuntimeError):
@@ -175,6 +166,12 @@ def mean_token_loss(model: torch.nn.Module, batches: list[Batch]) -> float:
     return total / max(count, 1)
 
 
+def shards(cfg: LoopConfig) -> bool:
+    """Whether the model is sharded: `fsdp` asked, in a launch of several processes (one process
+    has nothing to shard over)."""
+    return cfg.fsdp and launched_world_size() > 1
+
+
 def make_accelerator(cfg: LoopConfig) -> tuple[Accelerator, str]:
     """An Accelerator for cfg.device, and the precision to train in: the one a launcher chose
     (PRECISION_VAR: `accelerate launch` sets it from its config file or the stage's
@@ -186,7 +183,7 @@ def make_accelerator(cfg: LoopConfig) -> tuple[Accelerator, str]:
         # different devices (a CPU test, then a CUDA run), so start from a clean state.
         AcceleratorState._reset_state(reset_partial_state=True)
     precision = os.environ.get(PRECISION_VAR) or ("bf16" if use_cuda else "no")
-    return Accelerator(cpu=not use_cuda, mixed_precision="no" if cfg.fsdp else precision), precision
+    return Accelerator(cpu=not use_cuda, mixed_precision="no" if shards(cfg) else precision), precision
 
 
 def _shard(batch: Batch, accelerator: Accelerator) -> Batch:
@@ -375,12 +372,13 @@ def _prepare(model: torch.nn.Module, cfg: LoopConfig) -> Parts:
     accelerator, precision = make_accelerator(cfg)
     model.train()
     model.to(accelerator.device)  # before the optimizer exists, so that it can be the fused one
-    if cfg.fsdp:
+    sharded = shards(cfg)
+    if sharded:
         shard(model, precision)  # torchtitan's order: shard, then compile each block
     if cfg.compile:
         compile_blocks(model)
     optimizer = make_optimizer(model, cfg)
-    if cfg.fsdp:
+    if sharded:
         optimizer = accelerator.prepare(optimizer)  # the model is not Accelerate's to wrap
     else:
         model, optimizer = accelerator.prepare(model, optimizer)

@@ -20,13 +20,14 @@ import socket
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import Field
 
 from core.stage import StageConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PRECISION_VAR = "ACCELERATE_MIXED_PRECISION"  # how a launcher hands its mixed precision to the ranks
-ACCELERATE_CONFIGS = REPO / "infra" / "accelerate"  # the committed ones: ddp_cpu, ddp_gpu, fsdp_gpu, ...
+ACCELERATE_CONFIGS = REPO / "infra" / "accelerate"  # the committed ones: ddp_cpu, ddp_gpu, multinode, ...
 
 
 class LaunchConfig(StageConfig):
@@ -43,9 +44,9 @@ class LaunchConfig(StageConfig):
                                             "machine only (1), and for more you run the per-node command that "
                                             "`gristmill run --dry-run` prints on each.")
     accelerate_config: str | None = Field(
-        None, description="Accelerate config file (e.g. infra/accelerate/fsdp_gpu.yaml, or your own). None: "
-                          "infra/accelerate/ddp_gpu.yaml on a GPU, ddp_cpu.yaml on a CPU. `processes` "
-                          "overrides its num_processes.")
+        None, description="Accelerate config file (e.g. infra/accelerate/multinode.yaml, or your own; "
+                          "fsdp_gpu.yaml shards align's trainers). None: infra/accelerate/ddp_gpu.yaml on a "
+                          "GPU, ddp_cpu.yaml on a CPU. `processes` overrides its num_processes.")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="Mixed precision of a launched stage; auto: the Accelerate config file's (the "
                             "committed ones: bf16 on GPUs, none on CPUs). An inline stage uses bf16 autocast "
@@ -62,7 +63,7 @@ class LaunchConfig(StageConfig):
 
     def accelerate_config_path(self, cuda: bool) -> Path:
         """The Accelerate config file: a relative path is looked up in the current directory,
-        then in the repository (so `infra/accelerate/fsdp_gpu.yaml` works from anywhere)."""
+        then in the repository (so `infra/accelerate/ddp_gpu.yaml` works from anywhere)."""
         if self.accelerate_config is None:
             return ACCELERATE_CONFIGS / ("ddp_gpu.yaml" if cuda else "ddp_cpu.yaml")
         path = Path(self.accelerate_config)
@@ -96,6 +97,23 @@ def ray_unreachable(address: str | None, timeout_s: float = 2.0) -> str | None:
     except (OSError, ValueError):
         return f"no Ray cluster answers at RAY_ADDRESS={address}"
     return None
+
+
+def sharding_problems(section: str, launch: LaunchConfig, device: str, fsdp: bool) -> list[str]:
+    """What is wrong with the sharding of a stage trained by the training loop (model/loop.py),
+    which shards the model itself when its `fsdp` is set (`section`: e.g. "pretrain.launch")."""
+    stage = section.rsplit(".", 1)[0]
+    problems = []
+    if fsdp and launch.backend == "inline":
+        problems.append(f"{stage}.fsdp: true shards over a launch's processes, and backend inline is one "
+                        f"process; set {section}.backend=accelerate (or ray), or {stage}.fsdp=false")
+    config = launch.accelerate_config_path(on_cuda(device))
+    if launch.backend == "accelerate" and config.is_file() and (
+            yaml.safe_load(config.read_text()) or {}).get("distributed_type") == "FSDP":
+        problems.append(f"{section}.accelerate_config: {launch.accelerate_config} asks Accelerate for FSDP, "
+                        f"which this stage's training loop applies itself; set {stage}.fsdp=true and a DDP "
+                        "launch config (infra/accelerate/ddp_gpu.yaml, or leave it unset)")
+    return problems
 
 
 def launch_problems(section: str, launch: LaunchConfig, device: str) -> list[str]:

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.launch import launch_problems
+from core.launch import launch_problems, sharding_problems
 from core.stage import Engine, Manifest, StageConfig, StageResult
 from flows.config import PipelineConfigBase
-from flows.stages import StageSpec, stages_until
+from flows.stages import StageSpec, contracts, stages_until
 from infra import env
 from infra.artifacts import ArtifactStore, home_store, stage_key
+from model.config import LoopConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,16 +55,24 @@ def stage_device(config: StageConfig) -> str:
 
 
 def open_store(config: PipelineConfigBase, home: Path) -> ArtifactStore:
-    """The artifact store under `home`, checking reused outputs as `config.store` says."""
-    return home_store(home, config.store.verify_on_reuse)
+    """The artifact store under `home`, checking reused outputs as `config.store` says and against
+    the contracts of `config`'s stages."""
+    return home_store(home, config.store.verify_on_reuse, contracts(config.stages))
 
 
 def launch_problems_of(planned: list[PlannedStage]) -> list[str]:
     """What is wrong with the `launch` sections of the stages that will compute (core/launch.py),
     one line each; checked before any service starts."""
-    return [problem for stage in planned if not stage.complete
-            and (launch := getattr(stage.config, "launch", None)) is not None
-            for problem in launch_problems(f"{stage.spec.name}.launch", launch, stage_device(stage.config))]
+    problems = []
+    for stage in planned:
+        launch = getattr(stage.config, "launch", None)
+        if stage.complete or launch is None:
+            continue
+        section, device = f"{stage.spec.name}.launch", stage_device(stage.config)
+        problems += launch_problems(section, launch, device)
+        if isinstance(stage.config, LoopConfig):  # trained by model/loop.py, which shards by itself
+            problems += sharding_problems(section, launch, device, stage.config.fsdp)
+    return problems
 
 
 def run_planned(stage: PlannedStage, upstream: Mapping[str, Manifest], out_dir: Path, *,

@@ -1,18 +1,44 @@
 """Training throughput and model FLOPs utilisation (MFU), as the training loop logs them."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
-# Dense bf16 tensor-core peaks (TFLOP/s) of GPUs the MFU is reported for without `peak_tflops`.
-GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+log = logging.getLogger("gristmill.throughput")
+
+# Dense bf16 tensor-core peaks (TFLOP/s, vendor datasheets) by the exact name CUDA reports: one
+# family's cards differ (an H100 PCIe has 756, an NVL 835, an SXM 989), so no name is guessed from
+# a part of another.
+GPU_PEAK_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.0,  # SXM
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA B200": 2250.0,
+    "NVIDIA L40S": 362.0,
+}
+
+
+def peak_tflops_of(name: str) -> float | None:
+    """The dense bf16 peak of the GPU CUDA calls `name`, or None (with one warning) when unknown."""
+    peak = GPU_PEAK_TFLOPS.get(name.strip())
+    if peak is None:
+        log.warning("no bf16 peak known for the GPU %r: mfu is not reported; set the stage's peak_tflops "
+                    "(TFLOP/s of one device) to report it", name)
+    return peak
 
 
 def device_peak_tflops(configured: float | None, device: torch.device) -> float | None:
     """Peak TFLOP/s of one device for MFU: the configured value, else a known GPU's bf16 peak."""
     if configured is not None or device.type != "cuda":
         return configured
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_PEAK_TFLOPS.items() if key in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name(device))
 
 
 class Throughput:

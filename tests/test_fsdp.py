@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_ddp import CONFIG, REPO
-from test_ddp import tokenize_dir as tokenize_dir  # noqa: F401  (the module's fixture)
+from test_ddp import tokenize_dir as tokenize_dir
 from transformers import AutoModelForCausalLM
 
 from core.stage import read_metrics
@@ -57,7 +57,7 @@ def _losses(rows: list[dict], key: str = "loss") -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def runs(tokenize_dir, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+def runs(tokenize_dir, tmp_path_factory) -> dict[str, Path]:
     """Uninterrupted 2-process runs, shared by the tests below: replicated and sharded, AdamW and Muon."""
     root = tmp_path_factory.mktemp("fsdp-runs")
     for name, overrides in {"ddp": {}, "fsdp": {"fsdp": True}, "ddp-muon": {"optimizer": "muon"},
@@ -129,7 +129,7 @@ def test_each_rank_holds_only_its_shard_and_bf16_reduces_gradients_in_fp32(tmp_p
     assert all(r["gathered"] == ["torch.float32"] == r["reduced"] for r in fp32)
 
 
-def test_fsdp_trains_ddps_curve_and_exports_the_same_model(runs, tokenize_dir):  # noqa: F811
+def test_fsdp_trains_ddps_curve_and_exports_the_same_model(runs, tokenize_dir):
     ddp, fsdp = (read_metrics(runs[name] / "metrics.jsonl") for name in ("ddp", "fsdp"))
     assert [r["step"] for r in fsdp] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "val_loss"):
@@ -150,7 +150,7 @@ def test_muon_under_fsdp_stays_within_reduction_order_of_ddp(runs):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_curve(runs, tokenize_dir, tmp_path,
-                                                                          optimizer):  # noqa: F811
+                                                                          optimizer):
     out = tmp_path / "killed"
     killed = _run(TORCHRUN, tokenize_dir, out, fault="checkpoint:10", fsdp=True, optimizer=optimizer)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
@@ -165,7 +165,7 @@ def test_a_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_curve(run
 
 
 @pytest.mark.parametrize(("first", "then"), [(TORCHRUN, SINGLE), (SINGLE, TORCHRUN)], ids=["2-to-1", "1-to-2"])
-def test_a_run_resumes_on_another_number_of_processes(runs, tokenize_dir, tmp_path, first, then):  # noqa: F811
+def test_a_run_resumes_on_another_number_of_processes(runs, tokenize_dir, tmp_path, first, then):
     out = tmp_path / "moved"
     assert _run(first, tokenize_dir, out, fault="checkpoint:10", fsdp=True).returncode != 0
     resumed = _train(then, tokenize_dir, out, fsdp=True)
@@ -175,7 +175,7 @@ def test_a_run_resumes_on_another_number_of_processes(runs, tokenize_dir, tmp_pa
     assert _losses(resumed) == pytest.approx(_losses(reference), rel=1e-4)
 
 
-def test_another_global_batch_is_refused_at_resume(tokenize_dir, tmp_path):  # noqa: F811
+def test_another_global_batch_is_refused_at_resume(tokenize_dir, tmp_path):
     out = tmp_path / "batch"
     assert _run(SINGLE, tokenize_dir, out, fault="checkpoint:5").returncode != 0
     refused = _run(SINGLE, tokenize_dir, out, tokens_per_step=16 * 32)

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 from pipeline_helpers import REPO, TinyRun, checkpoint_steps, cli_env, committed_dir, gristmill
+from pydantic import ValidationError
 
 from core.launch import LaunchConfig, launch_problems
 from core.stage import read_metrics
@@ -192,6 +193,27 @@ def test_launches_that_cannot_start_are_refused_with_the_key_to_change():
     assert precision.startswith("sft.launch.mixed_precision: bf16 applies to a launched stage")
 
 
+def test_sharding_that_cannot_happen_is_refused_naming_the_key():
+    from core.launch import sharding_problems
+
+    (inline,) = sharding_problems("pretrain.launch", LaunchConfig(), "cpu", fsdp=True)
+    assert inline.startswith("pretrain.fsdp: true shards over a launch's processes, and backend inline")
+    plugin = LaunchConfig(backend="accelerate", accelerate_config="infra/accelerate/fsdp_gpu.yaml")
+    (twice,) = sharding_problems("sft.launch", plugin, "cpu", fsdp=False)
+    assert twice.startswith("sft.launch.accelerate_config: infra/accelerate/fsdp_gpu.yaml asks Accelerate for FSDP")
+    two = LaunchConfig(backend="accelerate", processes=2)
+    assert sharding_problems("pretrain.launch", two, "cpu", fsdp=True) == []
+    with pytest.raises(ValidationError, match="fsdp: true with lora"):
+        from tasks.sft.config import Config as SFTConfig
+
+        SFTConfig(fsdp=True, lora={})
+    from tasks.pretrain.config import Config as PretrainConfig
+
+    with pytest.raises(ValidationError, match=r"processes \* batch_size \* seq_len = 3 \* 4 \* 32"):
+        PretrainConfig(seq_len=32, batch_size=4, tokens_per_step=8 * 32,
+                       launch={"backend": "accelerate", "processes": 3})
+
+
 def test_the_launchs_mixed_precision_reaches_the_training_loop(monkeypatch):
     """`launch.mixed_precision` is a flag of the launcher, which hands it to every rank's Accelerator."""
     from core.launch import PRECISION_VAR
@@ -202,9 +224,9 @@ def test_the_launchs_mixed_precision_reaches_the_training_loop(monkeypatch):
     argv = accelerate_argv(LaunchConfig(backend="accelerate", mixed_precision="bf16"), ["-m", "x"], cuda=False)
     assert argv[argv.index("--mixed_precision") + 1] == "bf16"
     monkeypatch.setenv(PRECISION_VAR, "bf16")
-    assert make_accelerator(LoopConfig(device="cpu")).mixed_precision == "bf16"
+    assert make_accelerator(LoopConfig(device="cpu"))[0].mixed_precision == "bf16"
     monkeypatch.delenv(PRECISION_VAR)
-    assert make_accelerator(LoopConfig(device="cpu")).mixed_precision == "no"
+    assert make_accelerator(LoopConfig(device="cpu"))[0].mixed_precision == "no"
 
 
 def test_the_cli_refuses_a_bad_launch_before_anything_starts(tmp_path):

@@ -99,6 +99,71 @@ def test_tokens_per_step_sets_accumulation():
         LoopConfig(batch_size=4, tokens_per_step=1000).with_seq_len(64)
 
 
+def test_each_process_runs_batch_size_sequences_per_forward_whatever_the_process_count():
+    """The global batch is tokens_per_step; the accumulation is what is left after the processes."""
+    gpu = LoopConfig(batch_size=16, tokens_per_step=8 * 16 * 2048)
+    for world, accum in [(8, 1), (4, 2), (1, 8)]:
+        cfg = gpu.with_seq_len(2048, world)
+        assert (cfg.batch_size, cfg.grad_accum_steps) == (8 * 16, accum)
+        assert cfg.batch_size // world // cfg.grad_accum_steps == 16  # rows per forward, per process
+    with pytest.raises(ValueError, match=r"processes \* batch_size \* seq_len = 3 \* 16 \* 2048"):
+        gpu.with_seq_len(2048, 3)
+
+
+def test_peaks_by_exact_device_name_and_an_unknown_one_reports_no_mfu(caplog):
+    from model.throughput import peak_tflops_of
+
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops_of("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops_of("NVIDIA H100 NVL") == 835.0
+    assert peak_tflops_of("NVIDIA A100-SXM4-40GB") == peak_tflops_of("NVIDIA A100 80GB PCIe") == 312.0
+    assert peak_tflops_of("NVIDIA B200") == 2250.0 and peak_tflops_of("NVIDIA L40S") == 362.0
+    with caplog.at_level(logging.WARNING, logger="gristmill.throughput"):
+        assert peak_tflops_of("NVIDIA H100 Something New") is None
+    assert len(caplog.records) == 1 and "peak_tflops" in caplog.text
+
+
+def test_muon_orthogonalises_in_fp32_on_a_cpu():
+    """Newton-Schulz in fp32 on a CPU (bf16 there is tens of times slower without native support,
+    and rounds the update to 3 digits): the update equals an fp64 run of the same iteration."""
+    from model.optim import Muon, newton_schulz_dtype, orthogonalise
+
+    assert newton_schulz_dtype(torch.device("cpu")) == torch.float32
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(48, 32))
+    weight.grad = torch.randn(48, 32)
+    before = weight.detach().clone()
+    Muon([weight], lr=0.1, weight_decay=0.0, momentum=0.95, ns_dtype=newton_schulz_dtype(torch.device("cpu"))).step()
+    nesterov = weight.grad.lerp(0.05 * weight.grad, 0.95)  # the first step's momentum buffer is 0.05 * grad
+    expected = orthogonalise(nesterov.double(), torch.float64).float() * 0.1 * 0.2 * math.sqrt(48)
+    assert torch.allclose(before - weight.detach(), expected, atol=1e-5, rtol=0)
+    bf16 = orthogonalise(nesterov, torch.bfloat16) * 0.1 * 0.2 * math.sqrt(48)
+    assert not torch.allclose(bf16, expected, atol=1e-5, rtol=0)  # the check above can tell the two apart
+
+
+def test_the_compiled_training_graph_is_not_recompiled_by_evaluation(tiny_tokenizer_dir, tmp_path):
+    """compile: each decoder block compiled once (one graph for every block); evaluation runs eager."""
+    from torch._dynamo.utils import counters
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    model = build_model(TINY, tok)
+    batch = {"input_ids": torch.randint(0, len(tok), (4, 32)), "labels": torch.randint(0, len(tok), (4, 32))}
+    counters.clear()
+    seen = []
+
+    def evaluate(m):
+        seen.append(counters["stats"]["unique_graphs"])
+        loss = mean_token_loss(m, [batch])
+        seen.append(counters["stats"]["unique_graphs"])
+        return {"val_loss": loss}
+
+    cfg = LoopConfig(max_steps=3, eval_every=1, compile=True, checkpoint_every=10, max_rollbacks=0, lr=1e-3)
+    train(model, lambda i: batch, cfg, tmp_path, MetricsLog(tmp_path), evaluate=evaluate)
+    assert seen[0] >= 1 and len(set(seen)) == 1, seen  # no graph compiled by or after an evaluation
+    assert counters["stats"]["unique_graphs"] <= 2  # the blocks' forward (+ its backward), once for all blocks
+
+
 def test_presets_count_parameters_of_the_built_model(tiny_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     for cfg in (TINY, PRESETS["tiny"]):

@@ -43,7 +43,8 @@ class Config(LoopConfig):
                     "train tokens) in every step's loss: (1 - pretrain_mix) * assistant-token loss + "
                     "pretrain_mix * text loss, so the model keeps its language while it learns the "
                     "conversations (tiny preset: validation perplexity 282 -> 187 with 0.25, -> 1.3M with "
-                    "conversations alone; README). 0: conversations only, and no tokenize artifact needed.")
+                    "conversations alone; docs/benchmarks.md#sft-keeps-the-models-language). 0: "
+                    "conversations only, and no tokenize artifact needed.")
     pretrain_windows: int = Field(
         2, gt=0, description="Pretraining windows of max_seq_len tokens per step when pretrain_mix > 0 "
                              "(a multiple of grad_accum_steps), in a seeded order over the train tokens.")

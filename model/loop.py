@@ -25,6 +25,7 @@ bar on a terminal, the stage's Prefect progress artifact, a relay to the parent 
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -112,6 +113,15 @@ def model_inputs(batch: Batch) -> dict[str, Any]:
     return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
 
 
+@functools.cache
+def _masks_logits() -> bool:
+    """Whether this transformers takes a boolean (batch, seq) mask as `logits_to_keep`; older releases
+    (5.17, which GPU images carry) take positions shared by every row only."""
+    from transformers import modeling_utils
+
+    return hasattr(modeling_utils, "slice_logits_to_keep")
+
+
 def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of next-token cross-entropy in nats, number of labelled tokens) of a padded or packed
     batch. `labels[:, t]` is the target for position t (already shifted); IGNORE_INDEX positions
@@ -122,12 +132,18 @@ def token_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, 
         logits = model(**model_inputs(batch)).logits.flatten(0, 1)
         targets = labels.flatten()
     else:
-        # Project only the scored positions onto the vocabulary (transformers' `logits_to_keep`
-        # with a boolean mask: a flat (scored, vocab) tensor). Prompt and padding positions carry
-        # no loss; in SFT on short chats they are over half the rows, and the output projection
-        # and softmax over the vocabulary are about half of a tiny model's work per position.
-        logits = model(**model_inputs(batch), logits_to_keep=scored).logits
-        targets = labels[scored]
+        # Project only the scored positions onto the vocabulary (transformers' `logits_to_keep`).
+        # Prompt and padding positions carry no loss; in SFT on short chats they are over half the
+        # rows, and the output projection and softmax over the vocabulary are about half of a tiny
+        # model's work per position.
+        if _masks_logits():  # a boolean mask: a flat (scored, vocab) tensor
+            logits = model(**model_inputs(batch), logits_to_keep=scored).logits
+            targets = labels[scored]
+        else:  # positions scored in any row, then the scored ones among them
+            keep = scored.any(0).nonzero().squeeze(1)
+            kept = scored[:, keep]
+            logits = model(**model_inputs(batch), logits_to_keep=keep).logits[kept]
+            targets = labels[:, keep][kept]
     loss = F.cross_entropy(logits.float(), targets, reduction="sum")
     return loss, scored.sum()
 
@@ -397,7 +413,8 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     every step: loss, lr, grad_norm; every `log_every` steps also tokens_per_s and, given
     `flops_per_token` (training FLOPs per token) and a known device peak, mfu. Returns a summary:
     final_train_loss (mean of the last steps), steps, tokens_seen, tokens_per_s and mfu (this
-    invocation, wall clock), resumed_from_step, rollbacks, world_size, process_index, and the last
+    invocation, wall clock), resumed_from_step, rollbacks, first_step_s (the first step of this
+    invocation, compilation included), peak_memory_gib (CUDA), world_size, process_index, and the last
     values returned by `evaluate` (also logged every `eval_every` steps and at the end)."""
     log = log or logging.getLogger("gristmill.train")
     Path(work_dir).mkdir(parents=True, exist_ok=True)
@@ -409,7 +426,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
         _save_checkpoint(parts, work_dir, state, cfg.keep_checkpoints)  # a rollback target
     peak_tflops = device_peak_tflops(cfg.peak_tflops, accelerator.device)
     meter = Throughput(flops_per_token, peak_tflops, accelerator.num_processes)
-    t0, tokens_now = time.perf_counter(), 0
+    t0, tokens_now, first_step_s = time.perf_counter(), 0, None
     # The console bar / Prefect artifact / relay of the main process (core/progress.py); its line
     # every log_every steps stays in the log, and on the console when no bar replaces it.
     with Reporter("train", unit="step", enabled=accelerator.is_main_process) as progress:
@@ -426,7 +443,9 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
                 progress.advance(state["step"] - before)
                 continue
             tokens = _tokens_in(batch) * accelerator.num_processes
-            meter.add(tokens, time.perf_counter() - step_start)
+            step_s = time.perf_counter() - step_start
+            meter.add(tokens, step_s)
+            first_step_s = first_step_s if first_step_s is not None else step_s  # compilation included
             tokens_now, done = tokens_now + tokens, state["step"] + 1
             state = {**state, "step": done, "tokens_seen": state["tokens_seen"] + tokens,
                      "recent_losses": (state["recent_losses"] + [loss])[-RECENT_LOSSES:],
@@ -455,5 +474,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     return {"final_train_loss": sum(recent) / len(recent) if recent else float("nan"),
             "steps": state["step"], "tokens_seen": state["tokens_seen"],
             **meter.with_mfu(tokens_now / elapsed if tokens_now else 0.0),
-            "resumed_from_step": resumed_from, "rollbacks": state["rollbacks"],
+            "resumed_from_step": resumed_from, "rollbacks": state["rollbacks"], "first_step_s": first_step_s or 0.0,
+            **({"peak_memory_gib": torch.cuda.max_memory_allocated(accelerator.device) / 2**30}
+               if accelerator.device.type == "cuda" else {}),
             "world_size": accelerator.num_processes, "process_index": accelerator.process_index, **state["eval"]}

@@ -436,9 +436,14 @@ def test_loss_ignores_masked_labels(tiny_tokenizer_dir):
 
 
 
-def test_logits_of_scored_positions_only_give_the_full_loss_and_gradients(tiny_tokenizer_dir):
+@pytest.mark.parametrize("masks", [True, False], ids=["boolean-mask", "shared-positions"])
+def test_logits_of_scored_positions_only_give_the_full_loss_and_gradients(tiny_tokenizer_dir, monkeypatch, masks):
     """token_loss_sum projects only labelled positions onto the vocabulary (SFT: the assistant
-    tokens); loss and every gradient equal those of logits at every position, padding included."""
+    tokens); loss and every gradient equal those of logits at every position, padding included.
+    Both ways: a boolean mask, and (transformers 5.17) the positions scored in any row."""
+    from model import loop
+
+    monkeypatch.setattr(loop, "_masks_logits", lambda: masks)
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     torch.manual_seed(0)
     model = build_model(TINY, tok)

@@ -111,7 +111,8 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
              "flops_per_token": step_flops, "flops": step_flops * summary["tokens_seen"],
              "tokens_per_s": summary["tokens_per_s"], "resumed_from_step": summary["resumed_from_step"],
              "rollbacks": summary["rollbacks"], "world_size": summary["world_size"],
-             **({"mfu": summary["mfu"]} if "mfu" in summary else {})}
+             "first_step_s": summary["first_step_s"],
+             **{key: summary[key] for key in ("mfu", "peak_memory_gib") if key in summary}}
     return StageResult(stats=stats, artifacts=["model/config.json", "model/generation_config.json"])
 
 

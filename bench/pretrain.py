@@ -1,14 +1,17 @@
 """Training-loop throughput: our `model.loop.train` against a minimal plain-PyTorch loop.
 
     python -m bench pretrain [--preset tiny] [--seq-len 256] [--batch-size 8] [--steps 30] [--repeats 3]
-                             [--threads 2] [--device cpu|cuda] [--compile]
+                             [--threads 2] [--device cpu|cuda] [--compile] [--optimizer adamw|muon]
 
 Both train the same freshly seeded model on the same random-token batches with the same AdamW
 (same parameter groups, fused on CUDA), LR schedule, gradient clipping, precision (bf16 autocast
 on CUDA) and thread count, and read the loss every step. Runs alternate (plain, ours, plain, ...)
 so drift hits both; tokens/s are medians over `--repeats`, timed from the batch of step
 `--warmup-steps` to the last batch (so start-up, compilation and the final checkpoint are
-excluded, per-step overhead included). MFU uses 6*N + attention FLOPs per token and the GPU's
+excluded, per-step overhead included). `--optimizer muon` trains both with Muon; each loop's
+`optimizer_step_share` is the share of its timed steps spent in the optimizer's step (timed with
+torch's global optimizer hooks, the device synchronised around it): what the optimizer costs on
+the machine it runs on. MFU uses 6*N + attention FLOPs per token and the GPU's
 bf16 peak. Where no peak is known (a CPU), the loops' model FLOP/s are set against the best
 rate a lone matrix product reaches on the same device and threads (`matmul_gflops`: products
 shaped like the model's projections, and a 2048-cube), the most any training step could get.
@@ -65,6 +68,44 @@ class _Vocab:
         return self.size
 
 
+class _OptimizerTimer:
+    """(start, seconds) of each optimizer step (the outermost only: MuonAdamW steps its parts)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.depth, self.started, self.hooks = device, 0, 0.0, []
+        self.steps: list[tuple[float, float]] = []
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _pre(self, *_: object) -> None:
+        if self.depth == 0:
+            self._sync()
+            self.started = time.perf_counter()
+        self.depth += 1
+
+    def _post(self, *_: object) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self._sync()
+            self.steps.append((self.started, time.perf_counter() - self.started))
+
+    def share(self, start: float, end: float) -> float:
+        """Share of the wall time from `start` to `end` spent in optimizer steps."""
+        return sum(seconds for at, seconds in self.steps if start <= at < end) / (end - start)
+
+    def __enter__(self) -> _OptimizerTimer:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.hooks = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 class _Clock:
     """get_batch wrapper that stamps when each step's batch is requested."""
 
@@ -97,13 +138,15 @@ def _plain(model: torch.nn.Module, get_batch: Callable, cfg: LoopConfig, device:
         loss.detach().item()  # a real loop logs it; our loop reads it every step too
 
 
-def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) -> float:
+def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) -> tuple[float, float]:
     """One run of `mode`'s loop in this process (one rank of a launch: the plain loop wrapped in
-    DistributedDataParallel on its rows of each global batch; ours shards the batch itself)."""
+    DistributedDataParallel on its rows of each global batch; ours shards the batch itself):
+    (tokens/s, share of the whole run's wall time in optimizer steps)."""
     torch.manual_seed(0)
     model = build_model(PRESETS[args.preset], _Vocab(args.vocab_size))
     clock = _Clock(batches)
     device = resolve_device(cfg.device)
+    timer = _OptimizerTimer(device).__enter__()
     if mode == "plain":
         model.to(device).train()
         if args.compile:
@@ -118,7 +161,9 @@ def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) ->
             train(model, clock, cfg, Path(work), MetricsLog(Path(work)))
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return clock.tokens_per_s(args.warmup_steps, args.steps - 1, args.batch_size * args.seq_len)
+    timer.__exit__()
+    window = clock.stamps[args.warmup_steps], clock.stamps[args.steps - 1]
+    return clock.tokens_per_s(args.warmup_steps, args.steps - 1, args.batch_size * args.seq_len), timer.share(*window)
 
 
 def _launched(mode: str, processes: int, argv: list[str], args: argparse.Namespace) -> float:
@@ -177,6 +222,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the model in both loops")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="both loops' optimizer")
     parser.add_argument("--processes", type=int, default=1, help="data-parallel: ours launched as a stage "
                                                                   "launches it against torchrun, 1 and N processes")
     parser.add_argument("--rank-of", choices=["ours", "plain"], help=argparse.SUPPRESS)  # one rank of a launch
@@ -214,6 +260,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("gristmill").setLevel(logging.WARNING)
     # No periodic checkpoints, logs or evals inside the timed window; no rollback target at step 0.
     cfg = LoopConfig(max_steps=args.steps, batch_size=args.batch_size, device=args.device, compile=args.compile,
+                     optimizer=args.optimizer,
                      checkpoint_every=10**9, log_every=10**9, eval_every=0, max_rollbacks=0)
     gen = torch.Generator().manual_seed(0)
     windows = [torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
@@ -224,31 +271,38 @@ def main(argv: list[str]) -> int:
             if args.device == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        tokens_per_s = _run(args.rank_of, args, batches, cfg)
+        tokens_per_s, _ = _run(args.rank_of, args, batches, cfg)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps({"rank_tokens_per_s": tokens_per_s}), flush=True)
         return 0
     results: dict[str, list[float]] = {"plain": [], "ours": []}
+    shares: dict[str, list[float]] = {"plain": [], "ours": []}
     for _ in range(args.repeats):
         for mode in results:
-            results[mode].append(_run(mode, args, batches, cfg))
+            tokens_per_s, share = _run(mode, args, batches, cfg)
+            results[mode].append(tokens_per_s)
+            shares[mode].append(share)
     tok_s = {mode: statistics.median(values) for mode, values in results.items()}
+    share = {mode: statistics.median(values) for mode, values in shares.items()}
     fpt = flops_per_token(PRESETS[args.preset], args.vocab_size, args.seq_len)
     peak = device_peak_tflops(cfg.peak_tflops, resolve_device(args.device))
     mfus = {mode: tok_s[mode] * fpt / (peak * 1e12) if peak else None for mode in tok_s}
     matmul = None if peak else matmul_gflops(args.preset, args.batch_size * args.seq_len, args.vocab_size,
                                              resolve_device(args.device))
-    print(f"{'loop':<8}{'tokens/s (median)':>20}{'runs':>40}{'MFU':>8}")
+    print(f"{'loop':<8}{'tokens/s (median)':>20}{'runs':>40}{'MFU':>8}{'optimizer':>11}")
     for mode, values in results.items():
         runs = " ".join(f"{v:,.0f}" for v in values)
-        print(f"{mode:<8}{tok_s[mode]:>20,.0f}{runs:>40}{'' if mfus[mode] is None else f'{mfus[mode]:.1%}':>8}")
+        print(f"{mode:<8}{tok_s[mode]:>20,.0f}{runs:>40}{'' if mfus[mode] is None else f'{mfus[mode]:.1%}':>8}"
+              f"{share[mode]:>11.1%}")
     if matmul:
         print(f"model GFLOP/s, ours {tok_s['ours'] * fpt / 1e9:.1f}, plain {tok_s['plain'] * fpt / 1e9:.1f}; "
               f"fastest lone matrix product {matmul:.1f} GFLOP/s")
     print(json.dumps({"bench": "pretrain", "preset": args.preset, "device": args.device, "compile": args.compile,
                       "threads": args.threads, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                      "steps": args.steps, "repeats": args.repeats,
+                      "steps": args.steps, "repeats": args.repeats, "optimizer": args.optimizer,
                       "tokens_per_s_ours": round(tok_s["ours"], 1), "tokens_per_s_plain": round(tok_s["plain"], 1),
+                      "optimizer_step_share": round(share["ours"], 4),
+                      "optimizer_step_share_plain": round(share["plain"], 4),
                       "ratio_vs_plain_torch": round(tok_s["ours"] / tok_s["plain"], 4),
                       "mfu_ours": mfus["ours"], "mfu_plain": mfus["plain"], "flops_per_token": fpt,
                       "gflops_ours": round(tok_s["ours"] * fpt / 1e9, 1),

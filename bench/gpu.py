@@ -155,7 +155,7 @@ def run_evaluate(model_dir: Path, tokenize_dir: Path, work: Path, cuda: bool) ->
     from tasks.evaluate.config import Config
     from tasks.evaluate.stage import evaluate_model, scored_text
 
-    config = Config(seq_len=128, max_eval_tokens=32_768, arith_problems=20)
+    config = Config(seq_len=128, max_eval_tokens=32_768 if cuda else 8_192, arith_problems=20 if cuda else 5)
     scored = len(scored_text(tokenize_dir, config, AutoTokenizer.from_pretrained(tokenize_dir / "tokenizer")))
     work.mkdir(parents=True, exist_ok=True)
     return evaluate_model(model_dir, tokenize_dir, config, "cuda" if cuda else "cpu", work, {}, scored)

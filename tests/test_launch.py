@@ -31,8 +31,8 @@ TWO = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2",
 
 def _same_training(home: Path, reference: TinyRun, stage: str, held_out: str = "val_loss") -> None:
     """The stage's loss curve and held-out loss equal the shared run's up to reduction order.
-    The preset pretrains with Muon, whose Newton-Schulz step runs in bfloat16 (torch.optim.Muon):
-    the all-reduced gradient's last bits, rounded there, move the 60-step curve by up to 8.7e-4
+    The preset pretrains with Muon, whose Newton-Schulz iteration amplifies the last bits of the
+    all-reduced gradient: when it ran in bfloat16 that moved the 60-step curve by up to 8.7e-4
     (1.3e-4 relative, measured), and every later stage starts from that model; ranks that saw the
     wrong data would differ by far more. With AdamW pretraining the curves agree within 1e-4."""
     ours, theirs = (read_metrics(artifact / "metrics.jsonl")
@@ -107,9 +107,9 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
        (-9) after a newer checkpoint: the stage fails with one line naming the rank;
     2. the re-run resumes from the checkpoint; the loss curve and validation loss are the shared
        run's within 1e-4, under the same key, and the manifest records the launch;
-    3. SFT by hand on a cluster without Ray: the per-node command `--dry-run` prints, as two
-       machine ranks on this machine (gloo, one process each), trains the shared run's SFT curve
-       within 1e-4 and commits what the pipeline then reuses."""
+    3. SFT by hand on a cluster without Ray, sharded: the per-node command `--dry-run` prints, as
+       two machine ranks on this machine (gloo, one process each) with `sft.fsdp=true`, trains the
+       shared run's SFT curve, exports the gathered model and commits what the pipeline then reuses."""
     home = tiny_run.home_with(tmp_path / "home", ("collect", "tokenize"))
     two = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
     args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
@@ -136,7 +136,7 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
 
     # SFT from the shared run's own pretrained weights, so its curve can be compared step by step.
     home = tiny_run.home_with(tmp_path / "sft-home", ("collect", "tokenize", "pretrain"))
-    by_hand = ["sft.launch.backend=accelerate", "sft.launch.processes=1", "sft.launch.nodes=2"]
+    by_hand = ["sft.launch.backend=accelerate", "sft.launch.processes=1", "sft.launch.nodes=2", "sft.fsdp=true"]
     planned = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
                               *by_hand, "--until", "sft", "--dry-run"], cwd=REPO, env=cli_env(home),
                              capture_output=True, text=True, timeout=300)
@@ -160,6 +160,8 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     # Ranks hold different numbers of assistant tokens; each one's loss is its share of the global
     # batch's mean, so the curve is the one-process run's.
     _same_training(home, tiny_run, "sft", held_out="heldout_loss")
+    exported = home / "artifacts" / "sft" / f"sft-{key}" / "model" / "model.safetensors"
+    assert exported.stat().st_size == (tiny_run.committed["sft"] / "model" / "model.safetensors").stat().st_size
     log = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "sft", services=prefect_server)
     assert "sft: reused" in log.stdout + log.stderr
 

@@ -91,6 +91,19 @@ def latest_good_checkpoint(work_dir: Path, main: bool = True) -> tuple[int, Path
     return None
 
 
+def resume_point(work_dir: Path, *, main: bool = True,
+                 barrier: Callable[[], None] = lambda: None) -> tuple[int, Path] | None:
+    """Where a (re)started training run resumes: the newest complete checkpoint that verifies,
+    once the main process has removed what a crash left half-written; None to start afresh.
+    Every process of a distributed run calls it and gets the same answer (`barrier` syncs them)."""
+    if main:
+        clear_partial_checkpoints(work_dir)
+    barrier()
+    good = latest_good_checkpoint(work_dir, main=main)
+    barrier()
+    return good
+
+
 def checkpoint_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 

@@ -48,10 +48,10 @@ from core.launch import PRECISION_VAR
 from core.progress import PROGRESS_LINE, Reporter
 from core.stage import MetricsLog
 from model.checkpoint import (
-    clear_partial_checkpoints,
     complete_checkpoints,
     latest_good_checkpoint,
     read_marker,
+    resume_point,
     rewrite_marker,
     save_checkpoint,
 )
@@ -319,11 +319,7 @@ def _save_checkpoint(parts: Parts, work_dir: Path, state: dict[str, Any], keep: 
 def _resume(parts: Parts, work_dir: Path, metrics: MetricsLog, cfg: LoopConfig, log: logging.Logger) -> dict:
     """Load the newest complete checkpoint that verifies, if any; returns its saved loop state."""
     accelerator = parts.accelerator
-    if accelerator.is_main_process:
-        clear_partial_checkpoints(work_dir)
-    accelerator.wait_for_everyone()
-    good = latest_good_checkpoint(work_dir, main=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
+    good = resume_point(work_dir, main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
     if good is None:
         if accelerator.is_main_process:
             metrics.truncate_after(-1)  # entries from a run that crashed before its first checkpoint

@@ -41,9 +41,8 @@ from core.chat import Message, prompt_ids
 from core.progress import Reporter
 from core.stage import MetricsLog
 from model.checkpoint import (
-    clear_partial_checkpoints,
-    latest_good_checkpoint,
     read_marker,
+    resume_point,
     save_checkpoint,
 )
 from model.config import PPOConfig
@@ -373,11 +372,7 @@ def _resume(out_dir: Path, modules: dict[str, Any], ranks: Ranks) -> dict[str, A
     optimizer state with `weights_only=True` (by every process)."""
     from safetensors.torch import load_model
 
-    if ranks.main:
-        clear_partial_checkpoints(out_dir)
-    ranks.barrier()
-    good = latest_good_checkpoint(out_dir, main=ranks.main)
-    ranks.barrier()
+    good = resume_point(out_dir, main=ranks.main, barrier=ranks.barrier)
     if good is None:
         return {"step": 0, "scores": [], "kls": []}
     step, path = good

@@ -69,10 +69,10 @@ def _dry_run(args: argparse.Namespace) -> int:
     from flows.dag import launch_problems_of, open_store, plan
     from flows.launch import per_node_command
 
-    artifacts = env.artifacts_root(env.gristmill_home())
+    artifacts = env.artifacts_root(env.home_path())
     try:
         config = load_config(args.config, args.overrides)
-        store = open_store(config, env.gristmill_home())
+        store = open_store(config, env.home_path())  # planning reads the store: a missing one stays missing
         planned = plan(config, store, args.until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
@@ -130,22 +130,16 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from flows.stages import STAGE_NAMES, contracts
+    from flows.verify import verify
     from infra.artifacts import home_store
 
-    store = home_store(env.gristmill_home())
-    checked = list(store.committed(args.stage))
-    damaged = store.verify(args.stage)
-    for damage in damaged:
-        files = ", ".join(f"{rel} ({why})" for rel, why in damage.files.items())
-        print(f"DAMAGED {damage.stage}-{damage.key}: {files}")
-        if args.repair:
-            for name, key, directory in [(damage.stage, damage.key, damage.path),
-                                         *store.dependents(damage.stage, damage.key)]:
-                if directory.exists():
-                    print(f"  set aside {name}-{key} -> {store.set_aside(directory).name}")
-    print(f"verified {len(checked)} artifact(s) under {store.root}: {len(damaged)} damaged"
-          + ("; set aside, the next run recomputes them" if damaged and args.repair else ""))
-    return 1 if damaged and not args.repair else 0
+    if args.stage is not None and args.stage not in STAGE_NAMES:
+        return _fail(f"--stage {args.stage!r} is not a stage; choose one of {', '.join(STAGE_NAMES)}")
+    store = home_store(env.home_path(), contracts=contracts())
+    if not store.root.is_dir():
+        return _fail(f"no artifact store at {store.root}: point GRISTMILL_HOME at the home of your runs")
+    return verify(store, args.stage, args.repair)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -261,11 +255,13 @@ def _parser() -> argparse.ArgumentParser:
                                                       "next corpus version, once (docs/operations.md#data-refresh)")
     _config_arguments(refresh, "YAML preset")
     _approve_gates_argument(refresh)
-    verify = _command(commands, _verify, "verify", "re-hash every committed artifact against its manifest")
+    verify = _command(commands, _verify, "verify", "account for every entry of the artifact store and "
+                                                   "re-hash every committed artifact against its manifest")
     verify.add_argument("--stage", help="only this stage's artifacts")
     verify.add_argument("--repair", action="store_true",
-                        help="set each damaged artifact, and the ones computed from it, aside "
-                             "(<dir>.corrupt-<time>), so the next run recomputes them")
+                        help="set each damaged artifact, and the ones computed from it, and each unknown "
+                             "entry aside (<name>.corrupt-<time>), so the next run recomputes them; seal "
+                             "the manifests of artifacts committed before manifests were sealed")
     _add_stack(commands)
     return parser
 
@@ -366,10 +362,17 @@ def main(argv: list[str] | None = None) -> int:
 def console() -> int:
     """The `gristmill` console script (and `python -m flows.cli`): the process is configured
     first (flows/entry.py), then the command line runs. `main` alone leaves the environment as
-    it is (a test calls it in its own process)."""
-    import flows.entry  # noqa: F401
+    it is (a test calls it in its own process). `verify` and `run --dry-run` only read a home and
+    import nothing that needs configuring: they run as they are, so a home that does not exist
+    (the wrong working directory) is not created."""
+    if not _reads_only(sys.argv[1:]):
+        import flows.entry  # noqa: F401
 
     return main()
+
+
+def _reads_only(argv: list[str]) -> bool:
+    return bool(argv) and (argv[0] == "verify" or (argv[0] == "run" and "--dry-run" in argv))
 
 
 if __name__ == "__main__":

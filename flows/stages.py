@@ -3,8 +3,10 @@
 An entry names the stage's code (`run`, imported only when the stage computes, so planning a run
 imports no torch), its config type (the pipeline config gets one section per entry: flows/config.py),
 its version and input fingerprint (both part of the artifact key), the upstream stages whose
-manifests `run` receives as keyword arguments of the same names, and how the flow runs it. Adding a
-stage is a package in `tasks/` plus one entry here.
+manifests `run` receives as keyword arguments of the same names, the files every output of it
+holds (its contract with the stages downstream: the store neither reuses nor passes `verify` an
+output whose manifest lacks one), and how the flow runs it. Adding a stage is a package in `tasks/`
+plus one entry here.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class StageSpec:
     version: int  # bump when outputs change for the same config
     fingerprint: Callable[[Any], str | None] = reads_no_external_data  # digest of external data read
     upstream: tuple[str, ...] = ()
+    # glob patterns (relative to the output folder) each of which some file of every output matches
+    outputs: tuple[str, ...] = ()
     uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
     # "module.function" each Ray worker started ahead of the stage calls first (what its units
     # all load: imports, models), so that cost overlaps the run's own start (infra/ray_start.py)
@@ -66,37 +70,48 @@ def upstream_parameters(run: Callable[..., Any]) -> set[str]:
             if p.kind is p.KEYWORD_ONLY and p.name != "engine"}
 
 
+# A training stage's export (model/export.py): the HF model folder the next stage and evaluate load.
+MODEL_OUTPUTS = ("model/config.json", "model/*.safetensors", "model/tokenizer_config.json")
+
 STAGES: tuple[StageSpec, ...] = (
     StageSpec(name="collect", run="tasks.collect.stage.run", config=collect.Config,
               description="Collect and clean raw documents.",
               version=collect.VERSION, fingerprint=collect.fingerprint,
-              uses_ray=True, warm_worker="tasks.collect.stage.warm_worker",
+              outputs=("docs/*.jsonl.gz", "funnel.json"), uses_ray=True, warm_worker="tasks.collect.stage.warm_worker",
               publisher="flows.reports.publish_collect"),
     StageSpec(name="tokenize", run="tasks.tokenize.stage.run", config=tokenize.Config,
               description="Train the tokenizer, write token shards.",
               version=tokenize.VERSION, fingerprint=tokenize.fingerprint,
-              upstream=("collect",), uses_ray=True),
+              upstream=("collect",), uses_ray=True,
+              outputs=("tokenizer/tokenizer.json", "tokens/train.bin", "tokens/val.bin", "tokens/meta.json",
+                       "tokens/index.json")),
     StageSpec(name="pretrain", run="tasks.pretrain.stage.run", config=pretrain.Config,
               description="Next-token pretraining.",
               version=pretrain.VERSION, fingerprint=pretrain.fingerprint,
-              upstream=("tokenize",), uses_gpu=True),
+              upstream=("tokenize",), outputs=MODEL_OUTPUTS, uses_gpu=True),
     # tokenize: the pretraining text SFT mixes in (sft.pretrain_mix)
     StageSpec(name="sft", run="tasks.sft.stage.run", config=sft.Config,
               description="Supervised fine-tuning on conversations.",
               version=sft.VERSION, fingerprint=sft.fingerprint,
-              upstream=("tokenize", "pretrain"), uses_gpu=True, publisher="flows.reports.publish_model"),
+              upstream=("tokenize", "pretrain"), outputs=MODEL_OUTPUTS, uses_gpu=True,
+              publisher="flows.reports.publish_model"),
     StageSpec(name="align", run="tasks.align.stage.run", config=align.Config,
               description="Preference alignment.",
               version=align.VERSION, fingerprint=align.fingerprint,
-              upstream=("sft",), uses_gpu=True, publisher="flows.reports.publish_model"),
+              upstream=("sft",), outputs=MODEL_OUTPUTS, uses_gpu=True, publisher="flows.reports.publish_model"),
     # collect: the training text benchmark items are checked against (contamination)
     StageSpec(name="evaluate", run="tasks.evaluate.stage.run", config=evaluate.Config,
               description="Evaluation and report.",
               version=evaluate.VERSION, fingerprint=evaluate.fingerprint,
-              upstream=("collect", "tokenize", "pretrain", "sft", "align"), uses_gpu=True,
+              upstream=("collect", "tokenize", "pretrain", "sft", "align"), outputs=("results.json",), uses_gpu=True,
               publisher="flows.reports.publish_evaluate"),
 )
 STAGE_NAMES = tuple(spec.name for spec in STAGES)
+
+
+def contracts(stages: Sequence[StageSpec] = STAGES) -> dict[str, tuple[str, ...]]:
+    """stage -> the files every output of it holds: the artifact store's `contracts`."""
+    return {spec.name: spec.outputs for spec in stages}
 
 
 def checked(stages: Sequence[StageSpec]) -> tuple[StageSpec, ...]:

@@ -5,6 +5,8 @@
     <root>/<stage>/<stage>-<key>.lock        an flock, so two runs of one key never both compute
     <root>/<stage>/<stage>-<key>.gates.jsonl decisions on the output's data gates (flows/gates.py),
                                              beside it: the output itself never changes
+    <root>/<stage>/<stage>-<key>.corrupt-<time>/  set aside (`set_aside`): kept to look at, never reused
+    <root>/<stage>/.<stage>-<key>.download-*/      being downloaded from the remote store
     <root>/corpus/versions.jsonl             the corpus versions published by data refreshes
 
 With `GRISTMILL_STORE=s3://bucket/prefix` the committed outputs live in the bucket and <root> is
@@ -13,13 +15,16 @@ last, before the local rename; an output absent here is downloaded when a run as
 object, beside the flock, makes two runs on any machines compute a key once.
 
 A key is a hash of the stage name and version, its hashed config, the keys of its upstream
-artifacts and a fingerprint of any external inputs. An output counts as complete only when its
-manifest exists, parses, names the same key and every file it lists has the recorded size, and
-the recorded sha256 for the small files (configs, tokenizers, model configs) or, with
-`verify_on_reuse="sha256"`, for every file; a directory that merely exists (e.g. a crash before
-the manifest) is never taken as complete. `verify` re-hashes every committed file against its
-manifest, and `set_aside` moves a damaged output (and what was computed from it) out of the way,
-so the next run recomputes it.
+artifacts and a fingerprint of any external inputs. An output counts as complete only when it
+passes infra/integrity.py's checks: its sealed manifest names its own stage and key and lists the
+files its stage's contract requires (`contracts`: stage -> glob patterns), every listed file is
+there with the recorded size, and the recorded sha256 for the small files (configs, tokenizers,
+model configs) or, with `verify_on_reuse="sha256"`, for every file, and nothing unlisted is beside
+them; a directory that merely exists (e.g. a crash before the manifest) is never taken as
+complete. `survey` accounts for every entry under the store by its name (an output, a partial one,
+one set aside, a lock... or unknown) and re-hashes every committed file: `gristmill verify`.
+`set_aside` moves a damaged output (and what was computed from it) out of the way, so the next
+run recomputes it.
 """
 from __future__ import annotations
 
@@ -29,32 +34,49 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from core.faults import fault_point
-from core.files import describe_files, file_digest
+from core.files import describe_files
 from core.stage import Manifest
 from infra import env
+from infra.integrity import (
+    MANIFEST,
+    SEAL,
+    SMALL_FILE_BYTES,
+    VerifyMode,
+    canonical_json,
+    checked_manifest,
+    file_problems,
+    file_records,
+    manifest_problems,
+    manifest_text,
+    read_manifest,
+    remove_empty_folders,
+    seal_of,
+    unlisted,
+)
 from infra.remote_store import RemoteStore
 
-MANIFEST = "manifest.json"
+__all__ = ["CONFIG", "CORPUS", "MANIFEST", "SMALL_FILE_BYTES", "ArtifactStore", "Contracts", "Damage", "Entry",
+           "VerifyMode", "canonical_json", "home_store", "stage_key"]
+
 STORE_ENV = "GRISTMILL_STORE"  # where committed outputs live: a local path or s3://bucket/prefix
 CONFIG = "config.json"
 KEY_LENGTH = 12  # hex chars of sha256: 48 bits, ample for one project's artifacts
 CORPUS = "corpus"  # not a stage: the chain of corpus versions over collect artifacts
+# stage -> glob patterns of the files every output of it lists (what its downstream stages read)
+Contracts = Mapping[str, Sequence[str]]
 
 log = logging.getLogger("gristmill.store")
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def stage_key(stage: str, version: int, config: dict[str, Any], upstream: dict[str, str],
@@ -63,10 +85,6 @@ def stage_key(stage: str, version: int, config: dict[str, Any], upstream: dict[s
     payload = {"stage": stage, "version": version, "config": config, "upstream": upstream,
                "inputs": inputs_fingerprint}
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:KEY_LENGTH]
-
-
-SMALL_FILE_BYTES = 1 << 20  # files this small are hashed whenever an output is reused
-VerifyMode = Literal["size", "sha256"]
 
 
 @dataclass(frozen=True)
@@ -78,15 +96,44 @@ class Damage:
     files: dict[str, str]
 
 
+EntryKind = Literal["committed", "partial", "set aside", "download", "lock", "gates", "corpus", "unknown"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry under the store, named for what the layout says it is; for a committed output,
+    `problems` (rel path -> what is wrong) keep it from counting."""
+    kind: EntryKind
+    path: Path
+    stage: str = ""
+    key: str = ""
+    problems: dict[str, str] = field(default_factory=dict)
+
+
+_KEY = rf"(?P<key>[0-9a-f]{{{KEY_LENGTH}}})"
+_ASIDE = r".+\.corrupt-\d{8}T\d{6}(?:-\d+)?"  # set_aside's names, of anything set aside
+# What a name in the folder of stage {s} is: (kind, pattern, whether it is a folder; None: either).
+_IN_STAGE: tuple[tuple[EntryKind, str, bool | None], ...] = (
+    ("committed", r"{s}-{key}", True), ("partial", r"{s}-{key}\.partial", True),
+    ("set aside", _ASIDE, None), ("download", r"\.{s}-{key}\.download-.+", True),
+    ("lock", r"{s}-{key}\.lock", False), ("gates", r"{s}-{key}\.gates\.jsonl", False))
+_IN_CORPUS: tuple[tuple[EntryKind, str, bool | None], ...] = (
+    ("corpus", r"versions\.(jsonl|tmp)", False), ("lock", r"corpus-[\w.-]+\.lock", False), ("set aside", _ASIDE, None))
+
+
 class ArtifactStore:
     """Materializes stage outputs under `root`, reusing any complete output with the same key;
     `verify_on_reuse` says how a reused output's files are checked: "size" (the small ones
-    hashed too) or "sha256" (every byte). With `remote`, `root` is this machine's copy of it."""
+    hashed too) or "sha256" (every byte). With `remote`, `root` is this machine's copy of it.
+    With `contracts`, the store's stages are those it names, and each output must list the files
+    its stage's patterns match; without, any folder under `root` is a stage's."""
 
-    def __init__(self, root: Path, verify_on_reuse: VerifyMode = "size", remote: RemoteStore | None = None):
+    def __init__(self, root: Path, verify_on_reuse: VerifyMode = "size", remote: RemoteStore | None = None,
+                 contracts: Contracts | None = None):
         self.root = Path(root)
         self.verify_on_reuse = verify_on_reuse
         self.remote = remote
+        self.contracts = contracts
 
     def final_dir(self, stage: str, key: str) -> Path:
         return self.root / stage / f"{stage}-{key}"
@@ -139,41 +186,87 @@ class ArtifactStore:
         return self._complete(final, stage, key)
 
     def _complete(self, directory: Path, stage: str, key: str) -> Manifest | None:
-        """The manifest in `directory` when it names (stage, key) and every file it lists is there
-        with its recorded size; else None."""
-        data = _read_manifest(directory)
-        if data is None or data.get("key") != key or data.get("stage") != stage:
+        """The manifest in `directory` when the output there passes the checks of reuse (the
+        module's docstring); else None, with a warning naming what failed unless it has no
+        manifest at all (not computed yet, or stopped before its commit)."""
+        if not (directory / MANIFEST).exists():
             return None
-        for rel, why in _file_problems(directory, data.get("files", {}), self.verify_on_reuse).items():
-            log.warning("%s-%s: %s %s; treating the output as incomplete", stage, key, rel, why)
+        record, problems = self._check(directory, stage, key, self.verify_on_reuse)
+        if problems:
+            found = ", ".join(f"{rel} ({why})" for rel, why in problems.items())
+            log.warning("%s-%s: %s; not reused (`gristmill verify` checks the whole store)", stage, key, found)
             return None
-        return Manifest.from_json(data, self.final_dir(stage, key))
+        return Manifest.from_json({k: v for k, v in record.items() if k != SEAL}, self.final_dir(stage, key))
+
+    def _check(self, directory: Path, stage: str, key: str,
+               mode: VerifyMode) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """(the manifest in `directory`, rel path -> what keeps it from counting as (stage, key))."""
+        record, found = checked_manifest(directory)
+        if record is None:
+            return None, {MANIFEST: found[0]}
+        found += manifest_problems(record, stage, key, [CONFIG, *(self.contracts or {}).get(stage, ())])
+        problems = {MANIFEST: "; ".join(found)} if found else {}
+        problems |= file_problems(directory, file_records(record), mode)
+        if isinstance(record.get("files"), dict):
+            problems |= unlisted(directory, list(record["files"]))
+        return record, problems
+
+    def survey(self, stage: str | None = None) -> list[Entry]:
+        """Every entry under the store (or in one stage's folder) named for what it is by the layout
+        above, anything else "unknown"; each committed output checked as `verify` checks it."""
+        if stage is not None:
+            return self._survey_stage(self.root / stage)
+        entries: list[Entry] = []
+        for top in _listing(self.root):
+            kind = self._root_kind(top)
+            if kind == "stage":
+                entries += self._survey_stage(top)
+            elif kind == "corpus":
+                entries += [Entry(_kind_of(path, _IN_CORPUS, CORPUS)[0], path) for path in _listing(top)]
+            else:
+                entries.append(Entry(kind, top))
+        return entries
+
+    def _survey_stage(self, folder: Path) -> list[Entry]:
+        entries = []
+        for path in _listing(folder):
+            kind, key = _kind_of(path, _IN_STAGE, folder.name)
+            problems = self._check(path, folder.name, key, "sha256")[1] if kind == "committed" else {}
+            entries.append(Entry(kind, path, folder.name, key, problems))
+        return entries
+
+    def _root_kind(self, path: Path) -> EntryKind | Literal["stage"]:
+        """What a name right under `root` is: a stage's folder, the corpus versions, set aside or unknown."""
+        if re.fullmatch(_ASIDE, path.name):
+            return "set aside"
+        if not path.is_dir() or path.is_symlink():
+            return "unknown"
+        if path.name == CORPUS:
+            return "corpus"
+        return "stage" if self.contracts is None or path.name in self.contracts else "unknown"
 
     def committed(self, stage: str | None = None) -> Iterator[tuple[str, str, Path]]:
-        """(stage, key, directory) of every output with a manifest, of one stage or all."""
-        for manifest in sorted(self.root.glob(f"{stage or '*'}/*/{MANIFEST}")):
-            name, _, key = manifest.parent.name.rpartition("-")
-            if name == manifest.parent.parent.name and len(key) == KEY_LENGTH and key.isalnum():
-                yield name, key, manifest.parent
+        """(stage, key, directory) of every folder named as a committed output, of one stage or all,
+        whatever its contents (`verify` says whether it counts)."""
+        folders = [self.root / stage] if stage else [p for p in _listing(self.root) if self._root_kind(p) == "stage"]
+        for folder in folders:
+            for path in _listing(folder):
+                if (found := _kind_of(path, _IN_STAGE, folder.name))[0] == "committed":
+                    yield folder.name, found[1], path
 
     def manifests(self, stage: str | None = None) -> Iterator[dict[str, Any]]:
         """The parsed manifest of every committed output (of `stage`, or all); unreadable ones are
         left out (`verify` reports them)."""
         for _, _, directory in self.committed(stage):
-            if (record := _read_manifest(directory)) is not None:
+            if (record := read_manifest(directory)[0]) is not None:
                 yield record
 
     def verify(self, stage: str | None = None) -> list[Damage]:
-        """Every committed output (of `stage`, or all) whose files are not the bytes its manifest
-        records (missing, another size, another sha256), or whose manifest does not parse."""
-        damaged = []
-        for name, key, directory in self.committed(stage):
-            record = _read_manifest(directory)
-            problems = {MANIFEST: "unreadable"} if record is None else \
-                _file_problems(directory, record.get("files", {}), "sha256")
-            if problems:
-                damaged.append(Damage(name, key, directory, problems))
-        return damaged
+        """Every committed output (of `stage`, or all) that does not count: its manifest missing,
+        unreadable, of another shape, stage or key, its seal broken, or its files not the bytes it
+        records (missing, another size or sha256, unreadable, unlisted ones beside them)."""
+        return [Damage(entry.stage, entry.key, entry.path, entry.problems) for entry in self.survey(stage)
+                if entry.kind == "committed" and entry.problems]
 
     def dependents(self, stage: str, key: str) -> list[tuple[str, str, Path]]:
         """The committed outputs computed from (stage, key), directly or through others."""
@@ -182,18 +275,31 @@ class ArtifactStore:
         while frontier:
             nxt = set()
             for name, k, directory in self.committed():
-                upstream = (_read_manifest(directory) or {}).get("upstream", {})
+                upstream = (read_manifest(directory)[0] or {}).get("upstream", {})
+                upstream = upstream if isinstance(upstream, dict) else {}
                 if any(upstream.get(s) == uk for s, uk in frontier) and (name, k, directory) not in found:
                     found.append((name, k, directory))
                     nxt.add((name, k))
             frontier = nxt
         return found
 
-    def set_aside(self, directory: Path) -> Path:
-        """Move a committed output to `<dir>.corrupt-<time>`: kept for inspection, never reused."""
-        aside = directory.with_name(f"{directory.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-        os.replace(directory, aside)
+    def set_aside(self, path: Path) -> Path:
+        """Move a committed output (or an unknown entry) to `<path>.corrupt-<time>`: kept for
+        inspection, never reused."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside, n = path.with_name(f"{path.name}.corrupt-{stamp}"), 1
+        while os.path.lexists(aside):  # set aside twice within a second
+            aside, n = path.with_name(f"{path.name}.corrupt-{stamp}-{n}"), n + 1
+        os.replace(path, aside)
         return aside
+
+    def reseal(self, directory: Path) -> None:
+        """Seal the manifest of an output committed before manifests were sealed; call it only once
+        `verify` found nothing else wrong with the output (its files are the bytes it records)."""
+        record, _ = read_manifest(directory)
+        tmp = directory / (MANIFEST + ".tmp")
+        tmp.write_text(manifest_text({**record, SEAL: seal_of(record)}))
+        os.replace(tmp, directory / MANIFEST)
 
     @contextmanager
     def lock(self, stage: str, key: str) -> Iterator[None]:
@@ -241,10 +347,13 @@ class ArtifactStore:
     def commit(self, stage: str, key: str, partial: Path, fields: dict[str, Any]) -> Manifest:
         """Write the manifest last into `partial` and publish it (under `lock`)."""
         (partial / CONFIG).write_text(json.dumps(fields["config"], indent=2, sort_keys=True))
-        manifest = Manifest(stage=stage, key=key, path=self.final_dir(stage, key),
-                            files=describe_files(partial, exclude=MANIFEST), **fields)
         tmp = partial / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=True))
+        tmp.unlink(missing_ok=True)  # left by a run stopped while it committed
+        remove_empty_folders(partial)  # the manifest lists files: a folder is there for its files
+        # every file but the manifest itself (a stage's own file of that name, deeper down, counts)
+        files = {rel: info for rel, info in describe_files(partial, exclude="").items() if rel != MANIFEST}
+        record = Manifest(stage=stage, key=key, path=self.final_dir(stage, key), files=files, **fields).to_json()
+        tmp.write_text(manifest_text({**record, SEAL: seal_of(record)}))
         os.replace(tmp, partial / MANIFEST)
         fault_point(f"commit:{stage}")
         return self._publish(stage, key, partial)
@@ -252,10 +361,12 @@ class ArtifactStore:
     def _publish(self, stage: str, key: str, partial: Path) -> Manifest:
         """Upload a complete partial output to the remote store, if any, then rename it into place."""
         if self.remote is not None:
-            self.remote.upload(stage, key, partial, list(_read_manifest(partial)["files"]))
+            self.remote.upload(stage, key, partial, list(read_manifest(partial)[0]["files"]))
         final = self.final_dir(stage, key)
-        if final.exists():  # an incomplete leftover (no valid manifest): never reused, replace it
+        if final.is_dir() and not final.is_symlink():  # a leftover that does not count: replace it
             shutil.rmtree(final)
+        elif os.path.lexists(final):  # a file or a link where the output goes
+            final.unlink()
         os.replace(partial, final)
         return self.load(stage, key)
 
@@ -303,32 +414,26 @@ class ArtifactStore:
         os.replace(tmp, path)
 
 
-def home_store(home: Path, verify_on_reuse: VerifyMode = "size") -> ArtifactStore:
+def home_store(home: Path, verify_on_reuse: VerifyMode = "size", contracts: Contracts | None = None) -> ArtifactStore:
     """The store of GRISTMILL_HOME `home`: `$GRISTMILL_STORE` when that is a local path, else
     home/artifacts, which with an s3:// `$GRISTMILL_STORE` is this machine's copy of the bucket's."""
     url = os.environ.get(STORE_ENV, "")
     if "://" not in url:
-        return ArtifactStore(Path(url) if url else env.artifacts_root(home), verify_on_reuse)
-    return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=RemoteStore(url))
+        return ArtifactStore(Path(url) if url else env.artifacts_root(home), verify_on_reuse, contracts=contracts)
+    return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=RemoteStore(url), contracts=contracts)
 
 
-def _read_manifest(directory: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((directory / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+def _listing(folder: Path) -> list[Path]:
+    """The entries of `folder`, sorted; none when it is not a folder."""
+    return sorted(folder.iterdir()) if folder.is_dir() else []
 
 
-def _file_problems(directory: Path, files: dict[str, dict[str, Any]], mode: VerifyMode) -> dict[str, str]:
-    """rel path -> what differs from the manifest's record: missing, another size, or (hashed in
-    mode "sha256", and always for files up to SMALL_FILE_BYTES) another sha256."""
-    problems = {}
-    for rel, info in files.items():
-        path = directory / rel
-        if not path.is_file():
-            problems[rel] = "missing"
-        elif path.stat().st_size != info["bytes"]:
-            problems[rel] = f"{path.stat().st_size} bytes, {info['bytes']} recorded"
-        elif (mode == "sha256" or info["bytes"] <= SMALL_FILE_BYTES) and file_digest(path) != info["sha256"]:
-            problems[rel] = "sha256 differs"
-    return problems
+def _kind_of(path: Path, names: tuple[tuple[EntryKind, str, bool | None], ...], stage: str) -> tuple[EntryKind, str]:
+    """(what the entry `path` is by the first of `names` its name matches, the key it carries)."""
+    folder = path.is_dir() and not path.is_symlink()
+    for kind, pattern, is_folder in names:
+        found = re.fullmatch(pattern.replace("{s}", re.escape(stage)).replace("{key}", _KEY), path.name)
+        if found and is_folder in (None, folder):
+            return kind, found.groupdict().get("key") or ""
+    return "unknown", ""
+

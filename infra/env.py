@@ -54,9 +54,15 @@ def keep_ray_on_loopback(environ: MutableMapping[str, str] = os.environ) -> None
         environ.setdefault(RAY_SINGLE_MACHINE, "0")
 
 
+def home_path() -> Path:
+    """$GRISTMILL_HOME (default ./.gristmill), resolved; not created (commands that only read a
+    home, `verify` and `run --dry-run`, must not leave one behind)."""
+    return Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
+
+
 def gristmill_home() -> Path:
     """$GRISTMILL_HOME (default ./.gristmill), created if missing."""
-    home = Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
+    home = home_path()
     home.mkdir(parents=True, exist_ok=True)
     return home
 

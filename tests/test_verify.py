@@ -1,9 +1,12 @@
 """A store that proves its bytes: one byte flipped in each stage's committed output, found by
 `gristmill verify`, refused for reuse under `store.verify_on_reuse=sha256`, set aside by
-`--repair` with what was computed from it, and recomputed to the same bytes by the next run."""
+`--repair` with what was computed from it, and recomputed to the same bytes by the next run.
+And `verify` as a command: every entry named, each finding with its repair, exit codes, and no
+store created where there is none."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +16,70 @@ import pytest
 from pipeline_helpers import REPO, STAGES, cli_env, gristmill, plan_of
 
 from bench.runs import TIMED_FILES
-from infra.artifacts import SMALL_FILE_BYTES
+from flows.stages import contracts
+from infra.artifacts import SMALL_FILE_BYTES, ArtifactStore
+
+KEY = "0123456789ab"
+TOKENIZE_FILES = ("tokenizer/tokenizer.json", "tokens/train.bin", "tokens/val.bin", "tokens/meta.json",
+                  "tokens/index.json")
+
+
+def _cli(home: Path | None, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m flows.cli ARGS` with GRISTMILL_HOME `home` (unset when None)."""
+    env = cli_env(home or Path("unused"))
+    if home is None:
+        env.pop("GRISTMILL_HOME")
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _tokenize_output(home: Path) -> Path:
+    """A tokenize output that meets the stage's contract, committed by the store."""
+    def compute(partial: Path) -> dict:
+        for rel in TOKENIZE_FILES:
+            (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+            (partial / rel).write_text(rel)
+        return {"config": {}, "upstream": {}, "stats": {}, "meta": {}}
+    store = ArtifactStore(home / "artifacts", contracts=contracts())
+    return store.materialize("tokenize", KEY, compute)[0].path
+
+
+def test_a_typo_in_the_stage_is_exit_2_naming_the_stages(tmp_path):
+    _tokenize_output(tmp_path)
+    done = _cli(tmp_path, "verify", "--stage", "prtrain")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("gristmill: --stage 'prtrain' is not a stage; choose one of "
+                           "collect, tokenize, pretrain, sft, align, evaluate\n")
+
+
+def test_verify_and_a_dry_run_from_the_wrong_directory_create_no_store(tmp_path):
+    done = _cli(None, "verify", cwd=tmp_path)
+    assert done.returncode == 2 and "no artifact store at" in done.stderr
+    planned = _cli(None, "run", str(REPO / "configs" / "tiny.yaml"), "--dry-run", cwd=tmp_path)
+    assert planned.returncode == 0 and "collect" in planned.stdout.split("# plan", 1)[1], planned.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_entry_is_named_each_finding_exits_1_with_its_repair_and_repair_clears_them(tmp_path):
+    output = _tokenize_output(tmp_path)
+    (output / "tokens" / "train.bin").unlink()
+    (output.parent / f"tokenize-{KEY}.partial").mkdir()
+    (tmp_path / "artifacts" / "prtrain").mkdir()
+    found = _cli(tmp_path, "verify")
+    assert found.returncode == 1, found.stderr
+    lines = found.stdout.splitlines()
+    assert f"DAMAGED tokenize-{KEY}: tokens/train.bin (missing) [repair: gristmill verify --repair]" in lines
+    assert "UNKNOWN prtrain: not written by gristmill [repair: gristmill verify --repair sets it aside]" in lines
+    assert f"partial   tokenize/tokenize-{KEY}.partial: work in progress: the next run of this key resumes it" \
+        in lines
+    assert lines[-2].startswith("verified 1 artifact(s) under ") and "1 damaged, 1 unknown; 1 partial" in lines[-2]
+    assert lines[-1].startswith("2 finding(s); `gristmill verify --repair` sets each damaged output")
+
+    repaired = _cli(tmp_path, "verify", "--repair")
+    assert repaired.returncode == 0 and repaired.stdout.count("  set aside ") == 2, repaired.stdout
+    again = _cli(tmp_path, "verify")
+    assert again.returncode == 0, again.stdout
+    assert again.stdout.count("set aside ") == 2 and "verified 0 artifact(s)" in again.stdout
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ services (Prefect, Ray, MLflow) is imported: the training path must not need the
 
 The parts, each reported as passed or failed:
   data            a byte-level BPE tokenizer (the tokenize stage's trainer) and token shards, from
-                  the sources of Python's standard library, which every machine has
+                  this repository's sources and those of Python's standard library
   pretrain_adamw  `accelerate launch` (infra/launch.py, as a training stage launches it) of the
                   pretrain stage's `run` (`python -m tasks.pretrain`), one process per GPU, with
                   configs/gpu.yaml's pretraining: the ~125M Llama, bf16, per-block compile, fused
@@ -66,9 +66,12 @@ def _fetch_wheels(python_version: str) -> int:
 
 
 def _library_text(megabytes: float) -> list[str]:
-    """Documents: the standard library's .py files in path order, up to `megabytes`."""
+    """Documents up to `megabytes`: this repository's Python and Markdown files, then the standard
+    library's sources, each in path order (some images ship a trimmed standard library)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = [*sorted(REPO.glob("[!.]*/**/*.py")), *sorted(REPO.glob("docs/*.md")), *sorted(stdlib.rglob("*.py"))]
     docs, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+    for path in paths:
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):

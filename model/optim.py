@@ -73,7 +73,10 @@ class Muon(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                buf = self.state[param].setdefault("momentum_buffer", torch.zeros_like(param.grad))
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad)
+                buf = state["momentum_buffer"]
                 buf.lerp_(param.grad, 1 - momentum)
                 update = _orthogonalise_whole(param.grad.lerp(buf, momentum), self.ns_dtype)
                 param.mul_(1 - lr * group["weight_decay"])

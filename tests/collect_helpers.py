@@ -1,8 +1,17 @@
-"""Engines the collect tests share."""
+"""Engines and settings the collect tests share."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
+from flows.config import load_config
+
+# The tiny preset's cleaning thresholds (configs/tiny.yaml): what a stage run on the demo's package
+# docs needs (the defaults are the published web thresholds, which keep 2 of its documents), and what
+# a `gristmill run configs/tiny.yaml` cleaned with.
+TINY_CLEANING = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").collect.model_dump(
+    exclude_defaults=True)
 
 
 class KilledAfter(SerialEngine):

@@ -2,14 +2,25 @@
 `clean_document` and its config, language-ID accuracy on labelled sentences."""
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pydantic
 import pytest
+from datatrove.data import Document
+from datatrove.pipeline.filters import (
+    C4QualityFilter,
+    FineWebQualityFilter,
+    GopherQualityFilter,
+    GopherRepetitionFilter,
+    LanguageFilter,
+)
+from datatrove.utils.typeshelper import Languages
 
 import tasks.collect.cleaning as cleaning
 import tasks.collect.demo_crawl as demo_crawl
@@ -17,11 +28,14 @@ import tasks.collect.filters as text_filters
 import tasks.collect.langid as langid
 import tasks.collect.pii as pii
 import tasks.collect.stage as collect
+from flows.config import load_config
 from tasks.collect.cleaning import clean_document
 from tasks.collect.config import CleaningConfig
 from tasks.collect.readers import RawDoc, extract_text
 
+REPO = Path(__file__).resolve().parents[1]
 CFG = collect.Config()  # what the stage passes: the cleaning fields plus its Gopher thresholds
+TINY = load_config(REPO / "configs" / "tiny.yaml").collect  # the demo's package docs
 
 
 def _with(**update) -> collect.Config:
@@ -61,8 +75,8 @@ def test_c4(prose, stopword_list):
     assert text_filters.c4_quality(lorem, CFG) == "c4_lorem_ipsum"
     assert text_filters.c4_quality(lorem, _with(c4_drop_lorem_ipsum=False)) is None
     code = prose + "\nPass the options as a mapping, for example {'timeout': 10}."
-    assert text_filters.c4_quality(code, CFG) is None  # default: code examples are wanted
-    assert text_filters.c4_quality(code, _with(c4_drop_curly_bracket=True)) == "c4_curly_bracket"
+    assert text_filters.c4_quality(code, CFG) == "c4_curly_bracket"  # C4's code detector
+    assert text_filters.c4_quality(code, TINY) is None  # the demo's package docs: code is wanted
     assert text_filters.c4_quality(prose, _with(c4_min_sentences=1000)) == "c4_too_few_sentences"
 
 
@@ -72,9 +86,9 @@ def test_c4_terminal_punct_rule_and_hard_wrapped_readme():
     record = next(r for r in demo_crawl.iter_records([("Flask", version)])
                   if isinstance(r, RawDoc) and r.url.endswith("/METADATA"))
     readme = extract_text(record)
-    assert clean_document(readme, record.url, CFG).reason is None
-    strict = _with(c4_require_terminal_punct=True)
-    assert text_filters.c4_quality(readme, strict) == "c4_too_few_sentences"
+    assert clean_document(readme, record.url, TINY).reason is None
+    assert text_filters.c4_quality(readme, CFG) == "c4_too_few_sentences"  # C4's rule: sentence-ending lines
+    assert text_filters.c4_quality(readme, _with(c4_require_terminal_punct=False)) is None
 
 
 def test_c4_leaves_the_text_whole(prose):
@@ -84,21 +98,21 @@ def test_c4_leaves_the_text_whole(prose):
 
 def test_fineweb(prose, shakespeare, stopword_list):
     fineweb = text_filters.fineweb_quality
-    assert fineweb(prose, CFG) is None and fineweb(shakespeare, CFG) is None
+    assert fineweb(prose, CFG) is None and fineweb(shakespeare, TINY) is None
     assert fineweb(stopword_list, CFG) == "fineweb_line_punct_ratio"
-    # Speaker names repeat ("First Citizen:"): under FineWeb's web threshold of 0.01
-    assert fineweb(shakespeare, _with(fineweb_max_duplicate_line_char_frac=0.01)) \
-        == "fineweb_char_dup_ratio"
+    # Speaker names repeat ("First Citizen:"): over FineWeb's 0.01, under the tiny preset's 0.1
+    assert fineweb(shakespeare, CFG) == "fineweb_char_dup_ratio"
     assert fineweb(shakespeare, _with(fineweb_max_short_line_frac=0.3)) == "fineweb_short_line_ratio"
     assert fineweb(stopword_list, _with(fineweb_min_punct_line_frac=0.0,
                                         fineweb_max_short_line_frac=1.0)) == "fineweb_list_ratio"
 
 
 def test_thresholds_reach_datatrove_and_blocks_are_shared():
-    c4 = text_filters.block_for("c4_quality", _with(c4_min_sentences=7, c4_max_word_chars=50))
+    c4 = text_filters.block_for("c4_quality", _with(c4_min_sentences=7, c4_max_word_chars=50,
+                                                    c4_drop_curly_bracket=False))
     assert (c4.min_num_sentences, c4.max_word_length, c4.filter_curly_bracket) == (7, 50, False)
     fineweb = text_filters.block_for("fineweb_quality", _with(fineweb_short_line_chars=12))
-    assert fineweb.short_line_length == 12 and fineweb.char_duplicates_ratio == 0.1
+    assert fineweb.short_line_length == 12 and fineweb.char_duplicates_ratio == 0.01
     assert text_filters.block_for("fineweb_quality", _with(num_workers=5)) is \
         text_filters.block_for("fineweb_quality", CFG)
     mapped = {**text_filters.C4_QUALITY_ARGS, **text_filters.FINEWEB_QUALITY_ARGS}
@@ -296,6 +310,112 @@ def test_config_is_frozen_described_and_composes_with_collect():
     assert from_yaml.allowed_languages == ("en", "de") and from_yaml.pii_kinds == ("email",)
     assert issubclass(collect.Config, CleaningConfig) and CFG.min_words > 0  # + Gopher fields
     assert CleaningConfig().hashed_dict() != CleaningConfig(c4_filter=False).hashed_dict()
+
+
+# --- defaults and presets against datatrove's blocks --------------------------------------------
+
+BLOCKS = {"gopher_quality": (GopherQualityFilter, text_filters.GOPHER_QUALITY_ARGS),
+          "gopher_repetition": (GopherRepetitionFilter, text_filters.GOPHER_REPETITION_ARGS),
+          "fineweb_quality": (FineWebQualityFilter, text_filters.FINEWEB_QUALITY_ARGS),
+          "c4_quality": (C4QualityFilter, text_filters.C4_QUALITY_ARGS)}
+PREFIXES = {"fineweb_quality": "fineweb_", "c4_quality": "c4_"}  # filters.py's; Gopher's bare
+
+
+def _default(block: type, arg: str):
+    return inspect.signature(block).parameters[arg].default
+
+
+def test_cleaning_defaults_are_datatrove_defaults():
+    """Each threshold's default is the one datatrove's block for the rule takes by default (the
+    published values); the language is the blocks' own default, English."""
+    defaults, differ = CleaningConfig(), []
+    for block, args in [*BLOCKS.values(), (LanguageFilter, {"min_language_score": "language_threshold"})]:
+        for field, arg in args.items():
+            if getattr(defaults, field) != _default(block, arg):
+                differ.append(f"{field}: {getattr(defaults, field)}, {block.__name__}'s {arg}: "
+                              f"{_default(block, arg)}")
+    assert differ == []
+    assert {_default(block, "language") for block, _ in BLOCKS.values()} == {Languages.english}
+    assert defaults.allowed_languages == ("en",)  # lid.176's code for English
+    assert defaults.c4_filter and defaults.fineweb_filter
+
+
+class _Dropped:
+    """A datatrove exclusion writer: the reason of each document a block drops, as ours names it
+    (LanguageFilter gives none: its metadata says which of our two it is)."""
+
+    def __init__(self, prefix: str, reasons: dict[str, str], languages: tuple[str, ...]):
+        self.prefix, self.reasons, self.languages = prefix, reasons, languages
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def write(self, doc, rank: int = 0):
+        reason = doc.metadata.get("filter_reason") or (
+            "language_score_low" if doc.metadata["language"] in self.languages else "language_not_allowed")
+        self.reasons[doc.id] = self.prefix + reason
+
+
+def datatrove_reasons(pages: list[tuple[str, str]], languages: tuple[str, ...]) -> list[str | None]:
+    """Each page's drop reason (None: kept) through datatrove's pipeline at its blocks' defaults:
+    LanguageFilter for `languages` (on the bundled lid.176 model), then the quality blocks in our
+    chain's order (the first to drop a page names its reason)."""
+    from bench.clean import bundled_ft176
+
+    reasons: dict[str, str] = {}
+    language = LanguageFilter(languages=list(languages), exclusion_writer=_Dropped("", reasons, languages))
+    language.model = bundled_ft176(list(languages))
+    steps = [language]
+    for _, quality_filter in cleaning.QUALITY_FILTERS:
+        kind = quality_filter.__name__
+        steps.append(BLOCKS[kind][0](exclusion_writer=_Dropped(PREFIXES.get(kind, ""), reasons, languages)))
+    docs = (Document(text=text, id=str(i), metadata={"url": url}) for i, (text, url) in enumerate(pages))
+    for step in steps:
+        docs = step.run(docs)
+    kept = {doc.id for doc in docs}
+    return [None if str(i) in kept else reasons[str(i)] for i in range(len(pages))]
+
+
+@pytest.fixture(scope="module")
+def shared_pages(shared_data) -> list[tuple[str, str]]:
+    """(text, url) of every page of the shared WARC files and document of the shared JSONL files."""
+    from bench.clean import shared_pages as read_pages
+
+    return read_pages(shared_data)
+
+
+def test_web_preset_cleans_the_shared_pages_as_datatrove_defaults(shared_pages):
+    """web.yaml's collect section keeps exactly the pages datatrove's blocks keep at their own
+    defaults, and drops each other page for the same reason. The blocks run in our chain's order, so
+    the first to drop a page is the same filter (FineWeb's recipe runs Gopher repetition before
+    quality and C4 before FineWeb; the pages kept do not depend on the order), and the language model
+    is the lid.176 file ours reads (datatrove would download the larger lid.176.bin)."""
+    cfg = load_config(REPO / "configs" / "web.yaml").collect
+    ours = [outcome.reason for outcome in cleaning.clean_documents(shared_pages, cfg)]
+    theirs = datatrove_reasons(shared_pages, cfg.allowed_languages)
+    differ = [f"{url}: ours {a}, datatrove {b}" for (_, url), a, b in zip(shared_pages, ours, theirs) if a != b]
+    assert differ == []
+    assert Counter(ours) == {
+        None: 40, "gopher_below_alpha_threshold": 16, "gopher_short_doc": 5, "c4_too_few_sentences": 5,
+        "language_not_allowed": 4, "language_score_low": 3, "dup_line_char_frac": 1, "dup_line_frac": 1,
+        "duplicated_5_n_grams": 1, "fineweb_char_dup_ratio": 1, "gopher_enough_stop_words": 1,
+        "gopher_too_many_end_ellipsis": 1}
+
+
+def test_tiny_preset_keeps_what_it_kept(shared_pages):
+    """tiny.yaml's collect section (the docs-corpus thresholds) keeps the shared pages the collect
+    defaults kept before they became the published values, and drops the rest for the same reasons.
+    (At its language score of 0.5 datatrove's LanguageFilter, which reads the whole text, would also
+    drop en.wikipedia.org's robots.txt: 0.46 English there, 0.52 on the prefix ours reads.)"""
+    ours = [outcome.reason for outcome in cleaning.clean_documents(shared_pages, TINY)]
+    assert Counter(ours) == {
+        None: 55, "gopher_short_doc": 6, "language_not_allowed": 4, "c4_too_few_sentences": 4,
+        "fineweb_line_punct_ratio": 1, "duplicated_5_n_grams": 1, "dup_line_frac": 1, "dup_line_char_frac": 1,
+        "language_score_low": 1, "gopher_enough_stop_words": 1, "gopher_above_avg_threshold": 1,
+        "gopher_too_many_end_ellipsis": 1, "fineweb_short_line_ratio": 1, "gopher_below_alpha_threshold": 1}
 
 
 def test_the_demo_key_follows_docs_of_a_package_installed_from_a_source_tree(tmp_path, monkeypatch):

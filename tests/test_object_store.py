@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from collect_helpers import KilledAfter
+from collect_helpers import TINY_CLEANING, KilledAfter
 from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, plan_of
 
 import tasks.collect.stage as collect
@@ -52,9 +52,10 @@ def _texts(out: Path) -> list[str]:
                   for line in gzip.open(part, "rt"))
 
 
-def _run(sources: list[str], out: Path, engine=None) -> collect.StageResult:
+def _run(sources: list[str], out: Path, engine=None, **config) -> collect.StageResult:
     out.mkdir(parents=True)
-    return collect.run(collect.Config(sources=sources, unit_mb=UNIT_MB), out, engine=engine or SerialEngine())
+    return collect.run(collect.Config(sources=sources, unit_mb=UNIT_MB, **config), out,
+                       engine=engine or SerialEngine())
 
 
 def test_collect_reads_an_s3_bucket_as_it_reads_the_same_files_on_disk(s3_server, shared_data, tmp_path):
@@ -127,7 +128,8 @@ def test_the_pipeline_reads_and_commits_on_the_bucket_resumes_a_kill_and_another
     on_bucket = _objects("artifacts/")
     assert f"tokenize/{tokenize}/manifest.json" in on_bucket and not any(k.endswith(".lease") for k in on_bucket)
 
-    local = _run([str(tmp_path / "local" / "warc"), str(tmp_path / "local" / "jsonl")], tmp_path / "disk")
+    local = _run([str(tmp_path / "local" / "warc"), str(tmp_path / "local" / "jsonl")], tmp_path / "disk",
+                 **TINY_CLEANING)  # as the run of configs/tiny.yaml cleaned
     assert _texts(committed_dir(home, "collect")) == _texts(tmp_path / "disk")
     manifest = json.loads((committed_dir(home, "collect") / "manifest.json").read_text())
     assert manifest["stats"]["docs_out"] == local.stats["docs_out"]

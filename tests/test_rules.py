@@ -109,7 +109,8 @@ def documents(shared_data) -> dict[str, str]:
 
 
 # Per rule: threshold settings (updates of the collect defaults), each of that rule's fields
-# moved at least once, alone (every other check of the rule off) and on the defaults.
+# moved at least once, alone (every other check of the rule off) and on the defaults; the third
+# setting of Gopher quality, FineWeb and C4 is the tiny preset's (configs/tiny.yaml).
 GOPHER_QUALITY_OFF = dict(min_words=1, max_words=10**9, min_mean_word_len=0,
                           max_mean_word_len=10**6, max_symbol_word_ratio=0, max_bullet_line_frac=0,
                           max_ellipsis_line_frac=0, min_alpha_word_frac=0, min_stop_words=0)
@@ -124,7 +125,7 @@ C4_OFF = dict(c4_min_sentences=0, c4_min_words_per_line=0, c4_max_word_chars=10*
               c4_skip_policy_lines=False)
 SETTINGS: dict[str, list[dict]] = {
     "gopher_quality": [
-        {}, GOPHER_QUALITY_OFF, dict(min_alpha_word_frac=0.8),
+        {}, GOPHER_QUALITY_OFF, dict(min_alpha_word_frac=0.5),
         *({**GOPHER_QUALITY_OFF, **change} for change in (
             dict(min_words=50), dict(min_words=300), dict(max_words=100),
             dict(min_mean_word_len=3), dict(min_mean_word_len=4.5),
@@ -149,7 +150,7 @@ SETTINGS: dict[str, list[dict]] = {
     ],
     "fineweb_quality": [
         {}, FINEWEB_OFF,
-        dict(fineweb_min_punct_line_frac=0.12, fineweb_max_duplicate_line_char_frac=0.01),
+        dict(fineweb_min_punct_line_frac=0.05, fineweb_max_duplicate_line_char_frac=0.1),
         *({**FINEWEB_OFF, **change} for change in (
             dict(fineweb_min_punct_line_frac=0.05), dict(fineweb_min_punct_line_frac=0.6),
             dict(fineweb_max_short_line_frac=0.67), dict(fineweb_max_short_line_frac=0.1),
@@ -161,7 +162,7 @@ SETTINGS: dict[str, list[dict]] = {
             dict(fineweb_max_newlines_per_word=0))),
     ],
     "c4_quality": [
-        {}, C4_OFF, dict(c4_require_terminal_punct=True, c4_drop_curly_bracket=True),
+        {}, C4_OFF, dict(c4_require_terminal_punct=False, c4_drop_curly_bracket=False),
         dict(c4_drop_lorem_ipsum=False), dict(c4_skip_javascript_lines=False),
         dict(c4_skip_policy_lines=False), dict(c4_min_sentences=0), dict(c4_min_sentences=1),
         dict(c4_min_sentences=40), dict(c4_min_words_per_line=0),

@@ -39,7 +39,13 @@ _DOMAIN = re.compile(r"^[a-z0-9_-]+(?:\.[a-z0-9_-]+)*$")
 
 
 class CleaningConfig(StageConfig):
-    """URL, language, Gopher, FineWeb, C4 and PII settings of the cleaning chain."""
+    """URL, language, Gopher, FineWeb, C4 and PII settings of the cleaning chain.
+
+    The defaults are the published thresholds, as datatrove 0.10's blocks default to them
+    (LanguageFilter, GopherQualityFilter, GopherRepetitionFilter, FineWebQualityFilter,
+    C4QualityFilter: tests/test_cleaning.py compares each with the block's signature): the values
+    for web crawls (configs/web.yaml). A preset for another corpus sets what differs (tiny.yaml:
+    the demo's package docs)."""
 
     blocked_domains: tuple[str, ...] = Field(
         (), description="Drop documents whose URL host is one of these domains or a subdomain "
@@ -49,13 +55,15 @@ class CleaningConfig(StageConfig):
     allowed_languages: tuple[str, ...] | None = Field(
         ("en",), description="Keep only documents whose most likely language (fastText "
                              "lid.176 code: 'en', 'de', 'no' for Norwegian Bokmål...) is one of "
-                             "these; None keeps every language.")
+                             "these; None keeps every language. English: FineWeb's, and the "
+                             "language the Gopher, FineWeb and C4 rules below are written for "
+                             "(stop words, sentence splitting; datatrove's blocks default to it).")
     min_language_score: float = Field(
-        0.5, ge=0, le=1,
-        description="Drop documents whose top language probability is below this. FineWeb "
-                    "uses 0.65 on web pages; Markdown/reST package docs (the demo source) mix "
-                    "prose with code, which fastText scores lower: of the demo documents every "
-                    "other rule keeps, 0.65 drops 20 and 0.5 drops 2. Use 0.65 for web crawls.")
+        0.65, ge=0, le=1,
+        description="Drop documents whose top language probability is below this: 0.65, "
+                    "FineWeb's and datatrove's LanguageFilter's. Markdown/reST package docs (the "
+                    "demo source) mix prose with code, which fastText scores lower: of the 467 demo "
+                    "documents the tiny preset keeps, 0.65 drops 24; tiny sets 0.5.")
     c4_filter: bool = Field(True, description="Apply C4's page rules (the c4_* fields).")
     c4_min_sentences: int = Field(
         5, ge=0, description="C4: drop pages with fewer sentences on lines that pass the line "
@@ -65,18 +73,19 @@ class CleaningConfig(StageConfig):
     c4_max_word_chars: int = Field(
         1000, ge=1, description="C4: lines with a longer word do not count as prose.")
     c4_require_terminal_punct: bool = Field(
-        False, description="C4: only lines ending in . ? ! \" or ' (not '...') count as prose. "
-                           "C4 had one paragraph per line (text of HTML pages); hard-wrapped "
-                           "Markdown/reST (the demo source) splits sentences across lines, so "
-                           "on, it finds 2 sentences in Flask's README and drops 26 of the 220 "
-                           "demo documents kept by default. Turn on for web crawls.")
+        True, description="C4: only lines ending in . ? ! \" or ' (not '...') count as prose "
+                          "(C4's rule, on in datatrove's C4QualityFilter; FineWeb's recipe turns "
+                          "it off). C4 had one paragraph per line (text of HTML pages); "
+                          "hard-wrapped Markdown/reST (the demo source) splits sentences across "
+                          "lines, so it finds 2 sentences in Flask's README and drops 39 of the 467 "
+                          "demo documents the tiny preset keeps; tiny turns it off.")
     c4_drop_lorem_ipsum: bool = Field(
         True, description="C4: drop pages containing 'lorem ipsum' (placeholder text).")
     c4_drop_curly_bracket: bool = Field(
-        False, description="C4: drop pages with '{' on a prose line, C4's way to remove code. Off "
-                           "by default because code examples are wanted in the demo source "
-                           "(package docs): on, it drops 90 of the 220 demo documents kept "
-                           "by default. Turn on for web crawls.")
+        True, description="C4: drop pages with '{' on a prose line, C4's way to remove code (on "
+                          "in datatrove's C4QualityFilter). Code examples are wanted in the demo "
+                          "source (package docs): it drops 294 of the 467 demo documents the tiny "
+                          "preset keeps; tiny turns it off.")
     c4_skip_javascript_lines: bool = Field(
         True, description="C4: lines mentioning 'javascript' (\"please enable JavaScript\") "
                           "do not count as prose.")
@@ -85,24 +94,22 @@ class CleaningConfig(StageConfig):
                           "as prose.")
     fineweb_filter: bool = Field(True, description="Apply FineWeb's rules (the fineweb_* fields).")
     fineweb_min_punct_line_frac: float = Field(
-        0.05, ge=0, le=1,
+        0.12, ge=0, le=1,
         description="FineWeb: drop if fewer than this fraction of non-empty lines end in "
-                    "terminal punctuation. FineWeb's 0.12 suits web pages; in package docs "
-                    "code, headings and tables end without it (median 0.16): of the demo "
-                    "documents every other rule keeps, 0.12 drops 63 and 0.05 drops 10. Use "
-                    "0.12 for web crawls.")
+                    "terminal punctuation: FineWeb's 0.12. In package docs code, headings and "
+                    "tables end without it (median 0.16): of the 467 demo documents the tiny "
+                    "preset keeps, 0.12 drops 87; tiny sets 0.05.")
     fineweb_max_short_line_frac: float = Field(
         0.67, ge=0, le=1, description="FineWeb: drop if more than this fraction of non-empty "
                                       "lines are short (see fineweb_short_line_chars).")
     fineweb_short_line_chars: int = Field(
         30, ge=1, description="FineWeb: a line of at most this many characters is short.")
     fineweb_max_duplicate_line_char_frac: float = Field(
-        0.1, ge=0, le=1,
+        0.01, ge=0, le=1,
         description="FineWeb: drop if lines repeating an earlier line hold more than this "
-                    "fraction of the characters. FineWeb's 0.01 suits web pages; docs repeat "
-                    "'```', reST underlines and 'Parameters' headers (median 0.009): of the "
-                    "demo documents every other rule keeps, 0.01 drops 105 and 0.1 drops 4. "
-                    "Use 0.01 for web crawls.")
+                    "fraction of the characters: FineWeb's 0.01. Docs repeat '```', reST "
+                    "underlines and 'Parameters' headers (median 0.009): of the 467 demo "
+                    "documents the tiny preset keeps, 0.01 drops 135; tiny sets 0.1.")
     fineweb_max_newlines_per_word: float = Field(
         0.3, ge=0, description="FineWeb: drop if newlines per word exceed this (lists, menus).")
     # Gopher quality rules (datatrove GopherQualityFilter). "Words" are spaCy tokens that are not
@@ -123,12 +130,13 @@ class CleaningConfig(StageConfig):
         0.3, ge=0, le=1,
         description="Drop if more than this fraction of lines end with '...' or '…'.")
     min_alpha_word_frac: float = Field(
-        0.5, ge=0, le=1,
-        description="Drop if fewer than this fraction of tokens contain a letter. Gopher's 0.8 "
-                    "was set on whitespace words; datatrove counts every punctuation mark as a "
-                    "token, so web prose scores 0.75-0.95 but Markdown/reST package docs (the "
-                    "demo source) score 0.5-0.6 and 0.8 keeps 11 of 391 of them. 0.5 still drops "
-                    "number tables and code dumps; use 0.8 for web crawls.")
+        0.8, ge=0, le=1,
+        description="Drop if fewer than this fraction of tokens contain a letter: Gopher's 0.8. "
+                    "Gopher set it on whitespace words; datatrove counts every punctuation mark "
+                    "as a token, so web prose scores 0.75-0.95 but Markdown/reST package docs "
+                    "(the demo source) score 0.5-0.6: of the 467 demo documents the tiny "
+                    "preset keeps, 0.8 drops 460; tiny sets 0.5, which still drops number "
+                    "tables and code dumps.")
     min_stop_words: int = Field(
         2, ge=0, description="Drop if fewer than this many distinct English stop words "
                              "(the, be, to, of, and, that, have, with) occur.")

@@ -13,11 +13,14 @@ input file changes a stage's artifact key.
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from core.files import file_digest
 
@@ -27,6 +30,13 @@ SourceKind = Literal["demo", "cc", "files"]
 T = TypeVar("T")
 # Files of records (conversations, preference pairs, prompts, benchmark items) in a folder or glob.
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".ndjson")
+# Tries to reach a source's host (each bounded by its client's own timeout and retries) before a
+# plan fails naming it; a wait of `attempt` seconds between tries.
+REACH_ATTEMPTS = 3
+# botocore's errors for a client that has no credentials or region to sign a request with.
+CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "NoRegionError"})
+CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and AWS_ENDPOINT_URL "
+                    "for an S3-compatible store other than AWS")
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,57 @@ def filesystem(path: str):
         raise ImportError(f"source {path!r}: {exc}") from None
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it was raised from (fsspec's HTTP client turns a connection error
+    into FileNotFoundError from it)."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _is_connection_error(error: BaseException) -> bool:
+    """A host that does not answer: refused, reset, timed out, unresolvable (any client's names)."""
+    name = type(error).__name__
+    return (isinstance(error, (ConnectionError, TimeoutError, socket.gaierror))
+            or "Connect" in name or "Timeout" in name)
+
+
+def _endpoint_hint(source: str) -> str:
+    """What decides the host of an s3:// source, which its URL does not name."""
+    if not source.startswith("s3://"):
+        return ""
+    return f"; the endpoint is AWS_ENDPOINT_URL={os.environ.get('AWS_ENDPOINT_URL', '(unset: AWS S3)')}"
+
+
+def _asking(source: str, call: Callable[[], T], missing: T) -> T:
+    """`call()`, the store being asked about `source`; `missing` when it says nothing is there.
+    A host that does not answer is asked REACH_ATTEMPTS times; it, missing credentials and any
+    other refusal are a ValueError naming the source: found at plan time, in one line, not as a
+    client's traceback."""
+    for attempt in range(1, REACH_ATTEMPTS + 1):
+        try:
+            return call()
+        except (ValueError, ImportError):  # filesystem()'s own, naming the source already
+            raise
+        except Exception as error:  # clients raise their own types (botocore, aiohttp, ftplib)
+            causes = _causes(error)
+            if any(type(e).__name__ in CREDENTIAL_ERRORS for e in causes):
+                raise ValueError(f"source {source!r}: no credentials for its object store ({error}): "
+                                 f"{CREDENTIALS_HINT}") from None
+            unreachable = next((e for e in causes if _is_connection_error(e)), None)
+            if unreachable is None and isinstance(error, FileNotFoundError):
+                return missing
+            if unreachable is None:
+                raise ValueError(f"source {source!r}: {type(error).__name__}: {error}") from None
+            if attempt == REACH_ATTEMPTS:
+                raise ValueError(f"source {source!r}: its host did not answer in {REACH_ATTEMPTS} tries "
+                                 f"({type(unreachable).__name__}: {unreachable}){_endpoint_hint(source)}") from None
+            time.sleep(attempt)
+    return missing  # not reached: the last try returns or raises
+
+
 def file_size(path: str | Path) -> int:
     """Size in bytes of a file, local or any fsspec URL."""
     fs, fs_path = filesystem(str(path))
@@ -82,19 +143,20 @@ def source_files(source: str, suffixes: tuple[str, ...] | None = None) -> list[P
 
     if parse_source(source).kind != "files":
         raise ValueError(f"source {source!r} is a {parse_source(source).kind!r} source, not files")
-    fs, root = filesystem(source)
+    fs, root = _asking(source, lambda: filesystem(source), None) or (None, "")  # ftp:// connects here
     wanted = (lambda p: str(p).lower().endswith(suffixes)) if suffixes else (lambda p: True)
     expected = f" (expected {', '.join(suffixes)})" if suffixes else ""
-    if fs.isfile(root):
+    info: dict[str, Any] | None = _asking(source, lambda: fs.info(root), None)
+    if info is not None and info["type"] == "file":
         if not wanted(root):
             raise ValueError(f"source {source!r}: unsupported file type{expected}")
         files = [root]
-    elif fs.isdir(root):
-        files = [p for p in fs.find(root) if wanted(p)]
+    elif info is not None and info["type"] == "directory":
+        files = [p for p in _asking(source, lambda: fs.find(root), []) if wanted(p)]
         if not files:
             raise ValueError(f"source {source!r}: directory holds no input files{expected}")
     elif any(c in root for c in "*?["):  # a glob pattern
-        found = fs.glob(root, detail=True)
+        found = _asking(source, lambda: fs.glob(root, detail=True), {})
         files = [p for p, info in found.items() if info["type"] == "file" and wanted(p)]
         if not files:
             raise ValueError(f"source {source!r} matches no input files{expected}")

@@ -66,7 +66,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     import yaml
 
     from flows.config import ConfigError, load_config
-    from flows.dag import launch_problems_of, open_store, plan
+    from flows.dag import launch_problems_of, open_store, plan, writing_problem
     from flows.launch import per_node_command
 
     artifacts = env.artifacts_root(env.home_path())
@@ -76,6 +76,8 @@ def _dry_run(args: argparse.Namespace) -> int:
         planned = plan(config, store, args.until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
+    if problem := writing_problem(store, env.home_path()):  # as the run would: it could not commit
+        return _fail(problem)
     if not args.explain:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     print(f"\n# plan (artifacts under {artifacts})")
@@ -366,8 +368,10 @@ def console() -> int:
     import nothing that needs configuring: they run as they are, so a home that does not exist
     (the wrong working directory) is not created."""
     if not _reads_only(sys.argv[1:]):
-        import flows.entry  # noqa: F401
-
+        try:
+            import flows.entry  # noqa: F401
+        except env.HomeError as error:  # GRISTMILL_HOME a file, or read-only
+            return _fail(error)
     return main()
 
 

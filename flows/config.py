@@ -7,9 +7,11 @@ here. Unknown keys are errors that name the key; each stage later receives only 
 """
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
@@ -159,10 +161,25 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, so an edited preset that repeats a section would lose the first one's settings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first on line {first_line[key]})", key_node.start_mark)
+            first_line.setdefault(key, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
+
+
 def _parse_yaml(text: str, where: str) -> Any:
-    """YAML text; a syntax error is a ConfigError naming `where` with line and column."""
+    """YAML text; a syntax error or a repeated key is a ConfigError naming `where` with line and column."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader that refuses repeated keys
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -180,9 +197,12 @@ def load_config(path: Path | str | None = None, overrides: Sequence[str] = (),
         if not Path(path).is_file():
             raise ConfigError(f"{path}: no such config file")
         loaded = _parse_yaml(Path(path).read_text(), str(path))
-        if loaded is not None and not isinstance(loaded, dict):
+        if loaded is None:  # run as `tiny`, every default, it would look like the tiny preset
+            raise ConfigError(f"{path}: the config file is empty (or only comments): name a preset such as "
+                              "configs/tiny.yaml, or give at least `name:`")
+        if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of stage sections at the top level")
-        data = loaded or {}
+        data = loaded
     return _validated(config_class, data, overrides, str(path or "config"))
 
 
@@ -200,7 +220,45 @@ def _validated(config_class: type[PipelineConfigBase], data: dict[str, Any], ove
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         _set_dotted(data, key.strip(), _parse_yaml(raw, f"override {item!r}"))
+    _refuse_booleans(config_class, data, f"{where}: ")
     try:
         return config_class.model_validate(data)
     except ValidationError as error:
         raise ConfigError(f"{where}: {_describe(error)}") from None
+
+
+def _takes_boolean(annotation: Any) -> bool:
+    """Whether a field of this type means something by `true`/`false` (bool, Any, a union or
+    Literal with a boolean in it)."""
+    if annotation is bool or annotation is Any:
+        return True
+    if get_origin(annotation) is Literal:
+        return any(isinstance(value, bool) for value in get_args(annotation))
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_takes_boolean(member) for member in get_args(annotation))
+    return False
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The config section type of a field (`X` or `X | None`), None for a plain value."""
+    for candidate in (annotation, *get_args(annotation)):
+        if inspect.isclass(candidate) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _refuse_booleans(model: type[BaseModel], data: Any, prefix: str) -> None:
+    """ConfigError naming the key where a YAML boolean is given to a field that takes none: pydantic
+    would read `pretrain.max_steps=true` as 1 (and `sft.lr=true` as 1.0)."""
+    if not isinstance(data, dict):
+        return
+    for name, value in data.items():
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            continue  # an unknown key: validation names it
+        key = f"{prefix}{name}"
+        if isinstance(value, bool) and not _takes_boolean(field.annotation):
+            raise ConfigError(f"{key}: the boolean {str(value).lower()} given to a field that takes none "
+                              f"({getattr(field.annotation, '__name__', field.annotation)})")
+        if (section := _section(field.annotation)) is not None:
+            _refuse_booleans(section, value, f"{key}.")

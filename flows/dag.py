@@ -38,6 +38,7 @@ def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = N
     planned = []
     for spec in stages_until(until, config.stages):
         stage_config = getattr(config, spec.name)
+        spec.check_demos(stage_config)
         inputs = spec.fingerprint(stage_config)
         key = stage_key(spec.name, spec.version, stage_config.hashed_dict(),
                         {name: keys[name] for name in spec.upstream}, inputs)
@@ -58,6 +59,17 @@ def open_store(config: PipelineConfigBase, home: Path) -> ArtifactStore:
     """The artifact store under `home`, checking reused outputs as `config.store` says and against
     the contracts of `config`'s stages."""
     return home_store(home, config.store.verify_on_reuse, contracts(config.stages))
+
+
+def writing_problem(store: ArtifactStore, home: Path) -> str | None:
+    """Why a run could not write its state or outputs: GRISTMILL_HOME or the store's folder is
+    not a folder it can write in (a file in its place, a read-only mount). Checked when the run
+    is planned, without creating either, instead of failing at the first stage's commit."""
+    if problem := env.unwritable(home):
+        return f"GRISTMILL_HOME={home}: {problem}"
+    if problem := env.unwritable(store.root):
+        return f"artifact store {store.root}: {problem}"
+    return None
 
 
 def launch_problems_of(planned: list[PlannedStage]) -> list[str]:

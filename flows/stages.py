@@ -15,9 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from core.sources import parse_source
 from core.stage import StageConfig, StageResult, load
 from tasks.align import config as align
 from tasks.collect import config as collect
+from tasks.collect import demo_crawl
 from tasks.evaluate import config as evaluate
 from tasks.pretrain import config as pretrain
 from tasks.sft import config as sft
@@ -26,6 +28,11 @@ from tasks.tokenize import config as tokenize
 
 def reads_no_external_data(config: StageConfig) -> None:
     """The fingerprint of a stage that reads nothing but its upstream artifacts."""
+
+
+def no_sources(config: StageConfig) -> list[str]:
+    """The data sources of a stage that names none in its config."""
+    return []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +58,16 @@ class StageSpec:
     # done or reused, to show it in MLflow and Prefect (flows/reports.py); `owner`: the run is the
     # one that holds the stage's outputs in MLflow (computed it, or back-fills them); None: nothing
     publisher: str | None = None
+    # the data sources its config names (core/sources.py) and the `demo:` names its code knows, so
+    # that an unknown demo is found when the run is planned, not when the stage reads it
+    sources: Callable[[Any], list[str]] = no_sources
+    demos: tuple[str, ...] = ()
+
+    def check_demos(self, config: StageConfig) -> None:
+        """ValueError naming the first `demo:` source of `config` this stage does not know."""
+        for text in self.sources(config):
+            if (source := parse_source(text)).kind == "demo":
+                source.demo(self.demos, f"{self.name} source")
 
     def load_run(self) -> Callable[..., StageResult]:
         """The stage's `run`, imported now; its upstream parameters must be this entry's."""
@@ -70,6 +87,8 @@ def upstream_parameters(run: Callable[..., Any]) -> set[str]:
             if p.kind is p.KEYWORD_ONLY and p.name != "engine"}
 
 
+# The generated arithmetic tasks (core/arithmetic.py) SFT's and align's readers know as `demo:arithmetic`.
+ARITHMETIC_DEMOS = ("arithmetic",)
 # A training stage's export (model/export.py): the HF model folder the next stage and evaluate load.
 MODEL_OUTPUTS = ("model/config.json", "model/*.safetensors", "model/tokenizer_config.json")
 
@@ -78,7 +97,8 @@ STAGES: tuple[StageSpec, ...] = (
               description="Collect and clean raw documents.",
               version=collect.VERSION, fingerprint=collect.fingerprint,
               outputs=("docs/*.jsonl.gz", "funnel.json"), uses_ray=True, warm_worker="tasks.collect.stage.warm_worker",
-              publisher="flows.reports.publish_collect"),
+              publisher="flows.reports.publish_collect",
+              sources=lambda config: config.sources, demos=(demo_crawl.DEMO_NAME,)),
     StageSpec(name="tokenize", run="tasks.tokenize.stage.run", config=tokenize.Config,
               description="Train the tokenizer, write token shards.",
               version=tokenize.VERSION, fingerprint=tokenize.fingerprint,
@@ -94,11 +114,12 @@ STAGES: tuple[StageSpec, ...] = (
               description="Supervised fine-tuning on conversations.",
               version=sft.VERSION, fingerprint=sft.fingerprint,
               upstream=("tokenize", "pretrain"), outputs=MODEL_OUTPUTS, uses_gpu=True,
-              publisher="flows.reports.publish_model"),
+              publisher="flows.reports.publish_model", sources=lambda config: config.data, demos=ARITHMETIC_DEMOS),
     StageSpec(name="align", run="tasks.align.stage.run", config=align.Config,
               description="Preference alignment.",
               version=align.VERSION, fingerprint=align.fingerprint,
-              upstream=("sft",), outputs=MODEL_OUTPUTS, uses_gpu=True, publisher="flows.reports.publish_model"),
+              upstream=("sft",), outputs=MODEL_OUTPUTS, uses_gpu=True, publisher="flows.reports.publish_model",
+              sources=lambda config: config.method_config().sources(), demos=ARITHMETIC_DEMOS),
     # collect: the training text benchmark items are checked against (contamination)
     StageSpec(name="evaluate", run="tasks.evaluate.stage.run", config=evaluate.Config,
               description="Evaluation and report.",

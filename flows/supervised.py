@@ -66,16 +66,19 @@ def _gates(error: Exception) -> int:
 def run(config: str, overrides: list[str], until: str | None = None, approve_gates: bool = False) -> int:
     """Plan the run, start the embedded services a run needs and run the pipeline flow."""
     from flows.config import ConfigError
-    from flows.dag import launch_problems_of, open_store, plan
+    from flows.dag import launch_problems_of, open_store, plan, writing_problem
 
     home = env.gristmill_home()
     try:
         pipeline_config = _load(config, overrides)
-        # Planning digests every input (core.sources): a missing or empty source is found here,
-        # before any service starts.
-        planned = plan(pipeline_config, open_store(pipeline_config, home), until)
+        store = open_store(pipeline_config, home)
+        # Planning digests every input (core.sources): a missing or empty source, an object store
+        # without credentials, a host that does not answer are found here, before any service starts.
+        planned = plan(pipeline_config, store, until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
+    if problem := writing_problem(store, home):  # a read-only store: not at the first commit
+        return _fail(problem)
     if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
         return _fail("; ".join(problems))
     services = EmbeddedServices(home)

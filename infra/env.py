@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -60,6 +61,36 @@ def home_path() -> Path:
     return Path(os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
 
 
+class HomeError(ValueError):
+    """GRISTMILL_HOME or the artifact store is not a folder this process can write in."""
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` cannot be (or be created as) a folder to write in: its nearest existing part is
+    not a folder, or a file cannot be made there (a read-only mount, no permission: tried, since
+    root passes a permission check on a read-only mount's mode bits); None when it can."""
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".gristmill-write-check-", dir=existing)
+    except OSError as error:
+        return f"{existing} cannot be written ({error.strerror or error})"
+    os.close(handle)
+    os.unlink(probe)
+    return None
+
+
+def checked_home(home: Path) -> Path:
+    """`home`, once a run's state can be written there; HomeError naming it otherwise (one line,
+    before anything fails on it with a traceback)."""
+    if problem := unwritable(home):
+        raise HomeError(f"GRISTMILL_HOME={home}: {problem}")
+    return home
+
+
 def gristmill_home() -> Path:
     """$GRISTMILL_HOME (default ./.gristmill), created if missing."""
     home = home_path()
@@ -76,8 +107,8 @@ def prefect_home(home: Path) -> Path:
 def configure(home: Path | None = None) -> Path:
     """Point every component's state at `home` (default $GRISTMILL_HOME or ./.gristmill, created
     if missing), keep the process offline, without telemetry and with a local Ray on loopback;
-    returns the home."""
-    home = Path(home or os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve()
+    returns the home (HomeError when it cannot be written)."""
+    home = checked_home(Path(home or os.environ.get("GRISTMILL_HOME", DEFAULT_HOME)).resolve())
     home.mkdir(parents=True, exist_ok=True)  # Prefect makes its home inside at import
     os.environ["GRISTMILL_HOME"] = str(home)
     for name, value in OFFLINE_AND_QUIET.items():

@@ -125,3 +125,100 @@ def test_key_values_are_only_taken_by_commands_with_overrides(capsys):
     with pytest.raises(SystemExit):
         main(["run", str(TINY), "--no-such-option"])
     assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+# --- mistakes found when the run is planned: one line, exit 2, before any service starts -------
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith("gristmill: ") and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+def _cli(tmp_path: Path, *argv: str, **environ: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=REPO, capture_output=True, text=True,
+                          env={**_env(tmp_path / "home"), **environ}, timeout=300, check=False)
+
+
+def test_an_object_store_source_without_credentials_names_the_variables(tmp_path):
+    """No credentials anywhere botocore looks (variables, files, instance metadata)."""
+    nowhere = str(tmp_path / "none")
+    environ = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+    environ.update(GRISTMILL_HOME=str(tmp_path / "home"), AWS_SHARED_CREDENTIALS_FILE=nowhere,
+                   AWS_CONFIG_FILE=nowhere, AWS_EC2_METADATA_DISABLED="true")
+    for dry in ([], ["--dry-run"]):
+        result = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(TINY),
+                                 "collect.sources=[s3://crawl/cc/]", *dry], cwd=REPO, env=environ,
+                                capture_output=True, text=True, timeout=300, check=False)
+        err = _one_line(result)
+        assert "'s3://crawl/cc/': no credentials" in err
+        assert all(name in err for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"))
+
+
+def test_a_host_that_does_not_answer_is_tried_a_bounded_number_of_times(tmp_path, monkeypatch, capsys):
+    import socket
+
+    from core import sources
+    from flows.cli import main
+
+    with socket.socket() as closed:  # a port nothing listens on: connection refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    waits: list[float] = []
+    monkeypatch.setattr(sources.time, "sleep", waits.append)
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
+    assert main(["run", str(TINY), f"collect.sources=[http://127.0.0.1:{port}/crawl.jsonl]", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"'http://127.0.0.1:{port}/crawl.jsonl': its host did not answer in 3 tries" in err
+    assert waits == [1, 2]
+
+
+def test_asking_a_store_retries_a_silent_host_and_tells_nothing_there_from_a_refusal(monkeypatch):
+    from core import sources
+
+    monkeypatch.setattr(sources.time, "sleep", lambda _: None)
+    answers = iter([ConnectionResetError(104, "reset"), TimeoutError("slow"), "listing"])
+
+    def flaky() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert sources._asking("ftp://h/x", flaky, None) == "listing"  # the third try answers
+    assert sources._asking("s3://b/x", _raises(FileNotFoundError("x")), "missing") == "missing"
+    with pytest.raises(ValueError, match=r"^source 's3://b/x': PermissionError: denied$"):
+        sources._asking("s3://b/x", _raises(PermissionError("denied")), None)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://10.0.0.9:9000")
+    with pytest.raises(ValueError, match=r"did not answer in 3 tries.*AWS_ENDPOINT_URL=http://10\.0\.0\.9:9000$"):
+        sources._asking("s3://b/x", _raises(ConnectionRefusedError(111, "refused")), None)
+
+
+def _raises(error: Exception):
+    def call():
+        raise error
+    return call
+
+
+def test_a_gristmill_home_that_is_a_file_is_one_line(tmp_path):
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    for argv in (["run", str(TINY)], ["run", str(TINY), "--dry-run"], ["up"]):
+        assert _one_line(_cli(tmp_path, *argv)) == f"gristmill: GRISTMILL_HOME={home}: {home} is not a directory\n"
+
+
+def test_an_unwritable_store_is_found_when_the_run_is_planned(tmp_path, monkeypatch, capsys):
+    """/sys takes no new file, even from root (for whom a read-only mode is no obstacle)."""
+    from flows import supervised
+    from flows.cli import main
+
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
+    monkeypatch.setenv("GRISTMILL_STORE", "/sys/gristmill-store")
+    assert main(["run", str(TINY), "--dry-run"]) == 2
+    assert capsys.readouterr().err.endswith("gristmill: artifact store /sys/gristmill-store: /sys cannot be "
+                                            "written (Permission denied)\n")
+    assert supervised.run(str(TINY), []) == 2  # a run's own plan, before services start
+    assert capsys.readouterr().err == ("gristmill: artifact store /sys/gristmill-store: /sys cannot be "
+                                       "written (Permission denied)\n")
+    monkeypatch.setenv("GRISTMILL_STORE", str(tmp_path / "store"))  # the same check passes a folder
+    assert main(["run", str(TINY), "--dry-run"]) == 0 and not (tmp_path / "store").exists()

@@ -120,3 +120,40 @@ def test_yaml_mistakes_name_the_file_or_override_with_line_and_column(tmp_path):
         load_config(TINY, ["collect.sources=[a,"])
     with pytest.raises(ConfigError, match=r"missing\.yaml: no such config file"):
         load_config(tmp_path / "missing.yaml")
+    bad.write_text("name: x\nsft:\n  lr: 0.1\npretrain:\n  max_steps: 3\nsft:\n  max_steps: 2\n")  # PyYAML: last wins
+    with pytest.raises(ConfigError, match=r"bad\.yaml, line 6, column 1: .*'sft' given twice \(first on line 2\)"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"override 'sft=\{lr: 1, lr: 2\}'.*'lr' given twice"):
+        load_config(TINY, ["sft={lr: 1, lr: 2}"])
+    assert load_config(TINY, ["sft={lr: 1, max_steps: 2}"]).sft.max_steps == 2  # distinct keys pass
+
+
+def test_an_empty_config_file_is_an_error_not_the_tiny_defaults(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    for text in ("", "# only a comment\n", "\n\n"):
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty\.yaml: the config file is empty.*configs/tiny\.yaml"):
+            load_config(empty)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("pretrain.max_steps=true", "pretrain.max_steps"), ("sft.lr=false", "sft.lr"),
+    ("pretrain.model.hidden_size=true", "pretrain.model.hidden_size"),
+    ("align={grpo: {max_prompts: true}}", "align.grpo.max_prompts")])  # an `int | None` in a section
+def test_a_boolean_for_a_number_is_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}: the boolean (true|false) given to a "
+                                          "field that takes none"):
+        load_config(TINY, [override])
+
+
+def test_booleans_still_set_boolean_fields():
+    assert load_config(TINY, ["registry.enabled=false"]).registry.enabled is False
+
+
+@pytest.mark.parametrize("override, stage, known", [
+    ("collect.sources=[demo:nope]", "collect", "demo:python-docs"),
+    ("sft.data=[demo:python-docs]", "sft", "demo:arithmetic"),
+    ("align.grpo.prompts=[demo:nope]", "align", "demo:arithmetic")])
+def test_an_unknown_demo_source_is_found_when_the_run_is_planned(tmp_path, override, stage, known):
+    with pytest.raises(ValueError, match=rf"{stage} source '[^']+': unknown demo source \(known: {known}\)"):
+        plan(load_config(TINY, ["align.method=grpo", override]), ArtifactStore(tmp_path))

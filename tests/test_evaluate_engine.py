@@ -256,6 +256,20 @@ def test_a_model_dir_without_tokenizer_is_an_error_naming_it(tiny_model_dir, tmp
     assert code == 2 and not out.exists() and f"{bare}: no tokenizer" in err
 
 
+def test_a_damaged_weights_file_is_an_error_naming_it(tiny_model_dir, tmp_path, shared_data, capsys):
+    """Cut short as by a full disk or an interrupted copy: transformers' own error names no file."""
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for path in tiny_model_dir.iterdir():
+        (damaged / path.name).write_bytes(path.read_bytes())
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code, out = _evaluate(damaged, shared_data / "eval" / "copa" / "copa_part1.jsonl", tmp_path)
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and err.count("\n") == 1
+    assert err.startswith(f"gristmill: {weights}: damaged weights file: ")
+
+
 def test_a_limit_beyond_the_file_scores_all_and_says_so(tiny_model_dir, tmp_path, shared_data, capsys):
     copa = shared_data / "eval" / "copa" / "copa_part1.jsonl"
     small = _jsonl(tmp_path / "small.jsonl", [json.loads(line) for line in copa.read_text().splitlines()[:3]])

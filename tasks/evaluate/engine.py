@@ -37,7 +37,8 @@ class EvalOptions:
 
 def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
     """Model and tokenizer of an HF directory, in float32 (CPU and GPU then agree up to kernel
-    rounding); ValueError naming the directory when it has no tokenizer or no model."""
+    rounding); ValueError naming the directory when it has no tokenizer or no model, or the
+    weights file that is damaged."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,9 +48,23 @@ def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{model_dir}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                          "save one with tokenizer.save_pretrained(DIR)")
+    _check_weights(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     return model, tokenizer
+
+
+def _check_weights(model_dir: Path) -> None:
+    """ValueError naming the first weight file safetensors cannot open (cut short, not safetensors
+    at all): opened here, header and length only, because transformers' own error names no file."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path}: damaged weights file: {error}") from None
 
 
 def _choice(scorer: Any, data: TaskData, options: EvalOptions) -> tuple[dict[str, Any], list[dict[str, Any]]]:

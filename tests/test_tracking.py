@@ -383,3 +383,26 @@ def test_step_metrics_reach_the_run_while_the_stage_computes(tracker, tmp_path, 
             handle.write(json.dumps({"step": 3, "loss": 2.0})[8:] + "\n")
         assert steps_sent(3) == [1, 2, 3]
     assert steps_sent(3) == [1, 2, 3]
+
+
+def test_models_back_filled_at_once_load_whole(tiny_model_dir):
+    """The reused stages' publishers log the SFT and aligned models on threads at once; transformers'
+    loading is not thread-safe (two loads at once put the tied output head on the meta device, and
+    saving it fails). Loads are serialised: every one of many concurrent loads is whole."""
+    import threading
+
+    from infra.tracking.models import load_chat_components
+
+    broken: list[list[str]] = []
+
+    def load() -> None:
+        model = load_chat_components(tiny_model_dir)["model"]
+        broken.append([name for name, param in model.named_parameters(remove_duplicate=False) if param.is_meta])
+
+    for _ in range(8):
+        threads = [threading.Thread(target=load) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(broken) == 16 and not any(broken), broken

@@ -18,6 +18,7 @@ records stages from several threads, and its runs are addressed by id.
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -69,19 +70,32 @@ def chat_model(tracker: Tracker, run_id: str, manifest: Manifest) -> str:
     return find_model(tracker, manifest.stage, manifest.key) or log_chat_model(tracker, run_id, manifest)
 
 
+# transformers' loading is not thread-safe: two models loaded at once in one process (the reused
+# stages' publishers back-filling a tracking server run on threads) come back with their tied
+# output head on the meta device, and saving them fails. One load at a time.
+_LOADING = threading.Lock()
+
+
+def load_chat_components(model_dir: Path) -> dict[str, Any]:
+    """The model and tokenizer of an exported model directory, loaded one process-wide at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _LOADING:
+        return {"model": AutoModelForCausalLM.from_pretrained(model_dir),
+                "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
+
+
 def log_chat_model(tracker: Tracker, run_id: str, manifest: Manifest) -> str:
     """Log `manifest.path / "model"` as a transformers-flavour chat model of run `run_id`."""
     import mlflow.transformers
     from mlflow.models import Model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = manifest.path / "model"
     logged = tracker.client.create_logged_model(tracker.experiment_id, name=f"{manifest.stage}-{manifest.key}",
                                                 source_run_id=run_id,
                                                 tags={STAGE_TAG: manifest.stage, KEY_TAG: manifest.key})
     try:
-        components = {"model": AutoModelForCausalLM.from_pretrained(model_dir),
-                      "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
+        components = load_chat_components(model_dir)
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / "model"
             mlflow.transformers.save_model(

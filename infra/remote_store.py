@@ -105,7 +105,14 @@ class RemoteStore:
             return None
 
     def download(self, stage: str, key: str, files: list[str], into: Path) -> None:
-        """The listed files, then the manifest, into the directory `into`."""
+        """The listed files, then the manifest, into the directory `into`. A manifest is read from
+        the bucket before anything checks it: a listed path that leaves `into` (absolute, or
+        through `..`) is refused before any byte is written."""
+        root = into.resolve()
+        for rel in files:
+            if Path(rel).is_absolute() or not (root / rel).resolve().is_relative_to(root):
+                raise StoreURLError(f"{self.url_of(stage, key)}: its manifest lists {rel!r}, a path outside the "
+                                    "artifact; the bucket's copy is not used (check who can write to the bucket)")
         for rel in files:
             (into / rel).parent.mkdir(parents=True, exist_ok=True)
         self.fs.get([self._path(stage, key, rel) for rel in files], [str(into / rel) for rel in files])

@@ -26,7 +26,7 @@ from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, plan_of
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
 from infra.artifacts import ArtifactStore
-from infra.remote_store import Holder, RemoteStore
+from infra.remote_store import Holder, RemoteStore, StoreURLError
 from tasks.collect.spool import Texts
 
 FILES = {"warc/a.warc.gz": "warc/dolma_wget/sample-0000.warc.gz",
@@ -297,6 +297,23 @@ def test_an_output_exists_on_the_store_once_its_manifest_object_does_and_another
     for rel in manifest.files:
         assert (copy.path / rel).read_bytes() == (manifest.path / rel).read_bytes(), rel
     assert copy.key == KEY and copy.stats == {"n": 1}
+
+
+def test_a_manifest_on_the_bucket_listing_a_path_outside_its_artifact_writes_nothing(s3_server, tmp_path):
+    import boto3
+
+    url = "s3://crawl/store-escape"
+    one, other = _machine(tmp_path, "one", url), _machine(tmp_path, "other", url)
+    one.materialize("collect", KEY, _compute([]))
+    name = f"store-escape/collect/collect-{KEY}/manifest.json"
+    s3 = boto3.client("s3")
+    manifest = json.loads(s3.get_object(Bucket="crawl", Key=name)["Body"].read())
+    manifest["files"]["../../../escaped.bin"] = manifest["files"].pop("docs/part-00000.bin")
+    s3.put_object(Bucket="crawl", Key=name, Body=json.dumps(manifest).encode())
+    s3.put_object(Bucket="crawl", Key=f"store-escape/collect/collect-{KEY}/../../../escaped.bin", Body=b"x")
+    with pytest.raises(StoreURLError, match="a path outside the artifact"):
+        other.remote.download("collect", KEY, list(manifest["files"]), tmp_path / "into")
+    assert not list(tmp_path.rglob("escaped.bin"))
 
 
 def test_an_output_committed_before_the_store_had_a_bucket_goes_there_when_used(s3_server, tmp_path):

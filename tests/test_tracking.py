@@ -406,3 +406,23 @@ def test_models_back_filled_at_once_load_whole(tiny_model_dir):
         for thread in threads:
             thread.join()
     assert len(broken) == 16 and not any(broken), broken
+
+
+def test_artifacts_of_a_sqlite_tracking_uri_live_beside_its_database(tmp_path, monkeypatch):
+    """With MLFLOW_TRACKING_URI naming a SQLite file, artifacts go beside it, never into ./mlruns of
+    the directory a run happens to start in."""
+    from infra import schemas
+    from infra.tracking.runs import Tracker
+
+    db = tmp_path / "tracking" / "mlflow.db"
+    db.parent.mkdir()
+    schemas.seed_mlflow(tmp_path / "home")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    tracker = Tracker(tmp_path / "home")
+    _computed(tracker, tmp_path, "collect", "abc")
+    location = tracker.client.get_experiment(tracker.experiment_id).artifact_location
+    assert location == (db.parent / "mlruns").as_uri()
+    assert not (elsewhere / "mlruns").exists()

@@ -100,15 +100,25 @@ def artifact_input(name: str, manifest: Manifest, source_type: str, context: str
 _EXPERIMENT_IDS: dict[str, str] = {}  # tracking URI -> the pipeline experiment's id, per process
 
 
+def _artifact_location(home: Path) -> str | None:
+    """Where the pipeline experiment keeps its artifacts: under GRISTMILL_HOME with the default
+    store; beside the database when MLFLOW_TRACKING_URI names a SQLite file (MLflow itself would
+    pick ./mlruns of whatever directory the run started in); a tracking server's own choice."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return env.mlflow_artifacts_root(home).as_uri()
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlruns").as_uri()
+    return None
+
+
 def _experiment_id(client: Client, home: Path) -> str:
     """The pipeline experiment's id, looked up (or created) once per process and store."""
     if client.uri not in _EXPERIMENT_IDS:
         experiment = client.get_experiment_by_name(EXPERIMENT)
         if experiment is None:
-            # With the default SQLite store, keep artifacts under GRISTMILL_HOME, not the cwd.
-            location = None if os.environ.get("MLFLOW_TRACKING_URI") else \
-                env.mlflow_artifacts_root(home).as_uri()
-            _EXPERIMENT_IDS[client.uri] = client.create_experiment(EXPERIMENT, artifact_location=location)
+            _EXPERIMENT_IDS[client.uri] = client.create_experiment(EXPERIMENT,
+                                                                   artifact_location=_artifact_location(home))
         else:
             _EXPERIMENT_IDS[client.uri] = experiment.experiment_id
     return _EXPERIMENT_IDS[client.uri]

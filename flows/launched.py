@@ -54,20 +54,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _leave_group() -> None:
-    """Leave the process group before exit: ranks of a launch across machines that exit without
-    it are aborted after their work is done, and their launchers exit non-zero."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
-        _leave_group()
+        from model.parallel import leave_process_group  # here: planning a run imports no torch
+
+        leave_process_group()
 
 
 def _main(argv: Sequence[str] | None) -> int:

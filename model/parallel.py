@@ -43,6 +43,13 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def leave_process_group() -> None:
+    """Leave the process group before a rank exits: ranks that exit without it may be aborted
+    after their work is done (SIGABRT in gloo's teardown), and their launcher then fails."""
+    if distributed():
+        dist.destroy_process_group()
+
+
 def is_rank0() -> bool:
     return not distributed() or dist.get_rank() == 0
 

@@ -37,7 +37,7 @@ from model.data import (
 )
 from model.export import export_model, exports_here
 from model.loop import Batch, mean_token_loss, train
-from model.parallel import launched_world_size
+from model.parallel import is_rank0, launched_world_size, leave_process_group
 from model.plan import flops_per_token
 from model.presets import build_model, count_params
 from tasks.pretrain.config import Config
@@ -133,9 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = Config(**json.loads(args.config))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    result = run(config, args.out_dir, engine=SerialEngine(),
-                 tokenize=Manifest.of_directory("tokenize", args.tokenize_dir))
-    if result.stats["world_size"] == 1 or torch.distributed.get_rank() == 0:
-        (args.out_dir / "summary.json").write_text(json.dumps(result.stats, indent=1) + "\n")
+    try:
+        result = run(config, args.out_dir, engine=SerialEngine(),
+                     tokenize=Manifest.of_directory("tokenize", args.tokenize_dir))
+        if is_rank0():
+            (args.out_dir / "summary.json").write_text(json.dumps(result.stats, indent=1) + "\n")
+    finally:
+        leave_process_group()
     return 0
 

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, committed_files, gristmill, manifest_files
 
@@ -22,12 +23,22 @@ pytestmark = pytest.mark.slow
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 900) -> None:
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 900, poll_s: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the fault point"
         assert time.monotonic() < deadline, "fault point not reached"
-        time.sleep(0.2)
+        time.sleep(poll_s)
+
+
+def _freeze(supervisor: int) -> list[int]:
+    """SIGSTOP the supervisor's process group, then its pipeline child's (a session of its own);
+    return the groups, the child's first, in the order they are to be resumed."""
+    os.killpg(supervisor, signal.SIGSTOP)
+    groups = [os.getpgid(child.pid) for child in psutil.Process(supervisor).children()]
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    return [*groups, supervisor]
 
 
 def _interrupt(home: Path, overrides: list[str], stage: str, ready, signum: int,
@@ -35,21 +46,26 @@ def _interrupt(home: Path, overrides: list[str], stage: str, ready, signum: int,
     """Start a run (with the external `services`, else the embedded ones), wait until
     `ready(partial_dir)` and `settle_s` more, send `signum` the way a user does (Ctrl-C: to the
     terminal's process group; SIGTERM: to the process), check how it stopped, and return what the
-    run printed."""
+    run printed. The job is frozen (SIGSTOP) at the fault point while its processes are listed, and
+    the signal lands as it resumes: a stage as short as the tiny tokenizer's cannot finish in between."""
     log = home.parent / f"{stage}-{signum}.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml",
                                  *overrides, "--until", "sft"], cwd=REPO, env=cli_env(home, services),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         stage_dir = home / "artifacts" / stage
-        _wait_for(lambda: any(ready(p) for p in stage_dir.glob("*.partial")), proc)
+        _wait_for(lambda: any(ready(p) for p in stage_dir.glob("*.partial")), proc, poll_s=0.02)
         time.sleep(settle_s)
+        frozen = _freeze(proc.pid)
+        assert list(stage_dir.glob("*.partial")), "the stage ended before the fault point"
         processes = process_tree(proc.pid)  # the supervisor, the pipeline, Prefect's server, Ray
         started = time.monotonic()
         if signum == signal.SIGINT:
             os.killpg(proc.pid, signum)
         else:
             proc.send_signal(signum)
+        for group in frozen:
+            os.killpg(group, signal.SIGCONT)
         rc = proc.wait(timeout=60)
         seconds = time.monotonic() - started
     text = log.read_text()

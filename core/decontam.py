@@ -52,15 +52,15 @@ class DecontamConfig(BaseModel):
         default_factory=list,
         description="Evaluation sets: files (.jsonl, .jsonl.gz, .parquet) or folders of them. "
                     "The benchmark name is the folder name, or the file name without suffixes.")
-    ngram_words: int = Field(13, ge=1, description="N-gram length in normalized words "
+    ngram_words: int = Field(default=13, ge=1, description="N-gram length in normalized words "
                                                    "(13 as in GPT-3 and OLMo).")
     min_overlapping_ngrams: int = Field(
-        1, ge=1, description="Distinct shared n-grams that flag a document for an item (an item "
+        default=1, ge=1, description="Distinct shared n-grams that flag a document for an item (an item "
                              "with fewer n-grams needs all of them).")
     min_item_words: int = Field(
-        5, ge=1, description="Items with fewer normalized words are not indexed: a 1-4 word text "
+        default=5, ge=1, description="Items with fewer normalized words are not indexed: a 1-4 word text "
                              "('yes', 'a marsh') occurs in countless unrelated documents.")
-    max_docs_listed: int = Field(20, ge=0, description="Document ids listed per found item in "
+    max_docs_listed: int = Field(default=20, ge=0, description="Document ids listed per found item in "
                                                        "the report (the counts are complete).")
 
 

@@ -58,9 +58,9 @@ Outcome = Literal["passed", "approved", "rejected", "stopped"]
 class GateReview(RunInput):
     """What a person answers on the paused run's Resume form."""
 
-    approve: bool = Field(False, description="On: go on with this data. Off: reject it; the run fails "
+    approve: bool = Field(default=False, description="On: go on with this data. Off: reject it; the run fails "
                                              "with your comment as the reason.")
-    comment: str = Field("", description="Why; recorded in Prefect, MLflow and the report card.")
+    comment: str = Field(default="", description="Why; recorded in Prefect, MLflow and the report card.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,7 @@ class NotifyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    webhook: str | None = Field(None, description="Where the webhook URL is kept: 'env:VARIABLE' "
+    webhook: str | None = Field(default=None, description="Where the webhook URL is kept: 'env:VARIABLE' "
                                                   "or 'prefect-secret:BLOCK'. None: Prefect "
                                                   "events only.")
 

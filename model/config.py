@@ -22,13 +22,13 @@ LLAMA_LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class ModelConfig(StageConfig):
     """Shape of a Llama-style decoder; the defaults (about 0.5M non-embedding parameters) suit a CPU."""
 
-    hidden_size: int = Field(128, gt=0, description="Width of the residual stream (model dimension).")
-    num_layers: int = Field(2, gt=0, description="Number of transformer blocks.")
-    num_heads: int = Field(4, gt=0, description="Attention heads per block (no grouped-query sharing).")
-    intermediate_size: int = Field(512, gt=0, description="Hidden width of the SwiGLU MLP.")
-    max_seq_len: int = Field(256, gt=1, description="Longest sequence in tokens the model is trained for "
+    hidden_size: int = Field(default=128, gt=0, description="Width of the residual stream (model dimension).")
+    num_layers: int = Field(default=2, gt=0, description="Number of transformer blocks.")
+    num_heads: int = Field(default=4, gt=0, description="Attention heads per block (no grouped-query sharing).")
+    intermediate_size: int = Field(default=512, gt=0, description="Hidden width of the SwiGLU MLP.")
+    max_seq_len: int = Field(default=256, gt=1, description="Longest sequence in tokens the model is trained for "
                                                     "(RoPE max_position_embeddings).")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
@@ -48,39 +48,39 @@ class LoopConfig(TrainConfig):
     unhashed_fields: ClassVar[frozenset[str]] = (
         TrainConfig.unhashed_fields | {"eval_every", "compile", "peak_tflops", "fsdp"})
 
-    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches each step's batch is split into "
+    grad_accum_steps: int = Field(default=1, gt=0, description="Micro-batches each step's batch is split into "
                                                        "(a memory knob; batch_size must divide evenly).")
     tokens_per_step: int | None = Field(
-        None, gt=0, description="Tokens per optimizer step, all processes together (the global batch, the "
+        default=None, gt=0, description="Tokens per optimizer step, all processes together (the global batch, the "
                                 "same whatever the process count). When set, batch_size is the micro-batch "
                                 "(sequences per process per forward pass) and the accumulation follows: "
                                 "tokens_per_step / (processes * batch_size * seq_len), which must be whole.")
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw: AdamW for every parameter. muon: Muon for the transformer blocks' "
+        default="adamw", description="adamw: AdamW for every parameter. muon: Muon for the transformer blocks' "
                              "matrices, AdamW for the embedding, norms and biases, with one lr and "
                              "weight_decay (model/optim.py).")
-    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon only: Muon's Nesterov momentum.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine floor).")
+    muon_momentum: float = Field(default=0.95, ge=0, lt=1, description="muon only: Muon's Nesterov momentum.")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine floor).")
     schedule: Literal["cosine", "wsd"] = Field(
-        "cosine", description="LR after warmup: cosine decay to the floor, or wsd (warmup-stable-decay: "
+        default="cosine", description="LR after warmup: cosine decay to the floor, or wsd (warmup-stable-decay: "
                               "constant, then linear decay over the last decay_frac of the steps).")
-    decay_frac: float = Field(0.2, ge=0, le=1, description="wsd only: share of max_steps spent decaying.")
-    eval_every: int = Field(50, ge=0, description="Run the stage's evaluation every N steps "
+    decay_frac: float = Field(default=0.2, ge=0, le=1, description="wsd only: share of max_steps spent decaying.")
+    eval_every: int = Field(default=50, ge=0, description="Run the stage's evaluation every N steps "
                                                    "(and always at the end); 0: only at the end.")
-    compile: bool = Field(False, description="torch.compile each decoder block (inductor). Pays off on GPU; "
+    compile: bool = Field(default=False, description="torch.compile each decoder block (inductor). Pays off on GPU; "
                                              "on a CPU it adds ~30 s of compilation and gains nothing.")
-    fsdp: bool = Field(False, description="Shard each decoder block's weights, gradients and optimizer state "
+    fsdp: bool = Field(default=False, description="Shard each decoder block's weights, gradients and optimizer state "
                                           "over the data-parallel processes (FSDP2, applied by the training "
                                           "loop; bf16 compute, fp32 gradient reduction). Same result as "
                                           "replicas up to reduction order (operational).")
     peak_tflops: float | None = Field(
-        None, gt=0, description="Peak FLOP/s (in TFLOP/s) of one device, for the logged MFU. None: known "
+        default=None, gt=0, description="Peak FLOP/s (in TFLOP/s) of one device, for the logged MFU. None: known "
                                 "GPUs by name (bf16 dense), no MFU on CPU.")
-    spike_zscore: float = Field(6.0, ge=0, description="Roll back when a step's loss exceeds the rolling mean "
+    spike_zscore: float = Field(default=6.0, ge=0, description="Roll back when a step's loss exceeds the rolling mean "
                                                         "by this many standard deviations; 0 disables.")
-    spike_window: int = Field(50, gt=1, description="Steps of loss history the spike mean/std are taken over "
+    spike_window: int = Field(default=50, gt=1, description="Steps of loss history the spike mean/std are taken over "
                                                     "(no spike check until the window is full).")
-    max_rollbacks: int = Field(3, ge=0, description="Rollbacks (spike or non-finite loss/grad) allowed before "
+    max_rollbacks: int = Field(default=3, ge=0, description="Rollbacks (spike or non-finite loss/grad) allowed before "
                                                     "the run stops with an error; 0: stop at the first.")
 
     @model_validator(mode="after")
@@ -113,9 +113,9 @@ class LoopConfig(TrainConfig):
 class LoraConfig(StageConfig):
     """Low-rank adapter shape and regularisation (the knobs of PEFT's LoraConfig that matter)."""
 
-    rank: int = Field(8, gt=0, description="Rank r of each adapter (A is r x in, B is out x r).")
-    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    rank: int = Field(default=8, gt=0, description="Rank r of each adapter (A is r x in, B is out x r).")
+    alpha: float = Field(default=16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
     target_modules: list[str] = Field(
         default_factory=lambda: list(LLAMA_LINEAR_MODULES), min_length=1,
         description="Names of the linear submodules that get adapters (Llama: q/k/v/o_proj, gate/up/down_proj).")
@@ -126,18 +126,21 @@ class PPOConfig(TrainConfig):
     batch_size = prompts sampled per PPO step, warmup_frac, AdamW, grad_clip per update, seed,
     checkpoints). Clip ranges, vf_coef, kl_coef, gamma and lam default to TRL 0.x's PPOConfig."""
 
-    minibatch_size: int = Field(4, ge=1, description="Responses per optimizer update; divides batch_size.")
-    ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout's minibatches.")
-    clip_range: float = Field(0.2, gt=0, description="Policy ratio clip: ratios outside 1 +- this give no gradient.")
-    value_clip_range: float = Field(0.2, gt=0, description="How far a value may move from its rollout value "
+    minibatch_size: int = Field(default=4, ge=1, description="Responses per optimizer update; divides batch_size.")
+    ppo_epochs: int = Field(default=4, ge=1, description="Passes over each rollout's minibatches.")
+    clip_range: float = Field(default=0.2, gt=0, description=(
+        "Policy ratio clip: ratios outside 1 +- this give no gradient."))
+    value_clip_range: float = Field(default=0.2, gt=0, description="How far a value may move from its rollout value "
                                                             "before the clipped value loss takes over.")
-    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss.")
-    kl_coef: float = Field(0.05, ge=0, description="beta: per-token reward penalty per nat of log(pi / pi_ref).")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount per response token.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1) of the advantages.")
-    max_new_tokens: int = Field(32, ge=1, description="Longest sampled response, in tokens.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are of logits / temperature.")
-    missing_eos_penalty: float = Field(0.0, ge=0, description=(
+    vf_coef: float = Field(default=0.1, ge=0, description="Weight of the value loss in the total loss.")
+    kl_coef: float = Field(default=0.05, ge=0, description=(
+        "beta: per-token reward penalty per nat of log(pi / pi_ref)."))
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount per response token.")
+    lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1) of the advantages.")
+    max_new_tokens: int = Field(default=32, ge=1, description="Longest sampled response, in tokens.")
+    temperature: float = Field(default=1.0, gt=0, description=(
+        "Sampling temperature; log-probs are of logits / temperature."))
+    missing_eos_penalty: float = Field(default=0.0, ge=0, description=(
         "Subtracted from the score of a response cut at max_new_tokens before it ended its turn; 0: none."))
 
     @model_validator(mode="after")

@@ -48,89 +48,89 @@ class CleaningConfig(StageConfig):
     the demo's package docs)."""
 
     blocked_domains: tuple[str, ...] = Field(
-        (), description="Drop documents whose URL host is one of these domains or a subdomain "
+        default=(), description="Drop documents whose URL host is one of these domains or a subdomain "
                         "of one ('example.com' blocks 'ads.example.com', not 'myexample.com').")
     blocked_url_substrings: tuple[str, ...] = Field(
-        (), description="Drop documents whose lowercased URL contains one of these strings.")
+        default=(), description="Drop documents whose lowercased URL contains one of these strings.")
     allowed_languages: tuple[str, ...] | None = Field(
-        ("en",), description="Keep only documents whose most likely language (fastText "
+        default=("en",), description="Keep only documents whose most likely language (fastText "
                              "lid.176 code: 'en', 'de', 'no' for Norwegian Bokmål...) is one of "
                              "these; None keeps every language. English: FineWeb's, and the "
                              "language the Gopher, FineWeb and C4 rules below are written for "
                              "(stop words, sentence splitting; datatrove's blocks default to it).")
     min_language_score: float = Field(
-        0.65, ge=0, le=1,
+        default=0.65, ge=0, le=1,
         description="Drop documents whose top language probability is below this: 0.65, "
                     "FineWeb's and datatrove's LanguageFilter's. Markdown/reST package docs (the "
                     "demo source) mix prose with code, which fastText scores lower: of the 467 demo "
                     "documents the tiny preset keeps, 0.65 drops 24; tiny sets 0.5.")
-    c4_filter: bool = Field(True, description="Apply C4's page rules (the c4_* fields).")
+    c4_filter: bool = Field(default=True, description="Apply C4's page rules (the c4_* fields).")
     c4_min_sentences: int = Field(
-        5, ge=0, description="C4: drop pages with fewer sentences on lines that pass the line "
+        default=5, ge=0, description="C4: drop pages with fewer sentences on lines that pass the line "
                              "rules below (0: off).")
     c4_min_words_per_line: int = Field(
-        3, ge=0, description="C4: lines with fewer whitespace words do not count as prose.")
+        default=3, ge=0, description="C4: lines with fewer whitespace words do not count as prose.")
     c4_max_word_chars: int = Field(
-        1000, ge=1, description="C4: lines with a longer word do not count as prose.")
+        default=1000, ge=1, description="C4: lines with a longer word do not count as prose.")
     c4_require_terminal_punct: bool = Field(
-        True, description="C4: only lines ending in . ? ! \" or ' (not '...') count as prose "
+        default=True, description="C4: only lines ending in . ? ! \" or ' (not '...') count as prose "
                           "(C4's rule, on in datatrove's C4QualityFilter; FineWeb's recipe turns "
                           "it off). C4 had one paragraph per line (text of HTML pages); "
                           "hard-wrapped Markdown/reST (the demo source) splits sentences across "
                           "lines, so it finds 2 sentences in Flask's README and drops 39 of the 467 "
                           "demo documents the tiny preset keeps; tiny turns it off.")
     c4_drop_lorem_ipsum: bool = Field(
-        True, description="C4: drop pages containing 'lorem ipsum' (placeholder text).")
+        default=True, description="C4: drop pages containing 'lorem ipsum' (placeholder text).")
     c4_drop_curly_bracket: bool = Field(
-        True, description="C4: drop pages with '{' on a prose line, C4's way to remove code (on "
+        default=True, description="C4: drop pages with '{' on a prose line, C4's way to remove code (on "
                           "in datatrove's C4QualityFilter). Code examples are wanted in the demo "
                           "source (package docs): it drops 294 of the 467 demo documents the tiny "
                           "preset keeps; tiny turns it off.")
     c4_skip_javascript_lines: bool = Field(
-        True, description="C4: lines mentioning 'javascript' (\"please enable JavaScript\") "
+        default=True, description="C4: lines mentioning 'javascript' (\"please enable JavaScript\") "
                           "do not count as prose.")
     c4_skip_policy_lines: bool = Field(
-        True, description="C4: lines about cookies, terms of use or privacy policy do not count "
+        default=True, description="C4: lines about cookies, terms of use or privacy policy do not count "
                           "as prose.")
-    fineweb_filter: bool = Field(True, description="Apply FineWeb's rules (the fineweb_* fields).")
+    fineweb_filter: bool = Field(default=True, description="Apply FineWeb's rules (the fineweb_* fields).")
     fineweb_min_punct_line_frac: float = Field(
-        0.12, ge=0, le=1,
+        default=0.12, ge=0, le=1,
         description="FineWeb: drop if fewer than this fraction of non-empty lines end in "
                     "terminal punctuation: FineWeb's 0.12. In package docs code, headings and "
                     "tables end without it (median 0.16): of the 467 demo documents the tiny "
                     "preset keeps, 0.12 drops 87; tiny sets 0.05.")
     fineweb_max_short_line_frac: float = Field(
-        0.67, ge=0, le=1, description="FineWeb: drop if more than this fraction of non-empty "
+        default=0.67, ge=0, le=1, description="FineWeb: drop if more than this fraction of non-empty "
                                       "lines are short (see fineweb_short_line_chars).")
     fineweb_short_line_chars: int = Field(
-        30, ge=1, description="FineWeb: a line of at most this many characters is short.")
+        default=30, ge=1, description="FineWeb: a line of at most this many characters is short.")
     fineweb_max_duplicate_line_char_frac: float = Field(
-        0.01, ge=0, le=1,
+        default=0.01, ge=0, le=1,
         description="FineWeb: drop if lines repeating an earlier line hold more than this "
                     "fraction of the characters: FineWeb's 0.01. Docs repeat '```', reST "
                     "underlines and 'Parameters' headers (median 0.009): of the 467 demo "
                     "documents the tiny preset keeps, 0.01 drops 135; tiny sets 0.1.")
     fineweb_max_newlines_per_word: float = Field(
-        0.3, ge=0, description="FineWeb: drop if newlines per word exceed this (lists, menus).")
+        default=0.3, ge=0, description="FineWeb: drop if newlines per word exceed this (lists, menus).")
     # Gopher quality rules (datatrove GopherQualityFilter). "Words" are spaCy tokens that are not
     # pure punctuation; datatrove skips a check whose threshold is 0.
-    min_words: int = Field(50, ge=1, description="Drop documents with fewer words.")
-    max_words: int = Field(100_000, ge=1, description="Drop documents with more words.")
+    min_words: int = Field(default=50, ge=1, description="Drop documents with fewer words.")
+    max_words: int = Field(default=100_000, ge=1, description="Drop documents with more words.")
     min_mean_word_len: float = Field(
-        3.0, ge=0, description="Drop if the mean word length (characters) is below this.")
+        default=3.0, ge=0, description="Drop if the mean word length (characters) is below this.")
     max_mean_word_len: float = Field(
-        10.0, ge=0, description="Drop if the mean word length (characters) is above this.")
+        default=10.0, ge=0, description="Drop if the mean word length (characters) is above this.")
     max_symbol_word_ratio: float = Field(
-        0.1, ge=0, description="Drop if '#' occurrences, or '...'/'…' occurrences, per word "
+        default=0.1, ge=0, description="Drop if '#' occurrences, or '...'/'…' occurrences, per word "
                                "exceed this.")
     max_bullet_line_frac: float = Field(
-        0.9, ge=0, le=1, description="Drop if more than this fraction of lines start with a "
+        default=0.9, ge=0, le=1, description="Drop if more than this fraction of lines start with a "
                                      "bullet ('•' or '-').")
     max_ellipsis_line_frac: float = Field(
-        0.3, ge=0, le=1,
+        default=0.3, ge=0, le=1,
         description="Drop if more than this fraction of lines end with '...' or '…'.")
     min_alpha_word_frac: float = Field(
-        0.8, ge=0, le=1,
+        default=0.8, ge=0, le=1,
         description="Drop if fewer than this fraction of tokens contain a letter: Gopher's 0.8. "
                     "Gopher set it on whitespace words; datatrove counts every punctuation mark "
                     "as a token, so web prose scores 0.75-0.95 but Markdown/reST package docs "
@@ -138,31 +138,31 @@ class CleaningConfig(StageConfig):
                     "preset keeps, 0.8 drops 460; tiny sets 0.5, which still drops number "
                     "tables and code dumps.")
     min_stop_words: int = Field(
-        2, ge=0, description="Drop if fewer than this many distinct English stop words "
+        default=2, ge=0, description="Drop if fewer than this many distinct English stop words "
                              "(the, be, to, of, and, that, have, with) occur.")
     # Gopher repetition rules (datatrove GopherRepetitionFilter), Rae et al. 2021 Table A1.
     max_duplicate_line_frac: float = Field(
-        0.3, ge=0, le=1,
+        default=0.3, ge=0, le=1,
         description="Drop if more than this fraction of lines repeat an earlier line.")
     max_duplicate_para_frac: float = Field(
-        0.3, ge=0, le=1, description="Drop if more than this fraction of paragraphs (split at "
+        default=0.3, ge=0, le=1, description="Drop if more than this fraction of paragraphs (split at "
                                      "blank lines) repeat an earlier paragraph.")
     max_duplicate_line_char_frac: float = Field(
-        0.2, ge=0, le=1,
+        default=0.2, ge=0, le=1,
         description="Drop if repeated lines hold more than this fraction of the characters.")
     max_duplicate_para_char_frac: float = Field(
-        0.2, ge=0, le=1,
+        default=0.2, ge=0, le=1,
         description="Drop if repeated paragraphs hold more than this fraction of the characters.")
     max_top_ngram_char_frac: tuple[NgramFrac, ...] = Field(
-        ((2, 0.2), (3, 0.18), (4, 0.16)),
+        default=((2, 0.2), (3, 0.18), (4, 0.16)),
         description="(n, frac) pairs: drop if the most frequent word n-gram, times its count, "
                     "covers more than frac of the characters.")
     max_duplicate_ngram_char_frac: tuple[NgramFrac, ...] = Field(
-        ((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)),
+        default=((5, 0.15), (6, 0.14), (7, 0.13), (8, 0.12), (9, 0.11), (10, 0.10)),
         description="(n, frac) pairs: drop if repeated word n-grams cover more than frac of "
                     "the characters.")
     pii_kinds: tuple[PiiKind, ...] = Field(
-        PII_KINDS, description="Personal data replaced in kept documents: email -> <EMAIL>, "
+        default=PII_KINDS, description="Personal data replaced in kept documents: email -> <EMAIL>, "
                                "ip_address -> <IP_ADDRESS>, iban -> <IBAN>, credit_card -> "
                                "<CREDIT_CARD>, phone -> <PHONE> (see pii.py); () turns "
                                "scrubbing off.")
@@ -222,35 +222,35 @@ class Config(CleaningConfig):
 
     sources: list[str] = Field(
         default_factory=lambda: [demo_crawl.DEMO_SOURCE],
-        description="Inputs, in order: 'demo:python-docs' (docs of installed Python packages), "
+        description="Inputs, in order: 'demo:python-docs' (docs of the Python packages gristmill pins), "
                     "'cc:<crawl id>[?files=N][&kind=warc|wet][&seed=S]' (Common Crawl, e.g. "
                     "'cc:CC-MAIN-2024-22?files=2&kind=wet'), or files, directories or globs on "
                     "any fsspec filesystem of .warc[.gz], .wet[.gz], .jsonl[.gz|.zst], .json.gz, "
                     ".parquet, .arrow (a `datasets` save_to_disk dir), .txt[.gz|.zst].")
-    cc_base_url: str = Field(DEFAULT_BASE_URL, description="Where 'cc:' files are fetched from "
+    cc_base_url: str = Field(default=DEFAULT_BASE_URL, description="Where 'cc:' files are fetched from "
                                                            "(a mirror serves the same files).")
-    download_retries: int = Field(5, ge=0, description="Retries of a failing download.")
-    download_timeout_s: float = Field(60.0, gt=0, description="Socket timeout of a download, s.")
-    max_doc_bytes: int = Field(10_000_000, ge=1, description="Records larger than this are "
+    download_retries: int = Field(default=5, ge=0, description="Retries of a failing download.")
+    download_timeout_s: float = Field(default=60.0, gt=0, description="Socket timeout of a download, s.")
+    max_doc_bytes: int = Field(default=10_000_000, ge=1, description="Records larger than this are "
                                                              "skipped (skipped_too_large).")
     max_docs_per_source: int | None = Field(
-        None, ge=1,
+        default=None, ge=1,
         description="Cap on documents extracted per source, in input order (None: all).")
     quality: QualityConfig = Field(default_factory=QualityConfig,
                                    description="Model-based quality score (off by default).")
-    near_dedup: bool = Field(True, description="Remove MinHash-LSH near-duplicates (the `dedup` "
+    near_dedup: bool = Field(default=True, description="Remove MinHash-LSH near-duplicates (the `dedup` "
                                                "settings); exact duplicates always go.")
     dedup: DedupConfig = Field(default_factory=DedupConfig, description="MinHash-LSH settings.")
     dedup_index_from: str | None = Field(
-        None, description="An earlier collect artifact dir: documents near-duplicating anything "
+        default=None, description="An earlier collect artifact dir: documents near-duplicating anything "
                           "in its dedup_index/ are removed too, without re-reading its inputs "
                           "(incremental refresh). Its index is carried into this one.")
     decontam: DecontamConfig = Field(default_factory=DecontamConfig,
                                      description="Benchmark decontamination (off: no eval sets).")
     mix: MixConfig = Field(default_factory=MixConfig, description="Per-source weights and budgets.")
     docs_per_shard: int = Field(
-        10_000, ge=1, description="Documents per output docs/part-*.jsonl.gz file.")
-    review_samples: int = Field(20, ge=0, description="Documents (or quarantined records) kept "
+        default=10_000, ge=1, description="Documents per output docs/part-*.jsonl.gz file.")
+    review_samples: int = Field(default=20, ge=0, description="Documents (or quarantined records) kept "
                                                       "per drop reason in review/ for inspection.")
     gates: GatesConfig = Field(
         default_factory=GatesConfig,
@@ -258,10 +258,10 @@ class Config(CleaningConfig):
                     "for a person to approve or reject (docs/operations.md#data-gates). Not hashed: they "
                     "change no output.")
     num_workers: int = Field(
-        2, ge=1,
+        default=2, ge=1,
         description="Parallel workers the engine may use (not hashed: output is the same).")
     unit_mb: float = Field(
-        64.0, gt=0,
+        default=64.0, gt=0,
         description="Size of a work unit, MB on disk: a larger input file is read by several "
                     "units in parallel (plain .jsonl in line-aligned byte ranges, WARC/WET in "
                     "runs of whole records, Parquet in runs of row groups); a smaller one, a "
@@ -277,8 +277,8 @@ class Config(CleaningConfig):
 
 
 def fingerprint(config: Config) -> str:
-    """Digest of the inputs: every input file's content, the installed packages (demo: versions,
-    and the documentation files of editable installs), the crawl files chosen ('cc:' files never
+    """Digest of the inputs: every input file's content, the demo corpus's content (the pinned
+    distributions' documents: demo_crawl.corpus_digest), the crawl files chosen ('cc:' files never
     change), eval sets, reference text (or the quality model trained before) and the earlier dedup
     index."""
     extra = [*config.decontam.eval_sets]
@@ -287,5 +287,5 @@ def fingerprint(config: Config) -> str:
     if config.dedup_index_from:
         extra.append(str(Path(config.dedup_index_from) / DEDUP_INDEX_DIR))
     inputs = fingerprint_sources(config.sources, SUPPORTED_SUFFIXES,
-                                 demo_digest=lambda _: demo_crawl.installed_state())
+                                 demo_digest=lambda _: demo_crawl.corpus_digest().sha256)
     return hashlib.sha256(f"{inputs} {fingerprint_sources(extra)}".encode()).hexdigest()

@@ -72,7 +72,7 @@ class DedupConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    shingle_words: int = Field(5, ge=1, description="Words per shingle (word n-gram size).")
+    shingle_words: int = Field(default=5, ge=1, description="Words per shingle (word n-gram size).")
     # A pair of Jaccard similarity s shares a bucket in at least one band of one layout with
     # probability about 1 - (1 - s**rows)**(bands * band_layouts) (the second layout's bands
     # share one value with each of `rows` first-layout bands, so they are nearly independent):
@@ -83,22 +83,22 @@ class DedupConfig(BaseModel):
     # two, 0.98-0.99 with two checked at 0.55 (datatrove at 18 x 6, no check: 0.955-0.972).
     # Below 0.55 the labelled set gains little and real pages sharing only a site's navigation
     # (0.49 in that set) come close.
-    bands: int = Field(18, ge=1, description="LSH bands; bands x rows = hash permutations.")
-    rows: int = Field(6, ge=1, description="Signature values per band (all must match for two "
+    bands: int = Field(default=18, ge=1, description="LSH bands; bands x rows = hash permutations.")
+    rows: int = Field(default=6, ge=1, description="Signature values per band (all must match for two "
                                            "documents to share the band's bucket).")
-    band_layouts: int = Field(2, ge=1, le=2, description="Ways the signature is cut into bands "
+    band_layouts: int = Field(default=2, ge=1, le=2, description="Ways the signature is cut into bands "
                                                          "(1: consecutive values; 2: also one "
                                                          "value of each of `rows` bands).")
-    threshold: float = Field(0.55, gt=0, le=1, description="Jaccard similarity of shingle sets "
+    threshold: float = Field(default=0.55, gt=0, le=1, description="Jaccard similarity of shingle sets "
                                                             "at or above which two documents are "
                                                             "near-duplicates (exact for two input "
                                                             "documents, estimated from the "
                                                             "signatures against the index).")
-    seed: int = Field(1, ge=0, description="Seed of the hash permutations. Signatures (and a "
+    seed: int = Field(default=1, ge=0, description="Seed of the hash permutations. Signatures (and a "
                                            "persisted index) are comparable only under one seed.")
-    chunk_docs: int = Field(1024, ge=1, description="Documents per signature task (independent "
+    chunk_docs: int = Field(default=1024, ge=1, description="Documents per signature task (independent "
                                                     "of the worker count; results do not change).")
-    partition_mb: float = Field(16, gt=0, description="Spilled rows per partition task: near "
+    partition_mb: float = Field(default=16, gt=0, description="Spilled rows per partition task: near "
                                                        "dedup's bucket rows (18 bytes a band of a "
                                                        "document, index included) and exact "
                                                        "dedup's hashes (24 bytes a document); "

@@ -72,7 +72,7 @@ class QualityConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(False, description="Train the model and drop low-scoring documents "
+    enabled: bool = Field(default=False, description="Train the model and drop low-scoring documents "
                                              "(off by default: it needs a reference that "
                                              "matches the crawl's subject).")
     reference: list[str] = Field(
@@ -81,23 +81,23 @@ class QualityConfig(BaseModel):
                     f"'text', .parquet, ...; .txt files are cut into ~{REFERENCE_DOC_WORDS}-word "
                     f"documents), or '{DEMO_STDLIB}' (offline; pairs with the demo crawl).")
     threshold: float = Field(
-        0.02, ge=0, le=1,
+        default=0.02, ge=0, le=1,
         description="Drop documents whose probability of being reference-like is below this. "
                     "The classes are balanced, so 0.5 keeps only crawl documents that look more "
                     "like the reference than like the crawl (DCLM-style, a few percent); on the "
                     "demo pairing (cross-fit) 0.5 kept 5%, 0.1 23%, 0.02 67%, 0.01 88% of the "
                     "crawl.")
-    ngram_buckets: int = Field(1 << 18, ge=16, description="Hash buckets of word uni+bigrams.")
-    epochs: int = Field(20, ge=1, description="SGD passes over the training documents.")
-    lr: float = Field(1.0, gt=0, description="SGD learning rate (features are L2-normalized).")
-    l2: float = Field(1e-4, ge=0, description="L2 penalty on the weights, per step.")
-    max_train_docs: int = Field(20_000, ge=2, description="Cap per class on training documents "
+    ngram_buckets: int = Field(default=1 << 18, ge=16, description="Hash buckets of word uni+bigrams.")
+    epochs: int = Field(default=20, ge=1, description="SGD passes over the training documents.")
+    lr: float = Field(default=1.0, gt=0, description="SGD learning rate (features are L2-normalized).")
+    l2: float = Field(default=1e-4, ge=0, description="L2 penalty on the weights, per step.")
+    max_train_docs: int = Field(default=20_000, ge=2, description="Cap per class on training documents "
                                                           "(a seeded sample).")
-    heldout_fraction: float = Field(0.2, ge=0, lt=1, description="Fraction of each class held "
+    heldout_fraction: float = Field(default=0.2, ge=0, lt=1, description="Fraction of each class held "
                                                                  "out to measure the model.")
-    seed: int = Field(0, description="Seed of sampling, the held-out split and SGD order.")
+    seed: int = Field(default=0, description="Seed of sampling, the held-out split and SGD order.")
     model: str | None = Field(
-        None, description="A model saved by an earlier run (the `quality_model` folder of its "
+        default=None, description="A model saved by an earlier run (the `quality_model` folder of its "
                           "collect artifact; a path or URL): the work units score each document "
                           "with it as they clean it, and nothing is trained (`reference` and the "
                           "training settings are unused). Without it the model is trained on "

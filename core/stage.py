@@ -13,7 +13,9 @@ datatrove...); stage.py is imported when the stage computes.
 
 `run` receives each upstream stage's committed `Manifest` as the keyword argument named after that
 stage (`def run(config, out_dir, *, engine, tokenize: Manifest)`); its keyword parameters besides
-`engine` are its upstream stages, and the table's entry must name the same ones. `out_dir` is the
+`engine` are its upstream stages, and the table's entry must name the same ones. `StageRun` is this
+contract as a type: the table's entries are typed with it, so the type checker holds every `run`
+to its entry's config type (flows/stages.py). `out_dir` is the
 only place the stage may write (it is a `.partial` directory that survives a crash, so a long stage
 can keep checkpoints there and resume). Stages import neither Prefect nor MLflow: the flow layer
 wraps them with the artifact store and tracking.
@@ -38,6 +40,8 @@ METRICS_FILE = "metrics.jsonl"
 
 T = TypeVar("T")
 R = TypeVar("R")
+# The config type of a stage's `run`: it takes that type (and no other stage's), hence contravariant.
+ConfigT = TypeVar("ConfigT", bound="StageConfig", contravariant=True)
 _map_log = logging.getLogger("gristmill.map")
 
 
@@ -97,6 +101,17 @@ class Engine(Protocol):
     """Runs a picklable function over items, in parallel where it can, results in input order."""
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]: ...
+
+
+class StageRun(Protocol[ConfigT]):
+    """A stage's `run`: `run(config, out_dir, *, engine, **upstream) -> StageResult`.
+
+    The config type, `out_dir`, the `engine` keyword and the result are checked statically. The
+    upstream keywords are named by the stage table's entry, which is data: the checker takes them
+    as given (`*_: Any, **upstream: Any`), and the table checks their names when it loads `run`."""
+
+    def __call__(self, config: ConfigT, out_dir: Path, /, *_: Any, engine: Engine,
+                 **upstream: Any) -> StageResult: ...
 
 
 def worker_dir(engine: Engine, local: Path) -> str:

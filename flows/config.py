@@ -11,13 +11,16 @@ import inspect
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from core.stage import StageConfig
 from flows.notify import NotifyConfig
-from flows.stages import STAGES, StageSpec, checked
+from flows.stages import ALIGN, STAGES, StageSpec, checked
+
+C = TypeVar("C", bound=StageConfig)
 
 
 class ConfigError(ValueError):
@@ -30,12 +33,12 @@ class RegistryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(True, description="Register the aligned model of every run that reaches evaluate "
+    enabled: bool = Field(default=True, description="Register the aligned model of every run that reaches evaluate "
                                             "(alias 'candidate'); false: leave the registry alone.")
-    model_name: str | None = Field(None, description="Registered model name; None: 'gristmill-<name>', one "
+    model_name: str | None = Field(default=None, description="Registered model name; None: 'gristmill-<name>', one "
                                                      "model per pipeline configuration.")
     promote_on: list[str] = Field(
-        ["aligned.arith_acc"], min_length=1,
+        default=["aligned.arith_acc"], min_length=1,
         description="Metrics '<model>.<metric>' of the evaluate stage's results.json (models: base, sft, "
                     "aligned) on which a candidate must beat the champion to take the alias 'champion': no "
                     "worse on every one and better on at least one. Lower is better for names containing "
@@ -56,19 +59,19 @@ class RefreshConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    cron: str = Field("0 3 * * 1", description="When the served `data-refresh` deployment runs (cron, UTC; "
+    cron: str = Field(default="0 3 * * 1", description="When the served `data-refresh` deployment runs (cron, UTC; "
                                                 "default Mondays 03:00). `gristmill serve --refresh-cron` "
                                                 "overrides it.")
     min_new_tokens: int = Field(
-        1_000_000, ge=0,
+        default=1_000_000, ge=0,
         description="Start the `pipeline` deployment on the corpus when a refresh added at least this many "
                     "clean tokens, estimated as the new version's clean UTF-8 bytes / bytes_per_token "
                     "(no tokenizer exists before the pipeline trains one).")
-    bytes_per_token: float = Field(4.0, gt=0, description="Clean text bytes per token for the estimate "
+    bytes_per_token: float = Field(default=4.0, gt=0, description="Clean text bytes per token for the estimate "
                                                           "(about 4 for English with a BPE vocabulary).")
-    trigger_pipeline: bool = Field(True, description="Start the `pipeline` deployment when the threshold "
+    trigger_pipeline: bool = Field(default=True, description="Start the `pipeline` deployment when the threshold "
                                                      "is met; false: only publish the corpus version.")
-    deployment: str = Field("pipeline/pipeline", description="The deployment started ('flow/deployment').")
+    deployment: str = Field(default="pipeline/pipeline", description="The deployment started ('flow/deployment').")
 
 
 class StoreConfig(BaseModel):
@@ -78,7 +81,7 @@ class StoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     verify_on_reuse: Literal["size", "sha256"] = Field(
-        "size", description="size: every file's size, and the sha256 of files up to 1 MiB (configs, "
+        default="size", description="size: every file's size, and the sha256 of files up to 1 MiB (configs, "
                             "tokenizers, model configs); sha256: every file's bytes, at the cost of reading "
                             "them all (`gristmill verify` checks a whole store on demand).")
 
@@ -88,14 +91,30 @@ class PipelineConfigBase(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    stages: ClassVar[tuple[StageSpec, ...]] = ()  # the table the sections were made from, in DAG order
+    stages: ClassVar[tuple[StageSpec[Any], ...]] = ()  # the table the sections were made from, in DAG order
+
+    if TYPE_CHECKING:
+        # The fields `build_config_class` adds after the stage sections (NAME_FIELD, OTHER_SECTIONS),
+        # as the type checker sees them; a stage's section is `section(spec)`.
+        name: str
+        registry: RegistryConfig
+        notify: NotifyConfig
+        refresh: RefreshConfig
+        store: StoreConfig
 
     @property
     def registered_model_name(self) -> str:
         return self.registry.model_name or f"gristmill-{self.name}"
 
+    def section(self, spec: StageSpec[C]) -> C:
+        """The config section of stage `spec` (a table entry of this config's class), of its type."""
+        section = getattr(self, spec.name)  # the field named after the stage: made from the table
+        if not isinstance(section, spec.config):
+            raise TypeError(f"section {spec.name!r} is a {type(section).__name__}, not {spec.config.__name__}")
+        return section
 
-NAME_FIELD = Field("tiny", description="Name of this pipeline configuration, shown in Prefect and MLflow.")
+
+NAME_FIELD = Field(default="tiny", description="Name of this pipeline configuration, shown in Prefect and MLflow.")
 # The sections that are not stages (none changes a stage output); they follow the stages' sections
 # in the Prefect form and a dry run.
 OTHER_SECTIONS: dict[str, Any] = {
@@ -110,7 +129,7 @@ OTHER_SECTIONS: dict[str, Any] = {
 }
 
 
-def build_config_class(stages: Sequence[StageSpec]) -> type[PipelineConfigBase]:
+def build_config_class(stages: Sequence[StageSpec[Any]]) -> type[PipelineConfigBase]:
     """The pipeline config of a stage table: `name`, one section per stage (its config type, with
     its defaults and the table's description), then the other sections."""
     stages = checked(stages)
@@ -123,7 +142,12 @@ def build_config_class(stages: Sequence[StageSpec]) -> type[PipelineConfigBase]:
     return model
 
 
-PipelineConfig = build_config_class(STAGES)
+if TYPE_CHECKING:
+    # The checker sees the class the table makes as its base: the stage sections are reached
+    # through `section(spec)`, typed by the table's entries.
+    PipelineConfig = PipelineConfigBase
+else:
+    PipelineConfig = build_config_class(STAGES)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -139,12 +163,12 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 # Keys renamed when every trainer started sharing core.train_config.TrainConfig: where they went.
 MOVED_KEYS = {
-    **{f"align.{knob}": f"align.<method>.{knob}" for knob in
+    **{f"{ALIGN.name}.{knob}": f"{ALIGN.name}.<method>.{knob}" for knob in
        ("lr", "max_steps", "batch_size", "warmup_frac", "seed", "device", "checkpoint_every", "max_seq_len")},
-    "align.log_every_steps": "align.<method>.log_every",
-    "align.ppo.reward_model.log_every_steps": "align.ppo.reward_model.log_every",
-    "align.ppo.policy.rollout_batch_size": "align.ppo.policy.batch_size",
-    "align.ppo.policy.max_grad_norm": "align.ppo.policy.grad_clip",
+    f"{ALIGN.name}.log_every_steps": f"{ALIGN.name}.<method>.log_every",
+    f"{ALIGN.name}.ppo.reward_model.log_every_steps": f"{ALIGN.name}.ppo.reward_model.log_every",
+    f"{ALIGN.name}.ppo.policy.rollout_batch_size": f"{ALIGN.name}.ppo.policy.batch_size",
+    f"{ALIGN.name}.ppo.policy.max_grad_norm": f"{ALIGN.name}.ppo.policy.grad_clip",
 }
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.launch import launch_problems, sharding_problems
+from core.launch import LaunchConfig, launch_problems, sharding_problems
 from core.stage import Engine, Manifest, StageConfig, StageResult
 from flows.config import PipelineConfigBase
 from flows.stages import StageSpec, contracts, stages_until
@@ -25,11 +25,16 @@ from model.config import LoopConfig
 class PlannedStage:
     """A stage of this run: its table entry, its section of the config and its artifact key."""
 
-    spec: StageSpec
+    spec: StageSpec[Any]
     config: StageConfig
     key: str
     complete: bool  # a committed artifact with this key exists, so the stage will be reused
     inputs_fingerprint: str | None = None  # digest of the external inputs it reads (part of the key)
+
+    @property
+    def launch(self) -> LaunchConfig | None:
+        """Its config's `launch` section (a training stage: core/launch.py); None for the others."""
+        return None if self.spec.launch is None else self.spec.launch(self.config)
 
 
 def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = None) -> list[PlannedStage]:
@@ -37,7 +42,7 @@ def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = N
     keys: dict[str, str] = {}
     planned = []
     for spec in stages_until(until, config.stages):
-        stage_config = getattr(config, spec.name)
+        stage_config = config.section(spec)
         spec.check_demos(stage_config)
         inputs = spec.fingerprint(stage_config)
         key = stage_key(spec.name, spec.version, stage_config.hashed_dict(),
@@ -48,11 +53,10 @@ def plan(config: PipelineConfigBase, store: ArtifactStore, until: str | None = N
     return planned
 
 
-def stage_device(config: StageConfig) -> str:
-    """The device a training stage's config asks for ("auto", "cpu", "cuda"): its own, or its
-    chosen method's (align; ppo's policy and reward model train on the same machine)."""
-    section = config.method_config() if hasattr(config, "method_config") else config
-    return getattr(getattr(section, "policy", section), "device", "auto")
+def stage_device(stage: PlannedStage) -> str:
+    """The device a training stage's config asks for ("auto", "cpu", "cuda"), as its table entry
+    reads it."""
+    return stage.spec.device(stage.config)
 
 
 def open_store(config: PipelineConfigBase, home: Path) -> ArtifactStore:
@@ -77,10 +81,9 @@ def launch_problems_of(planned: list[PlannedStage]) -> list[str]:
     one line each; checked before any service starts."""
     problems = []
     for stage in planned:
-        launch = getattr(stage.config, "launch", None)
-        if stage.complete or launch is None:
+        if stage.complete or (launch := stage.launch) is None:
             continue
-        section, device = f"{stage.spec.name}.launch", stage_device(stage.config)
+        section, device = f"{stage.spec.name}.launch", stage_device(stage)
         problems += launch_problems(section, launch, device)
         if isinstance(stage.config, LoopConfig):  # trained by model/loop.py, which shards by itself
             problems += sharding_problems(section, launch, device, stage.config.fsdp)

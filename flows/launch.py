@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from core import progress
-from core.launch import REPO, on_cuda
+from core.launch import REPO, LaunchConfig, on_cuda
 from core.stage import StageResult
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, stage_device
@@ -29,14 +29,20 @@ from infra.launch import PREFIX, accelerate_argv, ray_argv, run_launcher
 
 
 def _cuda(stage: PlannedStage) -> bool:
-    return on_cuda(stage_device(stage.config))
+    return on_cuda(stage_device(stage))
+
+
+def _launch(stage: PlannedStage) -> LaunchConfig:
+    if (launch := stage.launch) is None:
+        raise ValueError(f"stage {stage.spec.name!r} has no launch section: it is not a training stage")
+    return launch
 
 
 def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
              logger: logging.Logger | logging.LoggerAdapter) -> StageResult:
     """Train `stage` into `partial_dir` under `accelerate launch` with its launch's processes;
     raises infra.launch.LaunchFailed (one line) when a rank fails."""
-    launch = stage.config.launch
+    launch = _launch(stage)
     # Beside the partial dir, on the store: the ranks of a Ray cluster's other nodes see it too.
     with tempfile.TemporaryDirectory(prefix=f".{partial_dir.name}-launch-", dir=partial_dir.parent) as scratch:
         scratch = Path(scratch)
@@ -73,7 +79,7 @@ def per_node_command(stage: PlannedStage, config_path: str, overrides: list[str]
     """The command to run on each of `nodes` machines (NODE_RANK 0 on the machine at HEAD_IP) to
     compute `stage` without Ray: its launch's processes on each, committing into the store that
     GRISTMILL_HOME names, which every node must see."""
-    launch = stage.config.launch
+    launch = _launch(stage)
     worker = ["-m", "flows.launched", config_path, stage.spec.name, *overrides, "--commit"]
     argv = accelerate_argv(launch, worker, cuda=_cuda(stage), num_machines=nodes, machine_rank="NODE_RANK",
                            main_ip="HEAD_IP", port=29500)

@@ -51,7 +51,7 @@ def shout(tmp_path, monkeypatch):
     (package / "stage.py").write_text(STAGE)
     monkeypatch.syspath_prepend(str(package.parent))
     contract = importlib.import_module("shout_stage.config")
-    yield StageSpec(name="shout", run="shout_stage.stage.run", config=contract.Config,
+    yield StageSpec(name="shout", run=lambda: importlib.import_module("shout_stage.stage").run, config=contract.Config,
                     description="The tokenize stage's words, upper-cased.", version=contract.VERSION,
                     upstream=("tokenize",))
     for name in [n for n in sys.modules if n.split(".")[0] == "shout_stage"]:

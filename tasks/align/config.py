@@ -29,7 +29,7 @@ VERSION = 3  # 3: one config section per method, shared training config (core.tr
 class TrlConfig(TrainConfig):
     """The shared training config plus the sequence limit of a TRL-trained method."""
 
-    max_seq_len: int = Field(256, ge=8, description=(
+    max_seq_len: int = Field(default=256, ge=8, description=(
         "Most tokens of a prompt+response sequence (what happens to longer ones, cut or dropped, "
         "is counted in the stage's stats)."))
 
@@ -38,17 +38,17 @@ class DPOConfig(TrlConfig):
     """DPO on preference pairs; prompt+reply sequences longer than max_seq_len are cut at the end
     (counted), pairs whose prompt alone fills it are dropped."""
 
-    data: list[str] = Field(["demo:arithmetic"], description=(
+    data: list[str] = Field(default=["demo:arithmetic"], description=(
         "Preference sources: 'demo:arithmetic' or JSONL(.gz) files, folders or globs in "
         "prompt/chosen/rejected, hh-rlhf or AlpacaEval-annotation format (tasks/align/preferences.py)."))
-    max_pairs: int | None = Field(None, ge=1, description=(
+    max_pairs: int | None = Field(default=None, ge=1, description=(
         "At most this many usable pairs from each source (None: all; demo: 256)."))
-    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the pull towards the reference model.")
-    sft_weight: float = Field(0.0, ge=0, description=(
+    beta: float = Field(default=0.1, gt=0, description="DPO beta: strength of the pull towards the reference model.")
+    sft_weight: float = Field(default=0.0, ge=0, description=(
         "Weight of an added NLL loss on the chosen responses (RPO). DPO alone can lower a rejected "
         "reply by garbling the tokens after the point where it departs from the chosen one; this "
         "keeps the chosen replies likely. 0: plain DPO."))
-    heldout_fraction: float = Field(0.1, gt=0, lt=1, description=(
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1, description=(
         "Share of the pairs held out of training to measure preference accuracy and margin."))
 
     @field_validator("data")
@@ -66,24 +66,24 @@ class GRPOConfig(TrlConfig):
     """Group relative policy optimisation with verifiable rewards (tasks/align/rewards.py);
     prompts that leave no room for max_completion_len tokens within max_seq_len are dropped."""
 
-    prompts: list[str] = Field(["demo:arithmetic"], min_length=1, description=(
+    prompts: list[str] = Field(default=["demo:arithmetic"], min_length=1, description=(
         "Prompt sources with reference answers: 'demo:arithmetic' or JSONL(.gz) math word problems "
         "(SVAMP context/answer, GSM8K question/answer, question|prompt + answer; see "
         "tasks/align/rewards.py)."))
-    max_prompts: int | None = Field(None, ge=1, description="At most this many training prompts (None: all).")
-    heldout_prompts: int = Field(64, ge=1, description=(
+    max_prompts: int | None = Field(default=None, ge=1, description="At most this many training prompts (None: all).")
+    heldout_prompts: int = Field(default=64, ge=1, description=(
         "Held-out prompts (those hashing into the test bucket, core.arithmetic.split_of) whose "
         "greedy accuracy is measured before and after training."))
-    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt: the group whose "
+    num_generations: int = Field(default=8, ge=2, description="Completions sampled per prompt: the group whose "
                                                       "mean reward is each completion's baseline.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the training completions.")
-    max_completion_len: int = Field(16, ge=1, description="Tokens generated per completion at most.")
-    kl_beta: float = Field(0.0, ge=0, description=(
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of the training completions.")
+    max_completion_len: int = Field(default=16, ge=1, description="Tokens generated per completion at most.")
+    kl_beta: float = Field(default=0.0, ge=0, description=(
         "Weight of the per-token KL penalty to the reference (SFT) model; 0 skips the reference."))
-    format_weight: float = Field(0.1, ge=0, description=(
+    format_weight: float = Field(default=0.1, ge=0, description=(
         "Weight of the format reward (ends with the answer sentence) beside the numeric match "
         "(weight 1)."))
-    scale_rewards: Literal["group", "batch", "none"] = Field("batch", description=(
+    scale_rewards: Literal["group", "batch", "none"] = Field(default="batch", description=(
         "Advantage = reward - group mean, divided by the std of its group, of the whole batch, or "
         "nothing. 'group' blows a small format difference within an all-wrong group up to the "
         "size of a right answer, rewarding wrong answers; 'batch' keeps the rewards' proportions."))
@@ -96,7 +96,7 @@ class RewardModelConfig(TrlConfig):
     """How the reward model is trained (the shared training config; batch_size counts pairs).
     Pairs with a side longer than max_seq_len are dropped (counted as dropped_rm_too_long)."""
 
-    center_rewards_coef: float = Field(0.01, ge=0, description=(
+    center_rewards_coef: float = Field(default=0.01, ge=0, description=(
         "Weight of the mean squared reward added to the loss, which keeps scores centred on 0 "
         "(Eisenstein et al. 2023) so PPO's kl_coef means the same across runs; 0 disables."))
 
@@ -106,11 +106,11 @@ class PPOMethodConfig(StageConfig):
     trainings has its own section of the shared training config (`reward_model`, `policy`);
     the held-out split is drawn with reward_model.seed."""
 
-    data: list[str] = Field(["demo:arithmetic"], min_length=1, description=(
+    data: list[str] = Field(default=["demo:arithmetic"], min_length=1, description=(
         "Preference sources for the reward model (formats as dpo.data); their prompts are PPO's "
         "prompts."))
-    max_pairs: int | None = Field(None, ge=1, description="At most this many usable pairs per source.")
-    heldout_fraction: float = Field(0.2, gt=0, lt=1, description=(
+    max_pairs: int | None = Field(default=None, ge=1, description="At most this many usable pairs per source.")
+    heldout_fraction: float = Field(default=0.2, gt=0, lt=1, description=(
         "Share of the pairs held out: reward-model accuracy and the policy's held-out score."))
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,
                                             description="Reward-model training (Bradley-Terry).")
@@ -126,10 +126,10 @@ class Config(StageConfig):
 
     unhashed_fields: ClassVar[frozenset[str]] = frozenset({"launch"})
 
-    lora: LoraConfig | None = Field(None, description="Train LoRA adapters on the frozen SFT model "
+    lora: LoraConfig | None = Field(default=None, description="Train LoRA adapters on the frozen SFT model "
                                                       "(None: full fine-tuning). The export merges them.")
     method: Literal["dpo", "grpo", "ppo"] = Field(
-        "dpo", description="Alignment algorithm; its settings are the section of the same name.")
+        default="dpo", description="Alignment algorithm; its settings are the section of the same name.")
     dpo: DPOConfig = Field(default_factory=DPOConfig,
                            description="Settings of method 'dpo' (preference pairs, TRL DPOTrainer).")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig,
@@ -148,9 +148,15 @@ class Config(StageConfig):
             data.pop(name, None)
         return data
 
-    def method_config(self) -> StageConfig:
+    def method_config(self) -> DPOConfig | GRPOConfig | PPOMethodConfig:
         """The chosen method's section."""
-        return getattr(self, self.method)
+        return {"dpo": self.dpo, "grpo": self.grpo, "ppo": self.ppo}[self.method]
+
+    def train_device(self) -> str:
+        """The device the chosen method trains on ("auto", "cpu", "cuda"); ppo's reward model trains
+        on the same machine as its policy."""
+        section = self.method_config()
+        return section.policy.device if isinstance(section, PPOMethodConfig) else section.device
 
 
 # The registry: method name -> the module whose `train(config, job)` trains it (or, in tests, the

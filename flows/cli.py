@@ -24,8 +24,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infra import env
+
+if TYPE_CHECKING:
+    from flows.dag import PlannedStage
 
 # What `run` prints when a signal stopped it.
 RESUME_NOTE = "finished stages and checkpoints are kept, run the same command again to resume"
@@ -80,6 +84,8 @@ def _dry_run(args: argparse.Namespace) -> int:
         return _fail(problem)
     if not args.explain:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    if note := _demo_corpus_note(planned):
+        print(note)
     print(f"\n# plan (artifacts under {artifacts})")
     for stage in planned:
         print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
@@ -97,6 +103,18 @@ def _dry_run(args: argparse.Namespace) -> int:
     if problems := launch_problems_of(planned):
         return _fail("; ".join(problems))
     return 0
+
+
+def _demo_corpus_note(planned: list[PlannedStage]) -> str | None:
+    """What the collect stage's demo source reads, as its key digests it: the same on every machine
+    with the pinned distributions (tasks/collect/demo_crawl.py). Printed before the plan, whose rows
+    scripts read up to the end."""
+    from tasks.collect import demo_crawl
+
+    collect = next((stage for stage in planned if stage.spec.name == "collect"), None)
+    if collect is None or demo_crawl.DEMO_SOURCE not in getattr(collect.config, "sources", ()):
+        return None
+    return f"\n# {demo_crawl.DEMO_SOURCE} (collect): {demo_crawl.corpus_digest()}"
 
 
 def _serve(args: argparse.Namespace) -> int:

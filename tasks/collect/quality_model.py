@@ -13,8 +13,8 @@ with L2 weight decay and class-balanced loss; everything random is drawn from `s
 
 The reference must match the crawl in topic, or the classifier learns topic instead of quality
 and drops every off-topic page. The demo pairs `demo:stdlib-docstrings` (docstrings of the
-Python standard library: edited English prose about Python) with the demo crawl (docs of
-installed Python packages): same subject, so what separates them is style (prose vs badges,
+Python standard library: edited English prose about Python) with the demo crawl (docs of the
+Python packages gristmill pins): same subject, so what separates them is style (prose vs badges,
 link lists, changelogs, tables; docstrings carry no Markdown, so heavy markup also scores low).
 For a web crawl use a broad reference (encyclopedia, books,
 curated web), as DCLM and FineWeb-Edu do. A model scores the documents it was trained on

@@ -25,6 +25,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from core.sources import DEMO_PREFIX
 from tasks.collect.records import RawDoc, ReadEvent, Skipped
@@ -91,7 +92,8 @@ def _distribution(name: str) -> importlib.metadata.Distribution | None:
 
 def pinned_versions() -> dict[str, str]:
     """normalized name -> version of each exact, unconditional pin in gristmill's installed
-    requirements; ValueError when gristmill itself is not installed."""
+    requirements (pyproject.toml's `dependencies` as they were when it was installed: what the
+    installer resolved against); ValueError when gristmill itself is not installed."""
     dist = _distribution(PINNED_BY)
     if dist is None:
         raise ValueError(f"{DEMO_SOURCE}: its versions are {PINNED_BY}'s pins, and {PINNED_BY} is not "
@@ -189,7 +191,7 @@ def package_records(dist: importlib.metadata.Distribution, metadata=None) -> Ite
         yield Skipped(reason="skipped_no_description")
     for path in _doc_files(dist):
         try:
-            payload = dist.locate_file(path).read_bytes()
+            payload = Path(str(dist.locate_file(path))).read_bytes()  # a Path for files on disk
         except OSError:
             yield Skipped(reason="error_unreadable_file")
             continue

@@ -102,6 +102,9 @@ class PipelineConfigBase(BaseModel):
         refresh: RefreshConfig
         store: StoreConfig
 
+        def __init__(self, **data: Any) -> None:
+            """Every section has a default; the class `build_config_class` makes validates them."""
+
     @property
     def registered_model_name(self) -> str:
         return self.registry.model_name or f"gristmill-{self.name}"

@@ -41,6 +41,7 @@ from pydantic import Field
 from core.stage import Manifest
 from flows.report_card import Section
 from flows.reports import FUNNEL, funnel_markdown
+from flows.stages import COLLECT
 from infra.artifacts import ArtifactStore
 from infra.services import is_embedded_prefect
 from infra.tracking.runs import Tracker
@@ -208,7 +209,7 @@ def enforce(manifest: Manifest, gates: GatesConfig, bytes_per_token: float, stor
     if not trips:
         decision = GateDecision(outcome="passed", artifact=artifact)
         logger.info("data gates: all passed on %s", artifact)
-    elif earlier := _covering_approval(store.gate_decisions("collect", manifest.key), trips):
+    elif earlier := _covering_approval(store.gate_decisions(COLLECT.name, manifest.key), trips):
         decision = GateDecision(outcome="approved", artifact=artifact, trips=lines, comment=earlier.get("comment", ""),
                                 by=f"an earlier approval ({earlier.get('by')}, {earlier.get('at')})")
         logger.info("data gates: tripped on %s, approved earlier:\n%s", artifact, "\n".join(lines))
@@ -226,7 +227,7 @@ def enforce(manifest: Manifest, gates: GatesConfig, bytes_per_token: float, stor
             raise GatesStopped(stopped)
         decision = GateDecision(outcome="approved" if ok else "rejected", artifact=artifact, trips=lines,
                                 by=by, comment=comment)
-        store.add_gate_decision("collect", manifest.key, {
+        store.add_gate_decision(COLLECT.name, manifest.key, {
             **asdict(decision), "trip_ids": [t.id for t in trips], "mlflow_run_id": run_id,
             "prefect_flow_run_id": str(flow_run.id)})
         logger.info("data gates %s by %s%s", decision.outcome, by, f': "{comment}"' if comment else "")

@@ -28,20 +28,23 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.objects import FlowRun, State
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
 from core.sources import filesystem, parse_source, source_files
+from core.stage import Manifest
 from flows.config import PipelineConfig
 from flows.dag import plan
 from flows.gates import GatesRejected, GatesStopped, enforce
 from flows.pipeline import Runtime, run_stage, start_parent_run
+from flows.stages import COLLECT
 from infra import env
 from infra.artifacts import CORPUS, ArtifactStore, home_store
 from infra.tracking.corpus import log_corpus_version
@@ -116,23 +119,23 @@ def _collect_config(config: PipelineConfig, sources: list[str],
                     dedup_index_from: str | None) -> PipelineConfig:
     """`config` whose collect reads `sources`. Per-source mix weights name the configured sources,
     which these are not, so mixing is left at its default (every document once)."""
-    collect = config.collect.model_dump(mode="json", exclude={"mix"})
+    collect = config.section(COLLECT).model_dump(mode="json", exclude={"mix"})
     collect.update(sources=sources, dedup_index_from=dedup_index_from)
-    return config.model_copy(update={"collect": CollectConfig.model_validate(collect)})
+    return config.model_copy(update={COLLECT.name: CollectConfig.model_validate(collect)})
 
 
-def _collect(config: PipelineConfig, store: ArtifactStore, version: int, parent: dict | None,
-             new: dict[str, str], run_name: str):
+def _collect(config: PipelineConfig, store: ArtifactStore, version: int, parent: dict[str, Any] | None,
+             new: dict[str, str], run_name: str) -> tuple[Manifest | None, Tracker, str]:
     """Run the collect stage on the new inputs, deduplicated against the parent version; returns
     (manifest, tracker, MLflow run id) or (None, ...) when no new document was kept."""
-    near = config.collect.near_dedup and parent is not None
-    refresh = _collect_config(config, sorted(new), str(store.collect_dir(parent)) if near else None)
-    [stage] = plan(refresh, store, until="collect")
+    index_from = str(store.collect_dir(parent)) if parent is not None and config.section(COLLECT).near_dedup else None
+    refresh = _collect_config(config, sorted(new), index_from)
+    [stage] = plan(refresh, store, until=COLLECT.name)
     tracker = Tracker(env.gristmill_home())
     run_id = start_parent_run(tracker, run_name, refresh, "refresh")
     meta = {"corpus_version": version, "parent_version": parent and parent["version"]}
     try:
-        manifest = run_stage.with_options(task_run_name="collect [refresh]")(
+        manifest = run_stage.with_options(task_run_name=f"{COLLECT.name} [refresh]")(
             stage, {}, Runtime(store, tracker, run_id, refresh), meta)
     except NothingSurvived:
         # the refresh did its job: the new files held nothing new (their collect task failed)
@@ -143,6 +146,17 @@ def _collect(config: PipelineConfig, store: ArtifactStore, version: int, parent:
         tracker.end(run_id, ok=False)
         raise
     return manifest, tracker, run_id
+
+
+def _published(store: ArtifactStore, version: dict[str, Any] | None) -> tuple[int, Manifest] | None:
+    """A published corpus version's number and collect manifest (None for no version)."""
+    if version is None:
+        return None
+    manifest = store.load(COLLECT.name, version["collect_key"])
+    if manifest is None:
+        raise FileNotFoundError(f"corpus v{version['version']}: its collect artifact {version['collect_key']} "
+                                "is not in the artifact store")
+    return version["version"], manifest
 
 
 def trigger(config: PipelineConfig, union: list[str], version: int,
@@ -158,8 +172,9 @@ def trigger(config: PipelineConfig, union: list[str], version: int,
         return None, f"pipeline not started: refresh.trigger_pipeline is false. To start it: {by_hand}"
     parameters = {"config": _collect_config(config, union, None).model_dump(mode="json")}
     try:
-        run = run_deployment(settings.deployment, parameters=parameters, timeout=0,
-                             tags=["gristmill", f"corpus-v{version}"])
+        # Called from synchronous code, so Prefect's async_dispatch returns the flow run itself.
+        run = cast(FlowRun, run_deployment(settings.deployment, parameters=parameters, timeout=0,
+                                           tags=["gristmill", f"corpus-v{version}"]))
     except ObjectNotFound:
         return None, (f"pipeline not started: no deployment {settings.deployment!r} on this Prefect server "
                       f"(serve it with `gristmill serve CONFIG`). To start it by hand: {by_hand}")
@@ -175,7 +190,7 @@ def refresh(config: PipelineConfig, store: ArtifactStore, approve_gates: bool = 
     versions = store.corpus_versions()
     latest = versions[-1] if versions else None
     parent_version = latest["version"] if latest else None
-    current = current_inputs(config.collect)
+    current = current_inputs(config.section(COLLECT))
     new = new_inputs(current, versions)
     at = f"corpus v{parent_version}" if latest else "no corpus version yet"
     if not current:
@@ -194,8 +209,8 @@ def refresh(config: PipelineConfig, store: ArtifactStore, approve_gates: bool = 
             f"the {len(new):,} new input files hold no document that passes the filters and is not "
             f"already in {at}; nothing published (they are read again by the next refresh)"))
     try:
-        gates = enforce(manifest, config.collect.gates, config.refresh.bytes_per_token, store, tracker, run_id,
-                        approve_gates)
+        gates = enforce(manifest, config.section(COLLECT).gates, config.refresh.bytes_per_token, store, tracker,
+                        run_id, approve_gates)
         stats = manifest.stats
         tokens = int(stats["bytes_out"] / config.refresh.bytes_per_token)
         store.add_corpus_version({
@@ -203,8 +218,7 @@ def refresh(config: PipelineConfig, store: ArtifactStore, approve_gates: bool = 
             "inputs": new, "docs": stats["docs_out"], "bytes": stats["bytes_out"], "est_tokens": tokens,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "prefect_flow_run_id": str(flow_run.id)})
-        parent = (parent_version, store.load("collect", latest["collect_key"])) if latest else None
-        log_corpus_version(tracker, run_id, version, manifest, parent)
+        log_corpus_version(tracker, run_id, version, manifest, _published(store, latest))
         union = corpus_sources(store, store.corpus_versions())
         pipeline_run, reason = trigger(config, union, version, tokens)
         tracker.set_tags(run_id, {"gristmill.refresh.pipeline": pipeline_run or "not started"})
@@ -220,7 +234,7 @@ def refresh(config: PipelineConfig, store: ArtifactStore, approve_gates: bool = 
 
 
 @flow(name=DEPLOYMENT)
-def data_refresh(config: PipelineConfig = PipelineConfig(), approve_gates: bool = False) -> dict[str, Any]:
+def data_refresh(config: PipelineConfig = PipelineConfig(), approve_gates: bool = False) -> dict[str, Any] | State:
     """Collect what is new in `config.collect.sources` into the next corpus version and start the
     pipeline on all versions when `config.refresh` says so; `approve_gates`: go on when a data gate
     trips, without asking (flows/gates.py)."""

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from core.stage import Manifest
 from flows.config import PipelineConfig
+from flows.stages import ALIGN, EVALUATE
 from infra.tracking.models import logged_model
 from infra.tracking.registry import ModelRegistry, ModelVersion
 from infra.tracking.runs import Tracker
@@ -112,7 +113,7 @@ def _metrics_of(version: ModelVersion) -> dict[str, float]:
 
 def _same_lineage(version: ModelVersion, lineage: Mapping[str, str]) -> bool:
     return all(version.tags.get(KEY_TAG + stage) == key for stage, key in lineage.items()
-               if stage in ("align", "evaluate"))
+               if stage in (ALIGN.name, EVALUATE.name))
 
 
 def _logged(version: ModelVersion) -> bool:
@@ -128,10 +129,10 @@ def register_and_promote(config: PipelineConfig, tracker: Tracker, run_id: str,
     the decision on run `run_id` and on the version."""
     name, promote_on = config.registered_model_name, config.registry.promote_on
     lineage = {stage: m.key for stage, m in manifests.items()}
-    metrics = evaluation_metrics(manifests["evaluate"].path, promote_on)
+    metrics = evaluation_metrics(manifests[EVALUATE.name].path, promote_on)
     registry = ModelRegistry(tracker.uri)
     known = next((v for v in registry.model_versions(name) if _same_lineage(v, lineage) and _logged(v)), None)
-    version = known or registry.register_model(name, logged_model(tracker, "align", manifests["align"].key), {
+    version = known or registry.register_model(name, logged_model(tracker, ALIGN.name, manifests[ALIGN.name].key), {
         **{KEY_TAG + stage: key for stage, key in lineage.items()},
         **{METRIC_TAG + k: repr(v) for k, v in metrics.items()}, "gristmill.pipeline_run_id": run_id})
     registry.set_alias(name, CANDIDATE, version.version)

@@ -19,16 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.stage import Manifest, read_metrics
+from core.stage import METRICS_FILE, Manifest, read_metrics
 from flows.registry import lower_is_better
 from flows.reports import FUNNEL, funnel_markdown
+from flows.stages import COLLECT, EVALUATE, PRETRAIN, STAGES, TOKENIZE
 from infra.charts import curves_chart, funnel_chart
-from tasks.evaluate.config import COMPRESSION_PREFIX
-
-MODEL_LABELS = ("base", "sft", "aligned")  # evaluate stats are named "<label>_<metric>"
-# Per training stage, the step-metric columns worth a curve (the rest: lr, grad_norm, tokens/s).
-CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss"),
-          "align": ("reward", "kl", "margin", "loss")}
+from tasks.evaluate.config import COMPRESSION_PREFIX, MODEL_LABELS
 
 
 @dataclass(kw_only=True)
@@ -119,14 +115,14 @@ def _alignment_section(evaluate: Manifest) -> Section | None:
 
 def _curves(manifests: Mapping[str, Manifest]) -> dict[str, dict[str, list[tuple[int, float]]]]:
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for stage, wanted in CURVES.items():
-        if stage not in manifests:
+    for spec in STAGES:  # a training stage's entry names the step-metric columns worth a curve
+        if not spec.curves or spec.name not in manifests:
             continue
-        for row in read_metrics(manifests[stage].path / "metrics.jsonl"):
+        for row in read_metrics(manifests[spec.name].path / METRICS_FILE):
             for column, value in row.items():
-                if column != "step" and any(w in column for w in wanted) \
+                if column != "step" and any(w in column for w in spec.curves) \
                         and isinstance(value, (int, float)):
-                    series.setdefault(stage, {}).setdefault(column, []).append((int(row["step"]), value))
+                    series.setdefault(spec.name, {}).setdefault(column, []).append((int(row["step"]), value))
     return series
 
 
@@ -176,20 +172,20 @@ def build(manifests: Mapping[str, Manifest], statuses: Mapping[str, str], title:
           charts: Path, extra: list[Section] | None = None) -> list[Section]:
     """The report card's sections; charts are written into `charts` (PNG)."""
     sections: list[Section] = []
-    if "evaluate" in manifests:
-        sections.append(_scores_section(manifests["evaluate"]))
-    if "evaluate" in manifests and (bpb := _compression_section(manifests["evaluate"], manifests.get("pretrain"))):
-        sections.append(bpb)
-    if "evaluate" in manifests and (aligned := _alignment_section(manifests["evaluate"])):
-        sections.append(aligned)
+    if evaluate := manifests.get(EVALUATE.name):
+        sections.append(_scores_section(evaluate))
+        if bpb := _compression_section(evaluate, manifests.get(PRETRAIN.name)):
+            sections.append(bpb)
+        if aligned := _alignment_section(evaluate):
+            sections.append(aligned)
     sections += extra or []
     if series := _curves(manifests):
         sections.append(Section(title="Training curves",
                                 chart=curves_chart(series, charts / "curves.png", _curves_title(manifests, series))))
-    if "collect" in manifests and (funnel := _funnel_section(manifests["collect"], charts)):
+    if COLLECT.name in manifests and (funnel := _funnel_section(manifests[COLLECT.name], charts)):
         sections.append(funnel)
-    if "tokenize" in manifests:
-        sections.append(_tokenizer_section(manifests["tokenize"]))
+    if TOKENIZE.name in manifests:
+        sections.append(_tokenizer_section(manifests[TOKENIZE.name]))
     return sections + _time_and_lineage(manifests, statuses)
 
 

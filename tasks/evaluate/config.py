@@ -18,6 +18,8 @@ VERSION = 3  # 3: llm-foundry files scored with their task's delimiter; MMLU wit
 # val_bpb over the exact bytes of the scored tokens (it was the split's average bytes per token)
 # 2: the benchmark engine (tasks, limit) replaced mc_tasks
 COMPRESSION_PREFIX = "compression_"  # the stats of the compressor baselines: compression_xz_bpb...
+# The models scored, in report column order: pretrain's, SFT's and align's; stats are "<label>_<metric>".
+MODEL_LABELS = ("base", "sft", "aligned")
 
 
 class Config(StageConfig):

@@ -37,7 +37,7 @@ from core.units import bits_per_byte
 from model.generate import generate_greedy
 from tasks.evaluate import compression
 from tasks.evaluate.compression import token_bytes
-from tasks.evaluate.config import COMPRESSION_PREFIX, Config
+from tasks.evaluate.config import COMPRESSION_PREFIX, MODEL_LABELS, Config
 from tasks.evaluate.contamination import clean_scores, mark_items
 from tasks.evaluate.engine import (
     EvalOptions,
@@ -252,7 +252,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest, tok
         baselines_file.write_text(json.dumps(compressor_baselines(tokenize_dir, config), indent=2) + "\n")
     baselines = json.loads(baselines_file.read_text())
     results: dict[str, dict[str, Any]] = {}
-    models = {"base": pretrain, "sft": sft, "aligned": align}  # report label -> model, in column order
+    models = dict(zip(MODEL_LABELS, (pretrain, sft, align)))  # report label -> model, in column order
     parts = 1 + len(config.tasks)  # per model: perplexity and arithmetic, then each benchmark file
     with Reporter("parts", unit="part") as progress:
         progress.start(len(models) * parts)

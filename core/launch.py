@@ -35,22 +35,22 @@ class LaunchConfig(StageConfig):
 
     backend: Literal["inline", "accelerate", "ray"] = Field(
         default="inline", description="inline: in the flow's own process; accelerate: `accelerate launch` on this "
-                              "machine, supervised by the stage; ray: Ray Train workers on the cluster "
-                              "RAY_ADDRESS names (the one the data stages use), spread over `nodes` nodes.")
+                                      "machine, supervised by the stage; ray: Ray Train workers on the cluster "
+                                      "RAY_ADDRESS names (the one the data stages use), spread over `nodes` nodes.")
     processes: int = Field(default=1, gt=0, description="Data-parallel training processes per node (one per GPU "
-                                                "when the stage's device is CUDA).")
-    nodes: int = Field(default=1, gt=0, description="Machines the processes are spread over: with backend ray, nodes "
-                                            "of the Ray cluster; with accelerate the pipeline launches on this "
-                                            "machine only (1), and for more you run the per-node command that "
-                                            "`gristmill run --dry-run` prints on each.")
+                                                        "when the stage's device is CUDA).")
+    nodes: int = Field(default=1, gt=0, description=(
+        "Machines the processes are spread over: with backend ray, nodes of the Ray cluster; with accelerate "
+        "the pipeline launches on this machine only (1), and for more you run the per-node command that "
+        "`gristmill run --dry-run` prints on each."))
     accelerate_config: str | None = Field(
         default=None, description="Accelerate config file (e.g. infra/accelerate/multinode.yaml, or your own; "
-                          "fsdp_gpu.yaml shards align's trainers). None: infra/accelerate/ddp_gpu.yaml on a "
-                          "GPU, ddp_cpu.yaml on a CPU. `processes` overrides its num_processes.")
+                                  "fsdp_gpu.yaml shards align's trainers). None: infra/accelerate/ddp_gpu.yaml on a "
+                                  "GPU, ddp_cpu.yaml on a CPU. `processes` overrides its num_processes.")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         default="auto", description="Mixed precision of a launched stage; auto: the Accelerate config file's (the "
-                            "committed ones: bf16 on GPUs, none on CPUs). An inline stage uses bf16 autocast "
-                            "on CUDA and full fp32 on a CPU.")
+                                    "committed ones: bf16 on GPUs, none on CPUs). An inline stage uses bf16 autocast "
+                                    "on CUDA and full fp32 on a CPU.")
 
     @property
     def world_size(self) -> int:

@@ -42,5 +42,5 @@ class TrainConfig(StageConfig):
     keep_checkpoints: int = Field(default=2, gt=0, description=(
         "Most recent complete checkpoints kept on disk while training."))
     log_every: int = Field(default=10, gt=0, description="Log a one-line progress summary every N steps "
-                                                  "(metrics.jsonl gets every step; on a terminal a progress "
-                                                  "bar replaces these lines on the console).")
+                                                          "(metrics.jsonl gets every step; on a terminal a progress "
+                                                          "bar replaces these lines on the console).")

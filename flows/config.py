@@ -34,9 +34,9 @@ class RegistryConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(default=True, description="Register the aligned model of every run that reaches evaluate "
-                                            "(alias 'candidate'); false: leave the registry alone.")
+                                                    "(alias 'candidate'); false: leave the registry alone.")
     model_name: str | None = Field(default=None, description="Registered model name; None: 'gristmill-<name>', one "
-                                                     "model per pipeline configuration.")
+                                                             "model per pipeline configuration.")
     promote_on: list[str] = Field(
         default=["aligned.arith_acc"], min_length=1,
         description="Metrics '<model>.<metric>' of the evaluate stage's results.json (models: base, sft, "
@@ -60,17 +60,17 @@ class RefreshConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cron: str = Field(default="0 3 * * 1", description="When the served `data-refresh` deployment runs (cron, UTC; "
-                                                "default Mondays 03:00). `gristmill serve --refresh-cron` "
-                                                "overrides it.")
+                                                        "default Mondays 03:00). `gristmill serve --refresh-cron` "
+                                                        "overrides it.")
     min_new_tokens: int = Field(
         default=1_000_000, ge=0,
         description="Start the `pipeline` deployment on the corpus when a refresh added at least this many "
                     "clean tokens, estimated as the new version's clean UTF-8 bytes / bytes_per_token "
                     "(no tokenizer exists before the pipeline trains one).")
     bytes_per_token: float = Field(default=4.0, gt=0, description="Clean text bytes per token for the estimate "
-                                                          "(about 4 for English with a BPE vocabulary).")
+                                                                  "(about 4 for English with a BPE vocabulary).")
     trigger_pipeline: bool = Field(default=True, description="Start the `pipeline` deployment when the threshold "
-                                                     "is met; false: only publish the corpus version.")
+                                                             "is met; false: only publish the corpus version.")
     deployment: str = Field(default="pipeline/pipeline", description="The deployment started ('flow/deployment').")
 
 
@@ -82,8 +82,8 @@ class StoreConfig(BaseModel):
 
     verify_on_reuse: Literal["size", "sha256"] = Field(
         default="size", description="size: every file's size, and the sha256 of files up to 1 MiB (configs, "
-                            "tokenizers, model configs); sha256: every file's bytes, at the cost of reading "
-                            "them all (`gristmill verify` checks a whole store on demand).")
+                                    "tokenizers, model configs); sha256: every file's bytes, at the cost of reading "
+                                    "them all (`gristmill verify` checks a whole store on demand).")
 
 
 class PipelineConfigBase(BaseModel):

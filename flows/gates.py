@@ -60,7 +60,7 @@ class GateReview(RunInput):
     """What a person answers on the paused run's Resume form."""
 
     approve: bool = Field(default=False, description="On: go on with this data. Off: reject it; the run fails "
-                                             "with your comment as the reason.")
+                                                     "with your comment as the reason.")
     comment: str = Field(default="", description="Why; recorded in Prefect, MLflow and the report card.")
 
 

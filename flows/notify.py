@@ -30,8 +30,8 @@ class NotifyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     webhook: str | None = Field(default=None, description="Where the webhook URL is kept: 'env:VARIABLE' "
-                                                  "or 'prefect-secret:BLOCK'. None: Prefect "
-                                                  "events only.")
+                                                          "or 'prefect-secret:BLOCK'. None: Prefect "
+                                                          "events only.")
 
     @field_validator("webhook")
     @classmethod

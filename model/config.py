@@ -27,7 +27,7 @@ class ModelConfig(StageConfig):
     num_heads: int = Field(default=4, gt=0, description="Attention heads per block (no grouped-query sharing).")
     intermediate_size: int = Field(default=512, gt=0, description="Hidden width of the SwiGLU MLP.")
     max_seq_len: int = Field(default=256, gt=1, description="Longest sequence in tokens the model is trained for "
-                                                    "(RoPE max_position_embeddings).")
+                                                            "(RoPE max_position_embeddings).")
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
 
     @model_validator(mode="after")
@@ -49,39 +49,39 @@ class LoopConfig(TrainConfig):
         TrainConfig.unhashed_fields | {"eval_every", "compile", "peak_tflops", "fsdp"})
 
     grad_accum_steps: int = Field(default=1, gt=0, description="Micro-batches each step's batch is split into "
-                                                       "(a memory knob; batch_size must divide evenly).")
+                                                               "(a memory knob; batch_size must divide evenly).")
     tokens_per_step: int | None = Field(
         default=None, gt=0, description="Tokens per optimizer step, all processes together (the global batch, the "
-                                "same whatever the process count). When set, batch_size is the micro-batch "
-                                "(sequences per process per forward pass) and the accumulation follows: "
-                                "tokens_per_step / (processes * batch_size * seq_len), which must be whole.")
+                                        "same whatever the process count). When set, batch_size is the micro-batch "
+                                        "(sequences per process per forward pass) and the accumulation follows: "
+                                        "tokens_per_step / (processes * batch_size * seq_len), which must be whole.")
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw", description="adamw: AdamW for every parameter. muon: Muon for the transformer blocks' "
-                             "matrices, AdamW for the embedding, norms and biases, with one lr and "
-                             "weight_decay (model/optim.py).")
+                                     "matrices, AdamW for the embedding, norms and biases, with one lr and "
+                                     "weight_decay (model/optim.py).")
     muon_momentum: float = Field(default=0.95, ge=0, lt=1, description="muon only: Muon's Nesterov momentum.")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Final LR as a fraction of lr (cosine floor).")
     schedule: Literal["cosine", "wsd"] = Field(
         default="cosine", description="LR after warmup: cosine decay to the floor, or wsd (warmup-stable-decay: "
-                              "constant, then linear decay over the last decay_frac of the steps).")
+                                      "constant, then linear decay over the last decay_frac of the steps).")
     decay_frac: float = Field(default=0.2, ge=0, le=1, description="wsd only: share of max_steps spent decaying.")
     eval_every: int = Field(default=50, ge=0, description="Run the stage's evaluation every N steps "
-                                                   "(and always at the end); 0: only at the end.")
+                                                           "(and always at the end); 0: only at the end.")
     compile: bool = Field(default=False, description="torch.compile each decoder block (inductor). Pays off on GPU; "
-                                             "on a CPU it adds ~30 s of compilation and gains nothing.")
+                                                     "on a CPU it adds ~30 s of compilation and gains nothing.")
     fsdp: bool = Field(default=False, description="Shard each decoder block's weights, gradients and optimizer state "
-                                          "over the data-parallel processes (FSDP2, applied by the training "
-                                          "loop; bf16 compute, fp32 gradient reduction). Same result as "
-                                          "replicas up to reduction order (operational).")
+                                                  "over the data-parallel processes (FSDP2, applied by the training "
+                                                  "loop; bf16 compute, fp32 gradient reduction). Same result as "
+                                                  "replicas up to reduction order (operational).")
     peak_tflops: float | None = Field(
         default=None, gt=0, description="Peak FLOP/s (in TFLOP/s) of one device, for the logged MFU. None: known "
-                                "GPUs by name (bf16 dense), no MFU on CPU.")
+                                        "GPUs by name (bf16 dense), no MFU on CPU.")
     spike_zscore: float = Field(default=6.0, ge=0, description="Roll back when a step's loss exceeds the rolling mean "
-                                                        "by this many standard deviations; 0 disables.")
+                                                                "by this many standard deviations; 0 disables.")
     spike_window: int = Field(default=50, gt=1, description="Steps of loss history the spike mean/std are taken over "
-                                                    "(no spike check until the window is full).")
+                                                            "(no spike check until the window is full).")
     max_rollbacks: int = Field(default=3, ge=0, description="Rollbacks (spike or non-finite loss/grad) allowed before "
-                                                    "the run stops with an error; 0: stop at the first.")
+                                                            "the run stops with an error; 0: stop at the first.")
 
     @model_validator(mode="after")
     def _check_accumulation(self) -> LoopConfig:
@@ -131,7 +131,7 @@ class PPOConfig(TrainConfig):
     clip_range: float = Field(default=0.2, gt=0, description=(
         "Policy ratio clip: ratios outside 1 +- this give no gradient."))
     value_clip_range: float = Field(default=0.2, gt=0, description="How far a value may move from its rollout value "
-                                                            "before the clipped value loss takes over.")
+                                                                    "before the clipped value loss takes over.")
     vf_coef: float = Field(default=0.1, ge=0, description="Weight of the value loss in the total loss.")
     kl_coef: float = Field(default=0.05, ge=0, description=(
         "beta: per-token reward penalty per nat of log(pi / pi_ref)."))

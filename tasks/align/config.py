@@ -75,7 +75,7 @@ class GRPOConfig(TrlConfig):
         "Held-out prompts (those hashing into the test bucket, core.arithmetic.split_of) whose "
         "greedy accuracy is measured before and after training."))
     num_generations: int = Field(default=8, ge=2, description="Completions sampled per prompt: the group whose "
-                                                      "mean reward is each completion's baseline.")
+                                                              "mean reward is each completion's baseline.")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of the training completions.")
     max_completion_len: int = Field(default=16, ge=1, description="Tokens generated per completion at most.")
     kl_beta: float = Field(default=0.0, ge=0, description=(
@@ -127,7 +127,7 @@ class Config(StageConfig):
     unhashed_fields: ClassVar[frozenset[str]] = frozenset({"launch"})
 
     lora: LoraConfig | None = Field(default=None, description="Train LoRA adapters on the frozen SFT model "
-                                                      "(None: full fine-tuning). The export merges them.")
+                                                              "(None: full fine-tuning). The export merges them.")
     method: Literal["dpo", "grpo", "ppo"] = Field(
         default="dpo", description="Alignment algorithm; its settings are the section of the same name.")
     dpo: DPOConfig = Field(default_factory=DPOConfig,

@@ -49,15 +49,15 @@ class CleaningConfig(StageConfig):
 
     blocked_domains: tuple[str, ...] = Field(
         default=(), description="Drop documents whose URL host is one of these domains or a subdomain "
-                        "of one ('example.com' blocks 'ads.example.com', not 'myexample.com').")
+                                "of one ('example.com' blocks 'ads.example.com', not 'myexample.com').")
     blocked_url_substrings: tuple[str, ...] = Field(
         default=(), description="Drop documents whose lowercased URL contains one of these strings.")
     allowed_languages: tuple[str, ...] | None = Field(
         default=("en",), description="Keep only documents whose most likely language (fastText "
-                             "lid.176 code: 'en', 'de', 'no' for Norwegian Bokmål...) is one of "
-                             "these; None keeps every language. English: FineWeb's, and the "
-                             "language the Gopher, FineWeb and C4 rules below are written for "
-                             "(stop words, sentence splitting; datatrove's blocks default to it).")
+                                     "lid.176 code: 'en', 'de', 'no' for Norwegian Bokmål...) is one of "
+                                     "these; None keeps every language. English: FineWeb's, and the "
+                                     "language the Gopher, FineWeb and C4 rules below are written for "
+                                     "(stop words, sentence splitting; datatrove's blocks default to it).")
     min_language_score: float = Field(
         default=0.65, ge=0, le=1,
         description="Drop documents whose top language probability is below this: 0.65, "
@@ -67,31 +67,31 @@ class CleaningConfig(StageConfig):
     c4_filter: bool = Field(default=True, description="Apply C4's page rules (the c4_* fields).")
     c4_min_sentences: int = Field(
         default=5, ge=0, description="C4: drop pages with fewer sentences on lines that pass the line "
-                             "rules below (0: off).")
+                                     "rules below (0: off).")
     c4_min_words_per_line: int = Field(
         default=3, ge=0, description="C4: lines with fewer whitespace words do not count as prose.")
     c4_max_word_chars: int = Field(
         default=1000, ge=1, description="C4: lines with a longer word do not count as prose.")
     c4_require_terminal_punct: bool = Field(
         default=True, description="C4: only lines ending in . ? ! \" or ' (not '...') count as prose "
-                          "(C4's rule, on in datatrove's C4QualityFilter; FineWeb's recipe turns "
-                          "it off). C4 had one paragraph per line (text of HTML pages); "
-                          "hard-wrapped Markdown/reST (the demo source) splits sentences across "
-                          "lines, so it finds 2 sentences in Flask's README and drops 39 of the 467 "
-                          "demo documents the tiny preset keeps; tiny turns it off.")
+                                  "(C4's rule, on in datatrove's C4QualityFilter; FineWeb's recipe turns "
+                                  "it off). C4 had one paragraph per line (text of HTML pages); "
+                                  "hard-wrapped Markdown/reST (the demo source) splits sentences across "
+                                  "lines, so it finds 2 sentences in Flask's README and drops 39 of the 467 "
+                                  "demo documents the tiny preset keeps; tiny turns it off.")
     c4_drop_lorem_ipsum: bool = Field(
         default=True, description="C4: drop pages containing 'lorem ipsum' (placeholder text).")
     c4_drop_curly_bracket: bool = Field(
         default=True, description="C4: drop pages with '{' on a prose line, C4's way to remove code (on "
-                          "in datatrove's C4QualityFilter). Code examples are wanted in the demo "
-                          "source (package docs): it drops 294 of the 467 demo documents the tiny "
-                          "preset keeps; tiny turns it off.")
+                                  "in datatrove's C4QualityFilter). Code examples are wanted in the demo "
+                                  "source (package docs): it drops 294 of the 467 demo documents the tiny "
+                                  "preset keeps; tiny turns it off.")
     c4_skip_javascript_lines: bool = Field(
         default=True, description="C4: lines mentioning 'javascript' (\"please enable JavaScript\") "
-                          "do not count as prose.")
+                                  "do not count as prose.")
     c4_skip_policy_lines: bool = Field(
         default=True, description="C4: lines about cookies, terms of use or privacy policy do not count "
-                          "as prose.")
+                                  "as prose.")
     fineweb_filter: bool = Field(default=True, description="Apply FineWeb's rules (the fineweb_* fields).")
     fineweb_min_punct_line_frac: float = Field(
         default=0.12, ge=0, le=1,
@@ -101,7 +101,7 @@ class CleaningConfig(StageConfig):
                     "preset keeps, 0.12 drops 87; tiny sets 0.05.")
     fineweb_max_short_line_frac: float = Field(
         default=0.67, ge=0, le=1, description="FineWeb: drop if more than this fraction of non-empty "
-                                      "lines are short (see fineweb_short_line_chars).")
+                                              "lines are short (see fineweb_short_line_chars).")
     fineweb_short_line_chars: int = Field(
         default=30, ge=1, description="FineWeb: a line of at most this many characters is short.")
     fineweb_max_duplicate_line_char_frac: float = Field(
@@ -122,10 +122,10 @@ class CleaningConfig(StageConfig):
         default=10.0, ge=0, description="Drop if the mean word length (characters) is above this.")
     max_symbol_word_ratio: float = Field(
         default=0.1, ge=0, description="Drop if '#' occurrences, or '...'/'…' occurrences, per word "
-                               "exceed this.")
+                                       "exceed this.")
     max_bullet_line_frac: float = Field(
         default=0.9, ge=0, le=1, description="Drop if more than this fraction of lines start with a "
-                                     "bullet ('•' or '-').")
+                                             "bullet ('•' or '-').")
     max_ellipsis_line_frac: float = Field(
         default=0.3, ge=0, le=1,
         description="Drop if more than this fraction of lines end with '...' or '…'.")
@@ -139,14 +139,14 @@ class CleaningConfig(StageConfig):
                     "tables and code dumps.")
     min_stop_words: int = Field(
         default=2, ge=0, description="Drop if fewer than this many distinct English stop words "
-                             "(the, be, to, of, and, that, have, with) occur.")
+                                     "(the, be, to, of, and, that, have, with) occur.")
     # Gopher repetition rules (datatrove GopherRepetitionFilter), Rae et al. 2021 Table A1.
     max_duplicate_line_frac: float = Field(
         default=0.3, ge=0, le=1,
         description="Drop if more than this fraction of lines repeat an earlier line.")
     max_duplicate_para_frac: float = Field(
         default=0.3, ge=0, le=1, description="Drop if more than this fraction of paragraphs (split at "
-                                     "blank lines) repeat an earlier paragraph.")
+                                             "blank lines) repeat an earlier paragraph.")
     max_duplicate_line_char_frac: float = Field(
         default=0.2, ge=0, le=1,
         description="Drop if repeated lines hold more than this fraction of the characters.")
@@ -163,9 +163,9 @@ class CleaningConfig(StageConfig):
                     "the characters.")
     pii_kinds: tuple[PiiKind, ...] = Field(
         default=PII_KINDS, description="Personal data replaced in kept documents: email -> <EMAIL>, "
-                               "ip_address -> <IP_ADDRESS>, iban -> <IBAN>, credit_card -> "
-                               "<CREDIT_CARD>, phone -> <PHONE> (see pii.py); () turns "
-                               "scrubbing off.")
+                                       "ip_address -> <IP_ADDRESS>, iban -> <IBAN>, credit_card -> "
+                                       "<CREDIT_CARD>, phone -> <PHONE> (see pii.py); () turns "
+                                       "scrubbing off.")
 
     @model_validator(mode="after")
     def _check_ranges(self) -> CleaningConfig:
@@ -228,30 +228,30 @@ class Config(CleaningConfig):
                     "any fsspec filesystem of .warc[.gz], .wet[.gz], .jsonl[.gz|.zst], .json.gz, "
                     ".parquet, .arrow (a `datasets` save_to_disk dir), .txt[.gz|.zst].")
     cc_base_url: str = Field(default=DEFAULT_BASE_URL, description="Where 'cc:' files are fetched from "
-                                                           "(a mirror serves the same files).")
+                                                                   "(a mirror serves the same files).")
     download_retries: int = Field(default=5, ge=0, description="Retries of a failing download.")
     download_timeout_s: float = Field(default=60.0, gt=0, description="Socket timeout of a download, s.")
     max_doc_bytes: int = Field(default=10_000_000, ge=1, description="Records larger than this are "
-                                                             "skipped (skipped_too_large).")
+                                                                     "skipped (skipped_too_large).")
     max_docs_per_source: int | None = Field(
         default=None, ge=1,
         description="Cap on documents extracted per source, in input order (None: all).")
     quality: QualityConfig = Field(default_factory=QualityConfig,
                                    description="Model-based quality score (off by default).")
     near_dedup: bool = Field(default=True, description="Remove MinHash-LSH near-duplicates (the `dedup` "
-                                               "settings); exact duplicates always go.")
+                                                       "settings); exact duplicates always go.")
     dedup: DedupConfig = Field(default_factory=DedupConfig, description="MinHash-LSH settings.")
     dedup_index_from: str | None = Field(
         default=None, description="An earlier collect artifact dir: documents near-duplicating anything "
-                          "in its dedup_index/ are removed too, without re-reading its inputs "
-                          "(incremental refresh). Its index is carried into this one.")
+                                  "in its dedup_index/ are removed too, without re-reading its inputs "
+                                  "(incremental refresh). Its index is carried into this one.")
     decontam: DecontamConfig = Field(default_factory=DecontamConfig,
                                      description="Benchmark decontamination (off: no eval sets).")
     mix: MixConfig = Field(default_factory=MixConfig, description="Per-source weights and budgets.")
     docs_per_shard: int = Field(
         default=10_000, ge=1, description="Documents per output docs/part-*.jsonl.gz file.")
     review_samples: int = Field(default=20, ge=0, description="Documents (or quarantined records) kept "
-                                                      "per drop reason in review/ for inspection.")
+                                                              "per drop reason in review/ for inspection.")
     gates: GatesConfig = Field(
         default_factory=GatesConfig,
         description="Data gates: limits on what collect removed, checked before tokenize; one that trips waits "

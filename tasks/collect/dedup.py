@@ -85,26 +85,26 @@ class DedupConfig(BaseModel):
     # (0.49 in that set) come close.
     bands: int = Field(default=18, ge=1, description="LSH bands; bands x rows = hash permutations.")
     rows: int = Field(default=6, ge=1, description="Signature values per band (all must match for two "
-                                           "documents to share the band's bucket).")
+                                                   "documents to share the band's bucket).")
     band_layouts: int = Field(default=2, ge=1, le=2, description="Ways the signature is cut into bands "
-                                                         "(1: consecutive values; 2: also one "
-                                                         "value of each of `rows` bands).")
+                                                                 "(1: consecutive values; 2: also one "
+                                                                 "value of each of `rows` bands).")
     threshold: float = Field(default=0.55, gt=0, le=1, description="Jaccard similarity of shingle sets "
-                                                            "at or above which two documents are "
-                                                            "near-duplicates (exact for two input "
-                                                            "documents, estimated from the "
-                                                            "signatures against the index).")
+                                                                    "at or above which two documents are "
+                                                                    "near-duplicates (exact for two input "
+                                                                    "documents, estimated from the "
+                                                                    "signatures against the index).")
     seed: int = Field(default=1, ge=0, description="Seed of the hash permutations. Signatures (and a "
-                                           "persisted index) are comparable only under one seed.")
+                                                   "persisted index) are comparable only under one seed.")
     chunk_docs: int = Field(default=1024, ge=1, description="Documents per signature task (independent "
-                                                    "of the worker count; results do not change).")
+                                                            "of the worker count; results do not change).")
     partition_mb: float = Field(default=16, gt=0, description="Spilled rows per partition task: near "
-                                                       "dedup's bucket rows (18 bytes a band of a "
-                                                       "document, index included) and exact "
-                                                       "dedup's hashes (24 bytes a document); "
-                                                       "smaller: more tasks for the workers to "
-                                                       "share, each holding less. Results do not "
-                                                       "change; the index's shards do.")
+                                                               "dedup's bucket rows (18 bytes a band of a "
+                                                               "document, index included) and exact "
+                                                               "dedup's hashes (24 bytes a document); "
+                                                               "smaller: more tasks for the workers to "
+                                                               "share, each holding less. Results do not "
+                                                               "change; the index's shards do.")
 
     @model_validator(mode="after")
     def _check_permutations(self) -> DedupConfig:

@@ -42,10 +42,10 @@ class MixConfig(BaseModel):
         default_factory=dict, description="Per-source cap on estimated tokens taken.")
     total_tokens: int | None = Field(
         default=None, ge=1, description="Cap on the whole mix in estimated tokens; every source's target "
-                                "is scaled by the same factor, keeping the weight ratios.")
+                                        "is scaled by the same factor, keeping the weight ratios.")
     bytes_per_token: float = Field(default=4.0, gt=0, description="UTF-8 bytes per token used to "
-                                                          "estimate tokens before a tokenizer "
-                                                          "exists.")
+                                                                  "estimate tokens before a tokenizer "
+                                                                  "exists.")
     seed: int = Field(default=0, description="Seed of document sampling and of the mix order.")
 
 

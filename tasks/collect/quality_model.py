@@ -73,8 +73,8 @@ class QualityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(default=False, description="Train the model and drop low-scoring documents "
-                                             "(off by default: it needs a reference that "
-                                             "matches the crawl's subject).")
+                                                     "(off by default: it needs a reference that "
+                                                     "matches the crawl's subject).")
     reference: list[str] = Field(
         default_factory=lambda: [DEMO_STDLIB],
         description="Good text: files, folders or globs in any crawl input format (.jsonl "
@@ -92,17 +92,17 @@ class QualityConfig(BaseModel):
     lr: float = Field(default=1.0, gt=0, description="SGD learning rate (features are L2-normalized).")
     l2: float = Field(default=1e-4, ge=0, description="L2 penalty on the weights, per step.")
     max_train_docs: int = Field(default=20_000, ge=2, description="Cap per class on training documents "
-                                                          "(a seeded sample).")
+                                                                  "(a seeded sample).")
     heldout_fraction: float = Field(default=0.2, ge=0, lt=1, description="Fraction of each class held "
-                                                                 "out to measure the model.")
+                                                                         "out to measure the model.")
     seed: int = Field(default=0, description="Seed of sampling, the held-out split and SGD order.")
     model: str | None = Field(
         default=None, description="A model saved by an earlier run (the `quality_model` folder of its "
-                          "collect artifact; a path or URL): the work units score each document "
-                          "with it as they clean it, and nothing is trained (`reference` and the "
-                          "training settings are unused). Without it the model is trained on "
-                          "`reference` against this crawl and scores the crawl out of fold, after "
-                          "the units.")
+                                  "collect artifact; a path or URL): the work units score each document "
+                                  "with it as they clean it, and nothing is trained (`reference` and the "
+                                  "training settings are unused). Without it the model is trained on "
+                                  "`reference` against this crawl and scores the crawl out of fold, after "
+                                  "the units.")
 
 
 # ---- features -----------------------------------------------------------------------------------

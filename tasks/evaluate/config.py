@@ -26,19 +26,19 @@ class Config(StageConfig):
     """What to evaluate and how much of it."""
 
     seq_len: int = Field(default=256, description="Tokens per perplexity window (non-overlapping windows); "
-                                          "must not exceed the model's max positions.")
+                                                  "must not exceed the model's max positions.")
     max_eval_tokens: int = Field(default=262_144, description="Upper bound on val tokens scored for perplexity.")
     compression_train_mb: float = Field(
         default=64.0, ge=0, description="Training text (MiB, from the start of the train split) the compressor "
-                                "baselines read before the val bytes; xz -9e's window is 64 MiB. 0: only "
-                                "the compressors alone.")
+                                        "baselines read before the val bytes; xz -9e's window is 64 MiB. 0: only "
+                                        "the compressors alone.")
     arith_problems: int = Field(default=100, description="Number of arithmetic test problems per model.")
     arith_seed: int = Field(default=0, description="Seed choosing which arithmetic test problems are asked.")
     max_new_tokens: int = Field(default=16, description="Greedy generation budget per arithmetic answer (tokens).")
     batch_size: int = Field(default=16, description="Sequences per forward pass / generation batch.")
     tasks: tuple[str, ...] = Field(default=(), description="Benchmark JSONL files scored by the benchmark engine "
-                                                   "(formats recognised from their fields: "
-                                                   "docs/evaluation.md#formats).")
+                                                           "(formats recognised from their fields: "
+                                                           "docs/evaluation.md#formats).")
     delimiters: dict[str, str] = Field(default={}, description="Continuation delimiter (text between query and "
                                        "choice, llm-foundry's continuation_delimiter) by task name, for "
                                        "llm-foundry multiple-choice files; a file not named here uses its "
@@ -47,7 +47,7 @@ class Config(StageConfig):
     gsm8k_max_new_tokens: int = Field(default=256, description="Generation budget per GSM8K answer (tokens).")
     gsm8k_samples: int = Field(default=0, description="Sampled GSM8K answers per problem for pass@k (0: greedy only).")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="Where to run the models; "
-                                                                       "auto picks cuda when available.")
+                                                                               "auto picks cuda when available.")
 
     # "auto" resolves per machine, so hashing it would not record the device anyway; the device
     # used is written into results.json instead.

@@ -22,9 +22,9 @@ class Config(LoopConfig):
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the model trained from scratch.")
     seq_len: int = Field(default=256, gt=0, description="Tokens per training sequence (each window holds seq_len + 1 "
-                                                "tokens: inputs and their next-token targets).")
+                                                        "tokens: inputs and their next-token targets).")
     val_windows: int = Field(default=32, gt=0, description="Number of fixed, evenly spaced val.bin windows the "
-                                                   "validation loss is measured on.")
+                                                           "validation loss is measured on.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
         "The processes it trains in: inline, or data-parallel under Accelerate (operational)."))
 

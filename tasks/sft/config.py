@@ -29,14 +29,15 @@ class Config(LoopConfig):
                                         "(messages, prompt/response, self-instruct, or OpenAssistant "
                                         "message trees; detected per file).")
     max_examples: int | None = Field(default=None, gt=0, description="At most this many conversations per source "
-                                                             "(None: all; the demo then gives 500).")
-    max_seq_len: int = Field(default=256, gt=1, description="Rendered conversations longer than this many tokens "
-                                                    "are truncated (and counted); with packing, the row length.")
+                                                                     "(None: all; the demo then gives 500).")
+    max_seq_len: int = Field(default=256, gt=1, description=(
+        "Rendered conversations longer than this many tokens are truncated (and counted); with packing, "
+        "the row length."))
     heldout_fraction: float = Field(default=0.1, ge=0, lt=1, description="Share of conversations held out to "
-                                                                 "measure assistant-token loss before/after.")
+                                                                         "measure assistant-token loss before/after.")
     packing: bool = Field(default=False, description="Concatenate examples into rows of up to max_seq_len tokens "
-                                             "(best fit decreasing); each keeps its own positions and "
-                                             "attends only to itself. batch_size then counts rows.")
+                                                     "(best fit decreasing); each keeps its own positions and "
+                                                     "attends only to itself. batch_size then counts rows.")
     pretrain_mix: float = Field(
         default=0.25, ge=0, lt=1,
         description="Weight of plain next-token loss on pretraining text (windows of the tokenize stage's "
@@ -47,9 +48,9 @@ class Config(LoopConfig):
                     "conversations only, and no tokenize artifact needed.")
     pretrain_windows: int = Field(
         default=2, gt=0, description="Pretraining windows of max_seq_len tokens per step when pretrain_mix > 0 "
-                             "(a multiple of grad_accum_steps), in a seeded order over the train tokens.")
+                                     "(a multiple of grad_accum_steps), in a seeded order over the train tokens.")
     lora: LoraConfig | None = Field(default=None, description="Train LoRA adapters on a frozen base model "
-                                                      "(None: full fine-tuning). The export merges them.")
+                                                              "(None: full fine-tuning). The export merges them.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description=(
         "The processes it trains in: inline, or data-parallel under Accelerate (operational)."))
 

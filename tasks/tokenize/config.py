@@ -20,24 +20,24 @@ class Config(StageConfig):
     """Tokenizer training and corpus encoding."""
 
     vocab_size: int = Field(default=4096, description="Target BPE vocabulary size, special tokens and the "
-                                              "256 byte symbols included (may end smaller on a tiny corpus).")
+                                                      "256 byte symbols included (may end smaller on a tiny corpus).")
     min_frequency: int = Field(default=2, description="Minimum pair count for a BPE merge.")
     max_digits_per_token: int = Field(default=1, description="Longest run of digits one pre-token may hold (1-3). "
-                                                     "1 gives every number a digit-by-digit spelling, which "
-                                                     "small models learn arithmetic from far more easily; "
-                                                     "3 is GPT-4's choice and compresses numbers better.")
-    max_train_bytes: int = Field(default=50_000_000, description="UTF-8 bytes of train-split text (first "
-                                                          "documents in input order) used to train the tokenizer.")
+                                                             "1 gives every number a digit-by-digit spelling, which "
+                                                             "small models learn arithmetic from far more easily; "
+                                                             "3 is GPT-4's choice and compresses numbers better.")
+    max_train_bytes: int = Field(default=50_000_000, description=(
+        "UTF-8 bytes of train-split text (first documents in input order) used to train the tokenizer."))
     val_fraction: float = Field(default=0.05, description="Share of documents held out for validation, chosen "
-                                                    "by a hash of the document id.")
+                                                            "by a hash of the document id.")
     reference_vocab: str | None = Field(default=None, description="A tiktoken rank file (e.g. GPT-2's "
-                                                          "gpt2.tiktoken) whose bytes per token on the val "
-                                                          "text are reported next to ours; None skips it.")
+                                                                  "gpt2.tiktoken) whose bytes per token on the val "
+                                                                  "text are reported next to ours; None skips it.")
     encode_batch_docs: int = Field(default=1000, description="Documents per encode_batch call (memory knob; "
-                                                      "does not change outputs).")
+                                                              "does not change outputs).")
 
     num_workers: int = Field(default=2, ge=1, description="Parallel workers (Ray actors) encoding input shards; "
-                                                 "output is identical for any count (not hashed).")
+                                                         "output is identical for any count (not hashed).")
     unhashed_fields: ClassVar[frozenset[str]] = frozenset({"encode_batch_docs", "num_workers"})
 
     @field_validator("vocab_size")

@@ -53,15 +53,15 @@ class DecontamConfig(BaseModel):
         description="Evaluation sets: files (.jsonl, .jsonl.gz, .parquet) or folders of them. "
                     "The benchmark name is the folder name, or the file name without suffixes.")
     ngram_words: int = Field(default=13, ge=1, description="N-gram length in normalized words "
-                                                   "(13 as in GPT-3 and OLMo).")
+                                                           "(13 as in GPT-3 and OLMo).")
     min_overlapping_ngrams: int = Field(
         default=1, ge=1, description="Distinct shared n-grams that flag a document for an item (an item "
-                             "with fewer n-grams needs all of them).")
+                                     "with fewer n-grams needs all of them).")
     min_item_words: int = Field(
         default=5, ge=1, description="Items with fewer normalized words are not indexed: a 1-4 word text "
-                             "('yes', 'a marsh') occurs in countless unrelated documents.")
+                                     "('yes', 'a marsh') occurs in countless unrelated documents.")
     max_docs_listed: int = Field(default=20, ge=0, description="Document ids listed per found item in "
-                                                       "the report (the counts are complete).")
+                                                               "the report (the counts are complete).")
 
 
 def normalize_words(text: str) -> list[str]:
@@ -167,8 +167,9 @@ def eval_files(source: str) -> tuple[str, list[Path]]:
     """(benchmark name, its local files) of one `eval_sets` entry (a file or folder, core.sources);
     ValueError naming it if it is missing or holds no eval file. The name is the folder's, or
     the file's without its suffixes."""
-    files = source_files(str(Path(source).expanduser()), EVAL_SUFFIXES)
-    if not all(isinstance(f, Path) for f in files):
+    found = source_files(str(Path(source).expanduser()), EVAL_SUFFIXES)
+    files = [f for f in found if isinstance(f, Path)]
+    if len(files) != len(found):
         raise ValueError(f"eval_sets entry {source!r}: benchmark files must be local")
     path = Path(source).expanduser()
     name = path.name if path.is_dir() else re.sub(r"(\.[a-z]+)+$", "", path.name)

@@ -32,6 +32,7 @@ def fault_point(where: str) -> None:
         return
     if not (once := os.environ.get(FAULT_ONCE_ENV)):
         os.kill(os.getpid(), signal.SIGKILL)
+        return  # not reached: SIGKILL ends this process
     try:
         Path(once).unlink()  # atomic: of two processes reaching the point, one raises
     except FileNotFoundError:

@@ -128,7 +128,8 @@ def open_location(location: str | Path, mode: str = "rb") -> Any:
         return Path(location).open(mode)
     import fsspec
 
-    return fsspec.open(str(location), mode).open()
+    # fsspec is untyped, and its `open` is inferred as possibly a list of files; it is one file.
+    return fsspec.open(str(location), mode).open()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def names_in(location: str, *, create: bool = False) -> set[str]:

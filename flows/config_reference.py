@@ -107,7 +107,7 @@ def type_name(annotation: Any) -> str:
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
-    value = field.default if field.default_factory is None else field.default_factory()
+    value = field.get_default(call_default_factory=True)
     if value is PydanticUndefined:
         return "required"
     return "`" + json.dumps(to_jsonable_python(value), ensure_ascii=False) + "`"

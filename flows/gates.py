@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, cast, get_args
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -84,9 +84,9 @@ class GateDecision:
     def from_tags(cls, tags: Mapping[str, str]) -> GateDecision | None:
         """The decision recorded on a run (`gristmill.gates.*` tags), if any."""
         got = {k.removeprefix(TAG): v for k, v in tags.items() if k.startswith(TAG)}
-        if "outcome" not in got or "artifact" not in got:
+        if got.get("outcome") not in get_args(Outcome) or "artifact" not in got:
             return None
-        return cls(outcome=got["outcome"], artifact=got["artifact"],
+        return cls(outcome=cast(Outcome, got["outcome"]), artifact=got["artifact"],
                    trips=tuple(filter(None, got.get("tripped", "").split("\n"))), by=got.get("by", ""),
                    comment=got.get("comment", ""), at=got.get("at", ""))
 
@@ -115,8 +115,9 @@ class GatesStopped(RuntimeError):
 
     def __init__(self, decision: GateDecision):
         self.decision = decision
-        more = f" (and {len(decision.trips) - 1} more)" if len(decision.trips) > 1 else ""
-        super().__init__(f"data gate tripped on {decision.artifact}: {decision.trips[0]}{more}; to go on with "
+        first, *others = decision.trips
+        more = f" (and {len(others)} more)" if others else ""
+        super().__init__(f"data gate tripped on {decision.artifact}: {first}{more}; to go on with "
                          "this data: --approve-gates (or loosen collect.gates)")
 
 

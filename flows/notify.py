@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import urllib.request
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -54,7 +54,9 @@ def webhook_url(config: NotifyConfig) -> str | None:
         return url
     from prefect.blocks.system import Secret
 
-    return str(Secret.load(ref.removeprefix("prefect-secret:")).get())
+    # Called from synchronous code, so Prefect's async_dispatch returns the block, not a coroutine.
+    secret = cast(Secret, Secret.load(ref.removeprefix("prefect-secret:")))
+    return str(secret.get())
 
 
 def _post(url: str, message: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 from uuid import UUID
 
 from core import progress
@@ -89,7 +90,8 @@ class StageArtifact:
         percent, line = latest
         try:
             if self.artifact_id is None:
-                self.artifact_id = create_progress_artifact(percent, key=self.key, description=line)
+                # on this thread, which runs no event loop, async_dispatch calls the synchronous form
+                self.artifact_id = cast(UUID, create_progress_artifact(percent, key=self.key, description=line))
             else:
                 update_progress_artifact(self.artifact_id, percent, description=line)
         except Exception as error:  # never fail a stage over its progress display

@@ -131,7 +131,7 @@ class ArtifactStore:
     def __init__(self, root: Path, verify_on_reuse: VerifyMode = "size", remote: RemoteStore | None = None,
                  contracts: Contracts | None = None):
         self.root = Path(root)
-        self.verify_on_reuse = verify_on_reuse
+        self.verify_on_reuse: VerifyMode = verify_on_reuse
         self.remote = remote
         self.contracts = contracts
 
@@ -149,13 +149,15 @@ class ArtifactStore:
         if self.remote is None:
             return manifest
         if manifest is None:
-            return self._download(stage, key)
+            return self._download(self.remote, stage, key)
         if self.remote.manifest(stage, key) is None:  # committed here before the store had a bucket
             self.remote.upload(stage, key, manifest.path, list(manifest.files))
         return manifest
 
     def remote_location(self, local: Path) -> str:
         """The URL on the remote store of a path under `root` (a partial folder's working files)."""
+        if self.remote is None:
+            raise ValueError(f"the artifact store at {self.root} has no remote store")
         return f"{self.remote.url}/{Path(local).relative_to(self.root).as_posix()}"
 
     def has(self, stage: str, key: str) -> bool:
@@ -163,26 +165,26 @@ class ArtifactStore:
         return self._complete(self.final_dir(stage, key), stage, key) is not None or \
             (self.remote is not None and self.remote.manifest(stage, key) is not None)
 
-    def _download(self, stage: str, key: str) -> Manifest | None:
-        """The remote's committed (stage, key), copied into a temporary directory beside its place
-        and renamed into it; None when the remote has none."""
-        record = self.remote.manifest(stage, key)
+    def _download(self, remote: RemoteStore, stage: str, key: str) -> Manifest | None:
+        """The committed (stage, key) of `remote` (this store's), copied into a temporary directory
+        beside its place and renamed into it; None when the remote has none."""
+        record = remote.manifest(stage, key)
         if record is None or record.get("key") != key:
             return None
         final = self.final_dir(stage, key)
         final.parent.mkdir(parents=True, exist_ok=True)
         fetching = Path(tempfile.mkdtemp(prefix=f".{final.name}.download-", dir=final.parent))
         try:
-            self.remote.download(stage, key, list(record.get("files", {})), fetching)
+            remote.download(stage, key, list(record.get("files", {})), fetching)
             if self._complete(fetching, stage, key) is None:
-                raise OSError(f"{self.remote.url_of(stage, key)} differs from its manifest")
+                raise OSError(f"{remote.url_of(stage, key)} differs from its manifest")
             if final.exists() and self._complete(final, stage, key) is None:
                 shutil.rmtree(final)  # an incomplete leftover
             with contextlib.suppress(OSError):  # a concurrent download may have put it there first
                 os.replace(fetching, final)
         finally:
             shutil.rmtree(fetching, ignore_errors=True)
-        log.info("%s-%s: downloaded from %s", stage, key, self.remote.url_of(stage, key))
+        log.info("%s-%s: downloaded from %s", stage, key, remote.url_of(stage, key))
         return self._complete(final, stage, key)
 
     def _complete(self, directory: Path, stage: str, key: str) -> Manifest | None:
@@ -192,7 +194,7 @@ class ArtifactStore:
         if not (directory / MANIFEST).exists():
             return None
         record, problems = self._check(directory, stage, key, self.verify_on_reuse)
-        if problems:
+        if problems or record is None:  # no record comes with the problem that says why
             found = ", ".join(f"{rel} ({why})" for rel, why in problems.items())
             log.warning("%s-%s: %s; not reused (`gristmill verify` checks the whole store)", stage, key, found)
             return None
@@ -296,7 +298,7 @@ class ArtifactStore:
     def reseal(self, directory: Path) -> None:
         """Seal the manifest of an output committed before manifests were sealed; call it only once
         `verify` found nothing else wrong with the output (its files are the bytes it records)."""
-        record, _ = read_manifest(directory)
+        record = _manifest_of(directory)
         tmp = directory / (MANIFEST + ".tmp")
         tmp.write_text(manifest_text({**record, SEAL: seal_of(record)}))
         os.replace(tmp, directory / MANIFEST)
@@ -340,9 +342,9 @@ class ArtifactStore:
             return self.commit(stage, key, partial, fields), False
 
     def _remote_lease(self, stage: str, key: str) -> contextlib.AbstractContextManager[None]:
-        if self.remote is None:
+        if (remote := self.remote) is None:
             return contextlib.nullcontext()
-        return self.remote.lease(stage, key, committed=lambda: self.remote.manifest(stage, key) is not None)
+        return remote.lease(stage, key, committed=lambda: remote.manifest(stage, key) is not None)
 
     def commit(self, stage: str, key: str, partial: Path, fields: dict[str, Any]) -> Manifest:
         """Write the manifest last into `partial` and publish it (under `lock`)."""
@@ -361,14 +363,16 @@ class ArtifactStore:
     def _publish(self, stage: str, key: str, partial: Path) -> Manifest:
         """Upload a complete partial output to the remote store, if any, then rename it into place."""
         if self.remote is not None:
-            self.remote.upload(stage, key, partial, list(read_manifest(partial)[0]["files"]))
+            self.remote.upload(stage, key, partial, list(_manifest_of(partial)["files"]))
         final = self.final_dir(stage, key)
         if final.is_dir() and not final.is_symlink():  # a leftover that does not count: replace it
             shutil.rmtree(final)
         elif os.path.lexists(final):  # a file or a link where the output goes
             final.unlink()
         os.replace(partial, final)
-        return self.load(stage, key)
+        if (manifest := self.load(stage, key)) is None:
+            raise OSError(f"{final}: the output just committed fails the checks of reuse (see the warning above)")
+        return manifest
 
     # --- data gates: a person's decisions on an output whose numbers tripped a gate (flows/gates.py) ---
 
@@ -412,6 +416,14 @@ class ArtifactStore:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(lines)
         os.replace(tmp, path)
+
+
+def _manifest_of(directory: Path) -> dict[str, Any]:
+    """The parsed manifest of an output this store wrote; OSError saying why it cannot be read."""
+    record, why = read_manifest(directory)
+    if record is None:
+        raise OSError(f"{directory}: {why}")
+    return record
 
 
 def home_store(home: Path, verify_on_reuse: VerifyMode = "size", contracts: Contracts | None = None) -> ArtifactStore:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
 import sys
 import threading
@@ -45,8 +46,9 @@ def _worker(config: dict[str, Any]) -> None:
     with open(Path(config["log_dir"]) / f"rank-{rank}.log", "ab", buffering=0) as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    for stream in (sys.stdout, sys.stderr):  # a text file over the log (typed as any TextIO)
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     os.chdir(config["cwd"])  # relative paths in the config mean what they mean to the driver
     if config["mixed_precision"]:
         os.environ[PRECISION_VAR] = config["mixed_precision"]

@@ -16,6 +16,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
@@ -39,6 +40,10 @@ from infra.tracking.runs import Tracker
 
 GPU_LIMIT = "gpu"  # the Prefect global concurrency limit GPU stages take a slot of
 RECORD_THREADS = 3  # reused stages recorded at once (each mostly waits on the tracking server)
+# A stage another run committed while this one waited: that run still logs its stats, files and
+# publisher's output before it ends its MLflow run (seconds; more on a loaded machine). Waited for
+# up to this long, so that its reuse points at the finished run instead of back-filling a copy.
+SOURCE_FINISH_WAIT_S = 60.0
 
 
 class Runtime:
@@ -55,6 +60,9 @@ class Runtime:
         self.parent_run_id = parent_run_id
         self._pool = ThreadPoolExecutor(RECORD_THREADS, "gristmill-record") if background else None
         self._records: list[Future] = []
+        # stage -> "computed" | "reused", as the store decided when the stage ran: a stage planned
+        # to run is reused when another run computed its key meanwhile
+        self.outcomes: dict[str, str] = {}
 
     def record(self, fn: Callable[..., None], *args: Any) -> None:
         if self._pool is None:
@@ -87,13 +95,20 @@ def _engine(stage: PlannedStage, store: ArtifactStore) -> Engine:
                      early=ray_start.take_early())
 
 
-def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Runtime, run_id: str,
-             artifacts: list[str], meta: Mapping[str, Any]):
-    """The store's compute callback: run the stage into its partial dir (in this process, or in
-    the processes its `launch` section asks for), return the manifest fields."""
+def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Runtime, runs: list[str],
+             artifacts: list[str], meta: Mapping[str, Any], why: list[str] | None):
+    """The store's compute callback: start the stage's MLflow run (appended to `runs`), run the
+    stage into its partial dir (in this process, or in the processes its `launch` section asks
+    for), return the manifest fields. Called only once this run holds the key's lock and no other
+    run committed it, so a stage that ends up reused has no computing run and no `why` artifact."""
     launch: LaunchConfig | None = getattr(stage.config, "launch", None)
+    name = stage.spec.name
 
     def compute(partial_dir) -> dict[str, Any]:
+        run_id = runtime.tracker.start_stage(runtime.parent_run_id, name, stage.key,
+                                             stage.config.model_dump(mode="json"), upstream)
+        runs.append(run_id)
+        _say_why(name, stage.key, why)
         # the stage's memory, its Ray workers' and launched ranks' included; its progress on the
         # console and as the Prefect artifact progress-<stage> (flows/progress.py)
         with PeakRSS() as peak, runtime.tracker.follow_metrics(run_id, partial_dir / METRICS_FILE), \
@@ -120,6 +135,14 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
     return compute
 
 
+def _say_why(name: str, key: str, why: list[str] | None) -> None:
+    get_run_logger().info("%s: computing %s-%s", name, name, key)
+    if why:
+        get_run_logger().info("%s: why it computes: %s", name, "; ".join(why))
+        create_markdown_artifact(f"### Why {name} computes\n\n" + "".join(f"- {line}\n" for line in why),
+                                 key=f"why-{name}", description=f"What differs from the nearest {name} artifact")
+
+
 def _gpu_slot(stage: PlannedStage):
     """A training or evaluation stage computes holding one slot of the Prefect global concurrency
     limit `gpu` when the server has one (`prefect gcl create gpu --limit 1`: runs sharing the GPUs
@@ -144,10 +167,10 @@ def _publish(stage: PlannedStage, manifest: Manifest, runtime: Runtime, run_id: 
 
 
 def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[str, Manifest],
-                   existing: Manifest, runtime: Runtime) -> None:
+                   existing: Manifest, runtime: Runtime, wait_s: float = 0.0) -> None:
     name, tracker = stage.spec.name, runtime.tracker
     run_id, backfilled = tracker.record_reused_stage(runtime.parent_run_id, name, stage.key,
-                                                     config, upstream, existing)
+                                                     config, upstream, existing, wait_s)
     try:
         # What a publisher logs lives in the run that computed the artifact, unless it never finished.
         _publish(stage, existing, runtime, run_id if backfilled else existing.meta["mlflow_run_id"],
@@ -158,44 +181,62 @@ def _record_reused(stage: PlannedStage, config: dict[str, Any], upstream: dict[s
     tracker.end(run_id, ok=True)
 
 
+def _reused(stage: PlannedStage, upstream: dict[str, Manifest], manifest: Manifest, runtime: Runtime,
+            wait_s: float = 0.0) -> Manifest:
+    """Record a stage this run did not compute: an MLflow run tagged `gristmill.reused` pointing at
+    the run that computed it (`gristmill.source_run_id`), and the outcome for the run's summary.
+    `wait_s`: how long the computing run may take to end its MLflow run before this one back-fills it."""
+    runtime.outcomes[stage.spec.name] = "reused"
+    runtime.record(_record_reused, stage, stage.config.model_dump(mode="json"), upstream, manifest, runtime,
+                   wait_s)
+    return manifest
+
+
+def _rename_task_run(name: str) -> None:
+    """The task run was named for the plan (`<stage> [run]`); another run computed the stage
+    meanwhile, so the name the Prefect UI lists says what happened. Prefect records a task run
+    from its state events, which carry its name: renamed here, the run's final state brings the new
+    name (the server may not know the task run yet, so renaming it through the API can miss)."""
+    if (context := TaskRunContext.get()) is not None:
+        context.task_run.name = name
+
+
 @task(cache_policy=NO_CACHE)
 def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runtime,
               meta: dict[str, Any] | None = None, why: list[str] | None = None) -> Manifest:
     """Reuse or compute one stage; `upstream` carries the manifests this stage depends on, `meta`
     extra fields for a computed manifest's meta (a data refresh's corpus version), `why` what
-    differs from the nearest artifact of the stage (flows/explain.py), logged when it computes."""
+    differs from the nearest artifact of the stage (flows/explain.py), logged when it computes.
+    Whether it was reused or computed is what the store did (`runtime.outcomes`), not the plan."""
     logger = get_run_logger()
     name, tracker = stage.spec.name, runtime.tracker
-    config = stage.config.model_dump(mode="json")
-    existing = runtime.store.load(name, stage.key)
-    run_id = None
+    if (existing := runtime.store.load(name, stage.key)) is not None:
+        logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
+                    existing.meta.get("mlflow_run_id"))
+        return _reused(stage, upstream, existing, runtime)
+    runs: list[str] = []  # the stage's MLflow run, started once this run computes it
     try:
-        if existing is not None:
-            logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
-                        existing.meta.get("mlflow_run_id"))
-            runtime.record(_record_reused, stage, config, upstream, existing, runtime)
-            return existing
-        run_id = tracker.start_stage(runtime.parent_run_id, name, stage.key, config, upstream)
-        logger.info("%s: computing %s-%s", name, name, stage.key)
-        if why:
-            logger.info("%s: why it computes: %s", name, "; ".join(why))
-            create_markdown_artifact(f"### Why {name} computes\n\n" + "".join(f"- {line}\n" for line in why),
-                                     key=f"why-{name}", description=f"What differs from the nearest {name} artifact")
         artifacts: list[str] = []
         with _gpu_slot(stage):
             manifest, reused = runtime.store.materialize(
-                name, stage.key, _compute(stage, upstream, runtime, run_id, artifacts, meta or {}))
-        runtime.join()  # reused upstream stages recorded first: a publisher finds what they logged
-        _publish(stage, manifest, runtime, run_id, owner=True)
-        tracker.finish_stage(run_id, manifest, artifacts)
+                name, stage.key, _compute(stage, upstream, runtime, runs, artifacts, meta or {}, why))
         if reused:
-            logger.info("%s: reused %s, computed meanwhile by another run", name, manifest.path)
-        else:
-            logger.info("%s: done in %.1f s -> %s", name, manifest.meta.get("seconds", 0), manifest.path)
+            logger.info("%s: reused %s, computed meanwhile by another run (MLflow run %s)", name,
+                        manifest.path, manifest.meta.get("mlflow_run_id"))
+            _rename_task_run(f"{name} [reuse]")
+            return _reused(stage, upstream, manifest, runtime, wait_s=SOURCE_FINISH_WAIT_S)
+        if not runs:  # an earlier run's output, committed now: it was killed in its commit window
+            runs.append(tracker.start_stage(runtime.parent_run_id, name, stage.key,
+                                            stage.config.model_dump(mode="json"), upstream))
+        runtime.outcomes[name] = "computed"
+        runtime.join()  # reused upstream stages recorded first: a publisher finds what they logged
+        _publish(stage, manifest, runtime, runs[0], owner=True)
+        tracker.finish_stage(runs[0], manifest, artifacts)
+        logger.info("%s: done in %.1f s -> %s", name, manifest.meta.get("seconds", 0), manifest.path)
         return manifest
     except BaseException:
-        if run_id is not None:
-            tracker.end(run_id, ok=False)
+        if runs:
+            tracker.end(runs[0], ok=False)
         raise
 
 
@@ -207,20 +248,19 @@ def start_parent_run(tracker: Tracker, run_name: str, config: PipelineConfig, ki
                                    "gristmill.code_version": env.code_version()})
 
 
-def _summary(planned: list[PlannedStage], manifests: Mapping[str, Manifest]) -> str:
+def _summary(planned: list[PlannedStage], manifests: Mapping[str, Manifest], outcomes: Mapping[str, str]) -> str:
     rows = ["| stage | key | status | seconds | artifact |", "|---|---|---|---|---|"]
     for stage in planned:
         m = manifests[stage.spec.name]
-        status = "reused" if stage.complete else "computed"
-        rows.append(f"| {stage.spec.name} | {stage.key} | {status} | "
+        rows.append(f"| {stage.spec.name} | {stage.key} | {outcomes[stage.spec.name]} | "
                     f"{m.meta.get('seconds', '')} | {m.path} |")
     return "\n".join(rows)
 
 
 def _report_card(tracker: Tracker, parent: str, run_name: str, planned: list[PlannedStage],
-                 manifests: Mapping[str, Manifest], extra: list[Section]) -> None:
+                 manifests: Mapping[str, Manifest], outcomes: Mapping[str, str], extra: list[Section]) -> None:
     """The run's report card, from the stages it has, in MLflow and as the `report-card` artifact."""
-    statuses = {s.spec.name: "reused" if s.complete else "computed" for s in planned if s.spec.name in manifests}
+    statuses = {s.spec.name: outcomes[s.spec.name] for s in planned if s.spec.name in manifests}
     card, _ = publish_report_card(tracker, env.gristmill_home(), parent, run_name, manifests, statuses, extra)
     create_markdown_artifact(card.read_text(), key="report-card",
                              description="base → SFT → aligned, curves, funnel, time, lineage")
@@ -271,7 +311,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
             if stage.spec.name == "collect":  # the data gates: before anything is trained on it
                 gates = enforce(manifests["collect"], config.collect.gates, config.refresh.bytes_per_token,
                                 store, tracker, parent, approve_gates)
-            if not stage.complete and (rows := rollbacks(manifests[stage.spec.name])):
+            computed = runtime.outcomes[stage.spec.name] == "computed"
+            if computed and (rows := rollbacks(manifests[stage.spec.name])):
                 notify(config.notify, "training.rollback", run, {"stage": stage.spec.name,
                                                                  "rollbacks": rows})
         runtime.join()
@@ -281,7 +322,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
     except Exception as error:
         runtime.abandon()
         if isinstance(error, GatesRejected):  # the card says why, with the data it was about
-            _report_card(tracker, parent, run_name, planned, manifests, [error.decision.section()])
+            _report_card(tracker, parent, run_name, planned, manifests, runtime.outcomes,
+                             [error.decision.section()])
         tracker.end(parent, ok=False)
         failed = "collect (data gates)" if isinstance(error, (GatesStopped, GatesRejected)) else \
             next((s.spec.name for s in planned if s.spec.name not in manifests), None)
@@ -295,12 +337,12 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
         tracker.end(parent, ok=False)
         raise
     tripped = gates is not None and gates.outcome != "passed"
-    summary = _summary(planned, manifests) + (f"\n\n{gates.markdown()}" if tripped else "") + \
+    summary = _summary(planned, manifests, runtime.outcomes) + (f"\n\n{gates.markdown()}" if tripped else "") + \
         (f"\n\n{decision.markdown()}" if decision else "")
     logging.getLogger("gristmill").info("pipeline summary\n%s", summary)
     create_markdown_artifact(summary, key="pipeline-summary", description="Stages reused or computed")
     tracker.log_text(parent, summary, "summary.md")
     extra = ([gates.section()] if tripped else []) + ([registry_section(decision.markdown())] if decision else [])
-    _report_card(tracker, parent, run_name, planned, manifests, extra)
+    _report_card(tracker, parent, run_name, planned, manifests, runtime.outcomes, extra)
     tracker.end(parent, ok=True)
     return {name: str(m.path) for name, m in manifests.items()}

@@ -103,6 +103,26 @@ def test_whether_a_run_finished_is_one_get_run(tracker, tmp_path):
     assert calls.names == ["get_run"] * 3
 
 
+def test_a_run_still_running_is_waited_for_only_as_long_as_asked(tracker, monkeypatch):
+    """A run that ends while it is waited for counts as finished; one that never ends does not,
+    once the wait is over; a failed run is not waited for."""
+    import threading
+
+    from infra.tracking import runs
+
+    monkeypatch.setattr(runs, "FINISH_POLL_S", 0.1)
+    parent = tracker.start_pipeline("first", {}, {})
+    ending, stuck, failed = (tracker.start_stage(parent, s, "k", {}, {}) for s in ("sft", "align", "evaluate"))
+    tracker.end(failed, ok=False)
+    threading.Timer(0.5, tracker.end, (ending, True)).start()
+    assert tracker.finished(ending, wait_s=30)
+    started = time.monotonic()
+    assert not tracker.finished(stuck, wait_s=1.0)
+    assert 1.0 <= time.monotonic() - started < 5
+    started = time.monotonic()
+    assert not tracker.finished(failed, wait_s=30) and time.monotonic() - started < 5
+
+
 def test_a_reused_stage_whose_computing_run_never_finished_backfills_it(tracker, tmp_path):
     parent = tracker.start_pipeline("lost", {}, {})
     cut_short = tracker.start_stage(parent, "pretrain", "p1", {}, {})  # MLflow lost mid-stage

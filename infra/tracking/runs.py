@@ -43,6 +43,8 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
 BATCH = 900  # MLflow accepts at most 1000 values (metrics + params + tags) per log_batch
 PARAMS_PER_BATCH = 100  # and at most 100 params (and 100 tags) of them
 FINISHED = RunStatus.to_string(RunStatus.FINISHED)
+RUNNING = RunStatus.to_string(RunStatus.RUNNING)
+FINISH_POLL_S = 1.0  # how often a run waiting for another run to end its MLflow run asks
 FOLLOW_EVERY_S = 2.0  # how often a computing stage's new step metrics are sent to its run
 
 log = logging.getLogger("gristmill.tracking")
@@ -194,15 +196,17 @@ class Tracker:
         self.end(run_id, ok=True)
 
     def record_reused_stage(self, parent_id: str, stage: str, key: str, config: Mapping[str, Any],
-                            upstream: Mapping[str, Manifest], manifest: Manifest) -> tuple[str, bool]:
+                            upstream: Mapping[str, Manifest], manifest: Manifest,
+                            wait_s: float = 0.0) -> tuple[str, bool]:
         """The run of a reused stage, in five MLflow calls: `get_run` asks whether the run that
         computed the artifact finished; `create_run` (with its tags), one `log_batch` (params and
         stats), `log_inputs` (lineage; none without upstreams) and `end` record it. It points at
         the computing run, which holds the step metrics, manifest, config and charts; when that
         run never finished (MLflow was lost mid-stage) this run back-fills them and is tagged
-        `gristmill.backfilled`. Returns (run id, whether it back-filled); the run is left open
+        `gristmill.backfilled`. `wait_s`: how long a computing run still running may take to
+        finish (see `finished`). Returns (run id, whether it back-filled); the run is left open
         for the stage's publisher, closed by `end`."""
-        backfill = not self.finished(manifest.meta.get("mlflow_run_id"))
+        backfill = not self.finished(manifest.meta.get("mlflow_run_id"), wait_s)
         extra = {"gristmill.artifact_dir": str(manifest.path),
                  **({"gristmill.backfilled": "true"} if backfill else {})}
         run_id = self._create_stage_run(parent_id, stage, key, upstream, manifest, extra)
@@ -212,15 +216,23 @@ class Tracker:
             self._log_files(run_id, manifest, [])
         return run_id, backfill
 
-    def finished(self, run_id: str | None) -> bool:
+    def finished(self, run_id: str | None, wait_s: float = 0.0) -> bool:
         """Whether `run_id` exists and ended as FINISHED (a stage whose logging was cut short
-        does not): one `get_run`."""
+        does not): one `get_run`. With `wait_s`, a run still RUNNING is asked again every
+        FINISH_POLL_S until it ends or `wait_s` passed: a run that committed an artifact a moment
+        ago logs its stats, files and publisher's output before it ends its run, and a run killed
+        after its commit stays RUNNING for ever."""
         if not run_id:
             return False
-        try:
-            return self.client.get_run(run_id).info.status == FINISHED
-        except MlflowException:  # no such run: a different tracking store, or a deleted run
-            return False
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                status = self.client.get_run(run_id).info.status
+            except MlflowException:  # no such run: a different tracking store, or a deleted run
+                return False
+            if status != RUNNING or time.monotonic() >= deadline:
+                return status == FINISHED
+            time.sleep(FINISH_POLL_S)
 
     def end(self, run_id: str, ok: bool) -> None:
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)

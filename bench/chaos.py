@@ -26,6 +26,10 @@ starts its own, as the race on creating its database is what it tests.
 It prints a table (fault, trials, survived, identical, documents lost) and ends with one JSON line:
 {"trials", "survived", "identical", "docs_lost"}. `identical` counts trials whose committed output
 equals the reference's (fuzz trials have no reference and are not counted there).
+
+`--load N` runs the load trial instead (bench/chaos_load.py): N runs started at once through the
+Prefect API against one stack and one home, half with evaluate-only overrides; each key computed
+once, every run Completed, each run's MLflow record and summary truthful about computed or reused.
 """
 from __future__ import annotations
 
@@ -414,6 +418,17 @@ def report(results: list[Trial]) -> dict[str, int]:
             "docs_lost": sum(t.docs_lost for t in results)}
 
 
+def _load(runs: int, overrides: list[str], work: Path) -> int:
+    from bench.chaos_load import report as report_load
+    from bench.chaos_load import run_load
+
+    figures = report_load(run_load(runs, overrides, work))
+    print(json.dumps(figures))
+    whole = figures["finished"] == runs and figures["computed_once"] == figures["keys"] and \
+        figures["truthful_records"] == figures["records"] == runs * len(STAGES)
+    return 0 if whole else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench chaos", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -424,9 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="where trial homes go (default: a temp dir)")
     parser.add_argument("--prefect-api-url", help="a standing Prefect server for the runs "
                         "(default: each starts its own)")
+    parser.add_argument("--load", type=int, metavar="N", help="the load trial: N runs at once through "
+                        "the Prefect API (bench/chaos_load.py) instead of the fault trials")
     parser.add_argument("overrides", nargs="*", help=f"config overrides (default: {' '.join(SHORT)})")
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="gristmill-chaos-"))
+    if args.load:
+        return _load(args.load, args.overrides or SHORT, work)
     suite = Suite(args.overrides or SHORT, work, args.reference, args.seed, args.prefect_api_url)
     results = []
     for i, (fault, stage) in enumerate(schedule(args.trials, args.seed)):

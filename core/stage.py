@@ -157,7 +157,8 @@ class MetricsLog:
     def __init__(self, out_dir: Path):
         self.path = Path(out_dir) / METRICS_FILE
 
-    def log(self, step: int, **values: float) -> None:
+    def log(self, step: int, **values: float | str) -> None:
+        """Numbers become the stage's MLflow metrics; a string (a rollback's reason) stays in the file."""
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
 

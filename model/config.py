@@ -7,7 +7,7 @@ modules that use them (model/presets.py, loop.py, lora.py, ppo.py) import them f
 """
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -93,7 +93,7 @@ class LoopConfig(TrainConfig):
                              f"(tokens_per_step={self.tokens_per_step}, grad_accum_steps={self.grad_accum_steps})")
         return self
 
-    def with_seq_len(self, seq_len: int, world_size: int = 1) -> LoopConfig:
+    def with_seq_len(self, seq_len: int, world_size: int = 1) -> Self:
         """For fixed-length sequences trained by `world_size` processes: a copy with tokens_per_step
         resolved into batch_size (sequences per step, all processes) and grad_accum_steps (micro-
         batches of the configured batch_size per process). Refused, naming the keys, when

@@ -7,8 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from core.chat import DOC_SEPARATOR, IM_END
 from model.parallel import full_model_state, is_rank0, is_sharded, with_aliases
@@ -29,7 +28,7 @@ def exports_here() -> bool:
     return is_rank0()
 
 
-def _unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
+def _unsharded(model: PreTrainedModel) -> PreTrainedModel | None:
     """A plain copy of `model` on rank 0's CPU (None on other ranks); for a sharded model every
     rank must call it, as its weights are gathered."""
     if not is_sharded(model):
@@ -42,19 +41,19 @@ def _unsharded(model: torch.nn.Module) -> torch.nn.Module | None:
     return copy
 
 
-def export_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
+def export_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path) -> Path:
     """Write `model` and `tokenizer` to `out_dir` (replaced if it exists, e.g. after a crash
     mid-export) from rank 0. Every rank of a sharded (FSDP) model must call it: its full weights
     are gathered first; a replicated model needs only rank 0. Weights are saved as safetensors only."""
     out_dir = Path(out_dir)
-    model = _unsharded(model)
-    if model is None:
+    whole = _unsharded(model)
+    if whole is None:
         return out_dir
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    model.generation_config = generation_config(tokenizer)
-    model.save_pretrained(out_dir)
+    whole.generation_config = generation_config(tokenizer)
+    whole.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     stray = [p.name for p in out_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
     if stray:

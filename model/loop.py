@@ -36,7 +36,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
@@ -231,7 +231,8 @@ def _train_step(model, optimizer, scheduler, batch: Batch, loss_fn: LossFn, cfg:
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return accelerator.reduce(total, "sum").item(), float(grad_norm)
+    # accelerate's reduce is untyped; it returns the structure it is given, here a tensor
+    return cast(torch.Tensor, accelerator.reduce(total, "sum")).item(), float(grad_norm)
 
 
 def _tokens_in(batch: Batch) -> int:

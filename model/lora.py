@@ -12,12 +12,16 @@ merged plain model (W + (alpha / rank) * B A folded into W), which loads with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model.config import LoraConfig
 from model.export import export_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 LORA_PARAM_MARKER = "lora_"  # PEFT names the adapter matrices lora_A / lora_B
 
@@ -30,7 +34,7 @@ def _peft():
     return peft
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
     """`model` wrapped as a PEFT model: base weights frozen, adapters trainable. Adapter A is drawn
     from torch's global RNG, so seed it first for a reproducible start."""
     peft = _peft()
@@ -38,7 +42,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
                if not any(n.split(".")[-1] == name for n, _ in model.named_modules())]
     if missing:
         raise ValueError(f"lora.target_modules {missing} name no submodule of {type(model).__name__}")
-    config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    # peft annotates lora_alpha as int, but only divides it by r: a float alpha is used as given.
+    config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha,  # pyright: ignore[reportArgumentType]
+                             lora_dropout=cfg.dropout,
                              target_modules=list(cfg.target_modules), bias="none",
                              task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)

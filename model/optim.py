@@ -16,12 +16,15 @@ orthogonalised whole: gathered once, orthogonalised on every rank, each rank kee
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model.config import LoopConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # torch.optim.Muon's quintic Newton-Schulz coefficients and step count (Keller Jordan's Muon).
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -133,7 +136,8 @@ def make_optimizer(model: torch.nn.Module, cfg: LoopConfig) -> torch.optim.Optim
     CUDA), or MuonAdamW with Muon on the hidden layers' matrices."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":
-        embeddings = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())
+        hf = cast("PreTrainedModel", model)  # a transformers model (or PEFT's, which forwards both methods)
+        embeddings = {id(m.weight) for m in (hf.get_input_embeddings(), hf.get_output_embeddings())
                       if m is not None}
         hidden = [p for p in params if p.dim() == 2 and id(p) not in embeddings]
         device = params[0].device if params else torch.device("cpu")

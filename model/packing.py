@@ -48,7 +48,7 @@ def pack_examples(examples: list[Example], max_seq_len: int) -> list[PackedRow]:
         raise ValueError(f"{len(too_long)} examples exceed max_seq_len={max_seq_len} tokens (first: #{too_long[0]})")
     try:
         from datasets import Dataset
-        from trl import pack_dataset
+        from trl.data_utils import pack_dataset
     except ImportError as exc:
         raise ImportError("packing needs trl and datasets: pip install trl datasets") from exc
     table = Dataset.from_dict({"input_ids": [ids for ids, _ in examples], "labels": [lab for _, lab in examples]})
@@ -56,7 +56,9 @@ def pack_examples(examples: list[Example], max_seq_len: int) -> list[PackedRow]:
         # One map batch over everything: BFD bins across the whole set, not per 1000 examples.
         packed = pack_dataset(table, seq_length=max_seq_len, strategy="bfd",
                               map_kwargs={"batch_size": max(len(examples), 1)})
-    return [(row["input_ids"], row["labels"], row["seq_lengths"]) for row in packed]
+    if not isinstance(packed, Dataset):  # pack_dataset returns the kind of dataset it is given
+        raise TypeError(f"pack_dataset returned a {type(packed).__name__}, not a Dataset")
+    return [(row["input_ids"], row["labels"], row["seq_lengths"]) for row in packed.to_list()]
 
 
 def position_ids_of(lengths: list[int], width: int) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
 
@@ -56,7 +60,10 @@ def is_rank0() -> bool:
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks (a Llama's `model.layers`): the units sharded and compiled."""
-    return list(model.get_decoder().layers)
+    layers = cast("PreTrainedModel", model).get_decoder().layers  # a transformers model (or PEFT's around one)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}'s decoder has no list of layers to shard")
+    return list(layers)
 
 
 def shard(model: torch.nn.Module, precision: str) -> None:
@@ -110,7 +117,12 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = get_model_state_dict(model, options=GATHER)
     for alias in _aliases(model):
         state.pop(alias, None)
-    return {name: tensor.contiguous() for name, tensor in state.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: a {type(value).__name__} in the model's state, not a tensor")
+        tensors[name] = value.contiguous()
+    return tensors
 
 
 def with_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,9 +133,9 @@ def with_aliases(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load `full_model_state`'s output, given on rank 0 (other ranks pass {}), into every rank's
     model, sharded or not. Collective."""
-    if is_rank0():
-        state = with_aliases(model, state)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
+    # torch's parameter is dict[str, ValueType], invariant, which a dict of tensors is not
+    whole: dict[str, Any] = with_aliases(model, state) if is_rank0() else state
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
                                                                 broadcast_from_rank0=distributed()))
 
 

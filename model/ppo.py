@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -194,6 +194,12 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden).squeeze(-1)
 
 
+@overload
+def response_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, prompt_len: int,
+                      temperature: float, value_head: ValueHead) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def response_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, prompt_len: int,
+                      temperature: float, value_head: None = None) -> tuple[torch.Tensor, None]: ...
 def response_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, prompt_len: int,
                       temperature: float, value_head: ValueHead | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -56,7 +56,7 @@ class Throughput:
     def with_mfu(self, tokens_per_s: float) -> dict[str, float]:
         """{"tokens_per_s": ..., "mfu": ...}, the latter only when it is known."""
         row = {"tokens_per_s": tokens_per_s}
-        if self.flop_budget:
+        if self.flop_budget and self.flops_per_token:  # both known, or neither (see __init__)
             row["mfu"] = tokens_per_s * self.flops_per_token / self.flop_budget
         return row
 

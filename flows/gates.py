@@ -47,7 +47,7 @@ from infra.services import is_embedded_prefect
 from infra.tracking.runs import Tracker
 from tasks.collect.gates import GatesConfig, Trip, check, samples
 
-ARTIFACT_KEY = "collect-gates"
+ARTIFACT_KEY = f"{COLLECT.name}-gates"
 TAG = "gristmill.gates."
 APPROVE_FLAG = "approve_gates (--approve-gates)"
 PREVIEW_CHARS = 300  # of each removed document shown
@@ -118,7 +118,7 @@ class GatesStopped(RuntimeError):
         first, *others = decision.trips
         more = f" (and {len(others)} more)" if others else ""
         super().__init__(f"data gate tripped on {decision.artifact}: {first}{more}; to go on with "
-                         "this data: --approve-gates (or loosen collect.gates)")
+                         f"this data: --approve-gates (or loosen {COLLECT.name}.gates)")
 
 
 class GatesRejected(RuntimeError):
@@ -148,7 +148,7 @@ def trips_of(manifest: Manifest, gates: GatesConfig, bytes_per_token: float) -> 
 
 def _trips_table(trips: Sequence[Trip]) -> str:
     rows = ["| gate | where | value | limit | numbers |", "|---|---|---:|---:|---|"]
-    rows += [f"| `collect.gates.{t.gate}` | {t.subject} | {t.describe(t.value)} | {t.describe(t.limit)} | "
+    rows += [f"| `{COLLECT.name}.gates.{t.gate}` | {t.subject} | {t.describe(t.value)} | {t.describe(t.limit)} | "
              f"{t.numbers} |" for t in trips]
     return "\n".join(rows)
 
@@ -165,7 +165,7 @@ def report_markdown(manifest: Manifest, trips: Sequence[Trip]) -> str:
     path = manifest.path / FUNNEL
     funnel = funnel_markdown(json.loads(path.read_text())) if path.is_file() else "(no funnel.json)"
     shown = samples(trips, _read_jsonl(manifest.path / "review" / "dropped.jsonl"))
-    parts = [f"## Data gates tripped on `collect-{manifest.key}`", "", _trips_table(trips), "",
+    parts = [f"## Data gates tripped on `{COLLECT.name}-{manifest.key}`", "", _trips_table(trips), "",
              f"Artifact: `{manifest.path}`. Approve or reject on this run's page: Resume.", "",
              "### Funnel", "", funnel, "", "### Samples of what was removed", ""]
     parts += [_sample_markdown(row) + "\n" for row in shown] or ["(none kept in review/)"]
@@ -190,8 +190,8 @@ def _ask(manifest: Manifest, trips: Sequence[Trip], gates: GatesConfig) -> tuple
     logger.warning("paused for review: %s → Resume, approve on or off, a comment, Submit (waits up to %g s)",
                    flow_run.ui_url, gates.review_timeout_s)
     form = GateReview.with_initial_data(description=(
-        f"### Data gates tripped on `collect-{manifest.key}`\n\n{_trips_table(trips)}\n\nThe funnel and samples of "
-        f"what was removed: this run's artifact `{ARTIFACT_KEY}`."))
+        f"### Data gates tripped on `{COLLECT.name}-{manifest.key}`\n\n{_trips_table(trips)}\n\n"
+        f"The funnel and samples of what was removed: this run's artifact `{ARTIFACT_KEY}`."))
     try:
         answer = pause_flow_run(wait_for_input=form, timeout=int(gates.review_timeout_s), poll_interval=POLL_S)
     except FlowPauseTimeout:
@@ -204,7 +204,7 @@ def enforce(manifest: Manifest, gates: GatesConfig, bytes_per_token: float, stor
     """Check the collect output's gates and decide as the module docstring says; the decision is
     tagged on MLflow run `run_id`. Raises GatesStopped or GatesRejected when the run must not go on."""
     logger = get_run_logger()
-    artifact = f"collect-{manifest.key}"
+    artifact = f"{COLLECT.name}-{manifest.key}"
     trips = trips_of(manifest, gates, bytes_per_token)
     lines = tuple(t.line() for t in trips)
     if not trips:

@@ -3,6 +3,7 @@ plan and the call of a stage's code all come from it, and a stage receives its u
 keyword arguments named after those stages, checked before it runs."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import sys
@@ -12,8 +13,8 @@ import pytest
 
 from core.stage import Manifest, SerialEngine
 from flows.config import PipelineConfig, build_config_class, load_config
-from flows.dag import PlannedStage, plan, run_planned
-from flows.stages import STAGE_NAMES, STAGES, StageSpec, checked, upstream_parameters
+from flows.dag import PlannedStage, plan, run_planned, stage_device
+from flows.stages import PRETRAIN, STAGE_NAMES, STAGES, StageSpec, checked, upstream_parameters
 from infra.artifacts import ArtifactStore
 
 CONFIG = '''"""The shout stage's contract."""
@@ -128,3 +129,47 @@ def test_a_table_lists_each_stage_after_its_upstream_and_once():
         checked([STAGES[1], STAGES[0]])
     with pytest.raises(ValueError, match="'collect' is in the table twice"):
         build_config_class([STAGES[0], STAGES[0]])
+
+
+# Modules outside the stage packages that still spell stage names, and why.
+SPELLS_STAGE_NAMES = {
+    "infra/artifacts.py": "the corpus-version chain (collect_dir) sits below the table's layer",
+    "flows/reports.py": "the table's publishers: importing the table back would close an import cycle",
+    "flows/cli.py": "not converted yet",
+    "flows/pipeline.py": "not converted yet",
+}
+
+
+def _spelled_stage_names(path: Path) -> list[str]:
+    """String constants of `path` (docstrings aside) that are a stage name, or a key built on one
+    (`collect.sources`, `evaluate-<key>`, `sft/...`)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    return [f"{path.name}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            and any(node.value == name or node.value.startswith((f"{name}.", f"{name}-", f"{name}/"))
+                    for name in STAGE_NAMES)]
+
+
+def test_stages_are_named_only_through_the_table_outside_their_packages():
+    repo = Path(__file__).resolve().parents[1]
+    spelled = {str(path.relative_to(repo)): found for folder in ("core", "model", "infra", "flows")
+               for path in sorted((repo / folder).rglob("*.py"))
+               if path.name != "stages.py" and (found := _spelled_stage_names(path))}
+    assert {name: found for name, found in spelled.items() if name not in SPELLS_STAGE_NAMES} == {}
+
+
+def test_the_stage_name_check_finds_a_spelled_name(tmp_path):
+    (tmp_path / "m.py").write_text('"""evaluate"""\nKEY = "evaluate"\nPATH = "collect.sources"\nOK = "collected"\n')
+    assert _spelled_stage_names(tmp_path / "m.py") == ["m.py:2 'evaluate'", "m.py:3 'collect.sources'"]
+
+
+def test_an_entry_reads_its_stages_launch_and_device(tmp_path):
+    config = load_config(None, ["align.method=ppo", "align.ppo.policy.device=cpu", "sft.device=cuda",
+                                "pretrain.launch.processes=2"])
+    planned = {p.spec.name: p for p in plan(config, ArtifactStore(tmp_path))}
+    assert [stage_device(planned[name]) for name in ("pretrain", "sft", "align")] == ["auto", "cuda", "cpu"]
+    assert planned["pretrain"].launch == config.section(PRETRAIN).launch and planned["pretrain"].launch.processes == 2
+    assert planned["collect"].launch is None and planned["evaluate"].launch is None

@@ -12,7 +12,7 @@ in `method`'s choices), a module with `train(config, job)` (see method.py), and 
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, Protocol, get_args
 
 from pydantic import Field, field_validator
 
@@ -24,6 +24,14 @@ from model.config import LoraConfig, PPOConfig
 from tasks.align.method import TrainFn
 
 VERSION = 3  # 3: one config section per method, shared training config (core.train_config)
+
+
+class MethodSection(Protocol):
+    """What every method's config section provides, besides its own settings."""
+
+    def sources(self) -> list[str]:
+        """The data sources it reads (core/sources.py)."""
+        ...
 
 
 class TrlConfig(TrainConfig):
@@ -148,15 +156,17 @@ class Config(StageConfig):
             data.pop(name, None)
         return data
 
-    def method_config(self) -> DPOConfig | GRPOConfig | PPOMethodConfig:
-        """The chosen method's section."""
-        return {"dpo": self.dpo, "grpo": self.grpo, "ppo": self.ppo}[self.method]
+    def method_config(self) -> MethodSection:
+        """The chosen method's section: the field named after it (a method added in a subclass of
+        Config adds its field there)."""
+        return getattr(self, self.method)
 
     def train_device(self) -> str:
-        """The device the chosen method trains on ("auto", "cpu", "cuda"); ppo's reward model trains
-        on the same machine as its policy."""
+        """The device the chosen method trains on ("auto", "cpu", "cuda"; "auto" for a method whose
+        section names none); ppo's reward model trains on the same machine as its policy."""
         section = self.method_config()
-        return section.policy.device if isinstance(section, PPOMethodConfig) else section.device
+        trained = section.policy if isinstance(section, PPOMethodConfig) else section
+        return trained.device if isinstance(trained, TrainConfig) else "auto"
 
 
 # The registry: method name -> the module whose `train(config, job)` trains it (or, in tests, the

@@ -68,16 +68,17 @@ def preference_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float)
 
 
 def build_trainer(config: DPOConfig, job: AlignJob, train: list[Pair], heldout: list[Pair]) -> Any:
-    import trl  # module-qualified: its DPOConfig is the trainer's, ours is the stage section
     from datasets import Dataset
+    from trl.trainer.dpo_config import DPOConfig as TrlDPOConfig  # ours is the stage section
+    from trl.trainer.dpo_trainer import DPOTrainer
 
     losses = {"sigmoid": 1.0, **({"sft": config.sft_weight} if config.sft_weight else {})}
-    args = trl.DPOConfig(**trainer_args(config, job.out_dir / CHECKPOINTS_DIR, config.batch_size), beta=config.beta,
+    args = TrlDPOConfig(**trainer_args(config, job.out_dir / CHECKPOINTS_DIR, config.batch_size), beta=config.beta,
                          loss_type=list(losses), loss_weights=list(losses.values()),
                          max_length=config.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
     # The frozen SFT model is the reference; with LoRA, TRL switches the adapters off instead.
     reference = None if job.lora else copy.deepcopy(job.model).eval().requires_grad_(False)
-    return trl.DPOTrainer(model=with_lora(job.model, job.lora, config.seed), ref_model=reference, args=args,
+    return DPOTrainer(model=with_lora(job.model, job.lora, config.seed), ref_model=reference, args=args,
                           processing_class=job.tokenizer, train_dataset=Dataset.from_list(to_trl_rows(train)),
                           eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
 

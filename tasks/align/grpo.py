@@ -78,17 +78,18 @@ def heldout_scores(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Mat
 
 
 def build_trainer(config: GRPOConfig, job: AlignJob, train: list[MathPrompt]) -> Any:
-    import trl  # module-qualified: its GRPOConfig is the trainer's, ours is the stage section
     from datasets import Dataset
+    from trl.trainer.grpo_config import GRPOConfig as TrlGRPOConfig  # ours is the stage section
+    from trl.trainer.grpo_trainer import GRPOTrainer
 
     s = config
-    args = trl.GRPOConfig(**trainer_args(s, job.out_dir / CHECKPOINTS_DIR, s.batch_size * s.num_generations),
+    args = TrlGRPOConfig(**trainer_args(s, job.out_dir / CHECKPOINTS_DIR, s.batch_size * s.num_generations),
                           num_generations=s.num_generations, max_completion_length=s.max_completion_len,
                           temperature=s.temperature, beta=s.kl_beta, reward_weights=[1.0, s.format_weight],
                           scale_rewards=s.scale_rewards,
                           # a fresh group per step (no reuse of stale samples), rewards kept per function
                           num_iterations=1, log_completions=False)
-    return trl.GRPOTrainer(model=with_lora(job.model, job.lora, s.seed), reward_funcs=REWARD_FUNCS,
+    return GRPOTrainer(model=with_lora(job.model, job.lora, s.seed), reward_funcs=REWARD_FUNCS,
                            args=args, processing_class=job.tokenizer, train_dataset=Dataset.from_list(train))
 
 

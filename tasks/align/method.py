@@ -18,13 +18,14 @@ from model.config import LoraConfig
 
 if TYPE_CHECKING:  # annotations only: importing this module must not import torch
     import torch
+    from transformers import PreTrainedModel
 
 
 @dataclass(kw_only=True)
 class AlignJob:
     """What every method receives besides its config section."""
 
-    model: torch.nn.Module  # the SFT model, float32, on the CPU
+    model: PreTrainedModel  # the SFT model, float32, on the CPU
     tokenizer: Any  # with the chat template
     out_dir: Path  # the stage's work directory: checkpoints go under out_dir/checkpoints
     lora: LoraConfig | None  # train only LoRA adapters (methods that cannot, say so)

@@ -61,11 +61,15 @@ def train(config: PPOMethodConfig, job: AlignJob) -> tuple[torch.nn.Module, dict
     train_pairs, heldout = split_heldout(pairs, config.heldout_fraction, split_seed)
     metrics = MetricsLog(job.out_dir)
     model = job.model
+    if not model.name_or_path:
+        raise ValueError("the SFT model to align was not loaded from a directory")
     rm_dir, rm_stats = train_reward_model(Path(model.name_or_path), train_pairs, heldout, config.reward_model,
                                           job.out_dir, metrics)
     shutil.rmtree(job.out_dir / RM_CHECKPOINT_DIR, ignore_errors=True)
     device = resolve_device(config.policy.device)
-    model.to(device)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which the checker reads as an
+    # unbound function (the device taken for `self`)
+    model.to(device)  # pyright: ignore[reportArgumentType]
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     scorer = RewardScorer(rm_dir, device=str(device))
     heldout_prompts = [p["prompt"] for p in heldout]

@@ -101,7 +101,10 @@ def untrained_head_accuracy(model: torch.nn.Module, rows: list[dict], pad_id: in
     that differ in the same way (a hedge, say) get the same sign from a random head, so a single
     head is right or wrong on all of them at once and its accuracy swings with the seed. The head
     is drawn isotropic (as HF's normal init), so only its direction matters."""
-    head = model.score.weight  # the [1, hidden] head of *ForSequenceClassification models
+    score = model.score  # the [1, hidden] head of *ForSequenceClassification models
+    if not isinstance(score, torch.nn.Linear):
+        raise TypeError(f"{type(model).__name__} has no linear score head")
+    head = score.weight
     saved = head.detach().clone()
     generator = torch.Generator().manual_seed(seed)
     accuracies = []
@@ -142,7 +145,8 @@ class RewardScorer:
 def _build_trainer(model: Any, tokenizer: Any, rows: list[dict], config: RewardModelConfig,
                    ckpt_dir: Path) -> Any:
     from datasets import Dataset
-    from trl import RewardConfig, RewardTrainer
+    from trl.trainer.reward_config import RewardConfig
+    from trl.trainer.reward_trainer import RewardTrainer
 
     args = RewardConfig(**trainer_args(config, ckpt_dir, config.batch_size),
                         center_rewards_coefficient=config.center_rewards_coef or None, max_length=None,

@@ -42,7 +42,7 @@ def train_function(method: str | TrainFn) -> TrainFn:
 
 
 def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> StageResult:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     from model.export import export_model, exports_here
     from model.lora import export_lora, trainable_parameters
@@ -58,7 +58,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> Stag
     if exports_here():  # rank 0 of a data-parallel launch; the other ranks hold the same weights
         if config.lora is not None:
             export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
-        else:
+        elif isinstance(trained, PreTrainedModel):
             export_model(trained, tokenizer, out_dir / "model")
+        else:
+            raise TypeError(f"method {config.method!r} returned a {type(trained).__name__}, not a transformers model")
         shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)  # the committed artifact is the export
     return StageResult(stats={"method": config.method, **stats, **params}, artifacts=artifacts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,10 @@ from core.stage import MetricsLog
 from core.train_config import TrainConfig
 from model.config import LoraConfig
 from model.loop import resolve_device
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("gristmill.align")
 
@@ -101,7 +105,7 @@ def train_resumably(trainer: Any, config: TrainConfig, metrics: MetricsLog,
             callback.progress.close()
 
 
-def with_lora(model: torch.nn.Module, lora: LoraConfig | None, seed: int) -> torch.nn.Module:
+def with_lora(model: PreTrainedModel, lora: LoraConfig | None, seed: int) -> PreTrainedModel | PeftModel:
     """The model to train: itself, or wrapped with LoRA adapters (seeded) when `lora` is set."""
     if lora is None:
         return model

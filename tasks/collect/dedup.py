@@ -475,7 +475,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         candidates = _distinct(np.concatenate([np.zeros((0, 2), np.int64), *pairs]))
         del pairs
         in_index = candidates[:, 0] < m
-        verified = np.concatenate([_index_verify(candidates[in_index], index, run) if m else
+        verified = np.concatenate([_index_verify(candidates[in_index], index, run) if index is not None and m else
                                    np.zeros((0, 2), np.int64),
                                    exact_verify(candidates[~in_index] - m, texts, cfg, engine) + m])
         # components over the nodes of verified pairs only
@@ -486,7 +486,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         is_input = nodes >= m
         removed_at = is_input & (roots != nodes)
         removed, survivors = nodes[removed_at] - m, roots[removed_at]
-        survivor = [str(index.ids[r]) if r < m else str(ids[r - m]) for r in survivors.tolist()]
+        survivor = [str(index.ids[r]) if index is not None and r < m else str(ids[r - m]) for r in survivors.tolist()]
         excluded = np.union1d(removed, np.flatnonzero(~active))  # words-less: nothing to match later
         new_index = _write_index(run, index, ids, excluded, parts, engine, Path(index_dir)) \
             if index_dir is not None else None

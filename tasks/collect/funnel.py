@@ -247,10 +247,10 @@ def check_accounting(accounting: dict[str, Any]) -> None:
           "removed or added documents without counting them (a bug; see funnel.json)")
 
 
-def flatten(report: dict[str, Any]) -> dict[str, int]:
+def flatten(report: dict[str, Any]) -> dict[str, float]:
     """funnel.json → flat stats (reason keys already carry their kind prefix); the accounting
     block as accounting_{in,kept,dropped,quarantined,unaccounted}."""
-    stats: dict[str, int] = {}
+    stats: dict[str, float] = {}  # counts, and the few shares the report holds
     accounting = report.get("accounting")
     if accounting:
         stats.update({f"accounting_{k}": v if isinstance(v, int) else sum(v.values())

@@ -38,31 +38,32 @@ class GatesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_removed_fraction: float | None = Field(
-        0.99, ge=0, le=1,
+        default=0.99, ge=0, le=1,
         description="Per source: the most of its documents (those extracted from it) that all steps together "
                     "may remove. A collapse (859,092 → 2) is 0.999998; the tiny preset removes 0.40, a web crawl "
                     "filtered to one language typically 0.8-0.9.")
     max_removed_fraction_per_step: float | None = Field(
-        0.95, ge=0, le=1,
+        default=0.95, ge=0, le=1,
         description="Per funnel step after extraction (url_filter, language, quality_heuristics, decontamination, "
                     "exact_dedup, quality_model, near_dedup, mix): the most of the documents it is given that "
                     "it may remove. The tiny preset's largest is 0.31 (quality_heuristics).")
     max_reason_fraction: float | None = Field(
-        0.9, ge=0, le=1,
+        default=0.9, ge=0, le=1,
         description="Per source and drop reason (near_duplicates, dropped_language_score_low...): the most of the "
                     "source's documents one reason may remove. The tiny preset's largest is 0.08.")
     max_cluster_size: int | None = Field(
-        None, ge=2,
+        default=None, ge=2,
         description="The most documents one near-duplicate cluster may hold (its members from an earlier corpus "
                     "version's index included); the largest is the `near_dedup_largest_cluster` stat.")
     min_kept_documents: int | None = Field(
-        None, ge=1, description="The fewest documents the output may hold (`docs_out`, a mix's repeats included).")
+        default=None, ge=1,
+        description="The fewest documents the output may hold (`docs_out`, a mix's repeats included).")
     min_kept_tokens: int | None = Field(
-        None, ge=1,
+        default=None, ge=1,
         description="The fewest clean tokens the output may hold, estimated as its UTF-8 bytes / "
                     "refresh.bytes_per_token (no tokenizer exists before tokenize).")
     review_timeout_s: float = Field(
-        86_400.0, gt=0,
+        default=86_400.0, gt=0,
         description="How long a run under a Prefect server waits, paused, for a person to approve or reject a "
                     "tripped gate; then it fails as rejected.")
 
@@ -124,15 +125,15 @@ def _per_source(gates: GatesConfig, funnel: Mapping[str, Any]) -> Iterable[Trip]
             continue
         kept, dropped = accounting[source]["kept"], accounting[source]["dropped"]
         removed = (docs - kept) / docs
-        if _over(removed, gates.max_removed_fraction):
+        if (most := gates.max_removed_fraction) is not None and removed > most:
             yield Trip(gate="max_removed_fraction", subject=f"source {source!r}", value=removed,
-                       limit=gates.max_removed_fraction, source=source, reasons=_by_count(dropped),
+                       limit=most, source=source, reasons=_by_count(dropped),
                        numbers=f"{docs:,} documents → {kept:,} kept")
         for reason in _by_count(dropped):
             share = dropped[reason] / docs
-            if _over(share, gates.max_reason_fraction):
+            if (most := gates.max_reason_fraction) is not None and share > most:
                 yield Trip(gate="max_reason_fraction", subject=f"source {source!r}, {reason}", value=share,
-                           limit=gates.max_reason_fraction, source=source, reasons=(reason,),
+                           limit=most, source=source, reasons=(reason,),
                            numbers=f"{dropped[reason]:,} of {docs:,} documents")
 
 
@@ -157,9 +158,9 @@ def _corpus(gates: GatesConfig, funnel: Mapping[str, Any], stats: Mapping[str, A
             bytes_per_token: float) -> Iterable[Trip]:
     top = _by_count(funnel.get("accounting", {}).get("dropped", {}))
     largest = stats.get("near_dedup_largest_cluster")  # absent: an artifact from before it was recorded
-    if largest is not None and _over(largest, gates.max_cluster_size):
+    if largest is not None and (most := gates.max_cluster_size) is not None and largest > most:
         yield Trip(gate="max_cluster_size", subject="near-duplicate clusters", value=largest,
-                   limit=gates.max_cluster_size, reasons=("near_duplicates",),
+                   limit=most, reasons=("near_duplicates",),
                    numbers=f"the largest holds {largest:,} documents, {largest - 1:,} removed as its duplicates")
     docs, nbytes = stats.get("docs_out", 0), stats.get("bytes_out", 0)
     if gates.min_kept_documents is not None and docs < gates.min_kept_documents:

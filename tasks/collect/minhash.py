@@ -22,14 +22,20 @@ _CHARS_PER_BATCH = 1 << 20
 
 
 class MinHashParams(Protocol):
-    """The settings a signature depends on (dedup.DedupConfig has them)."""
+    """The settings a signature depends on (dedup.DedupConfig has them), read only."""
 
-    shingle_words: int
-    num_perm: int
-    bands: int
-    rows: int
-    band_layouts: int
-    seed: int
+    @property
+    def shingle_words(self) -> int: ...
+    @property
+    def num_perm(self) -> int: ...
+    @property
+    def bands(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def band_layouts(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
 
 
 def _splitmix64(seed: int, n: int) -> np.ndarray:
@@ -242,7 +248,7 @@ def exact_jaccard(a: str, b: str, cfg: MinHashParams) -> float:
     return float(exact_jaccards(*shingle_sets([a, b], cfg), np.array([[0, 1]]))[0])
 
 
-def chunk_signatures(item: tuple[list[str], MinHashParams]) -> tuple[np.ndarray, np.ndarray]:
+def chunk_signatures(item: tuple[Sequence[str], MinHashParams]) -> tuple[np.ndarray, np.ndarray]:
     """(signatures, bucket keys) of one chunk of documents."""
     texts, cfg = item
     sigs = _signatures(list(texts), cfg)  # a lazy view of spooled texts is read here, once

@@ -38,7 +38,7 @@ import logging
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 from core.sources import file_size, filesystem, source_files
 from tasks.collect.records import (
@@ -271,9 +271,10 @@ def _codec(name: str) -> str | None:
 def open_decompressed(f: IO[bytes], name: str) -> IO[bytes]:
     """A buffered binary stream of the file's content, decompressed by its suffix."""
     codec = _codec(name)
-    if codec == "gzip":
-        return gzip.GzipFile(fileobj=f, mode="rb")
-    return io.BufferedReader(_ZstdStream(f) if codec == "zstd" else f, 1 << 20)
+    if codec == "gzip":  # GzipFile has IO[bytes]'s methods, though typeshed derives it from BufferedIOBase only
+        return cast(IO[bytes], gzip.GzipFile(fileobj=f, mode="rb"))
+    # a file opened binary has the readinto a BufferedReader reads through (IO[bytes] declares none)
+    return io.BufferedReader(_ZstdStream(f) if codec == "zstd" else cast(io.RawIOBase, f), 1 << 20)
 
 
 def _file_tail(name: str) -> bytes:

@@ -96,8 +96,8 @@ def record_event(record: object, nbytes: int, where: str, raw: bytes | None = No
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         return quarantine("error_missing_text", nbytes, where,
                           raw if raw is not None else repr(record))
-    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
-    record_id = record.get("id") if isinstance(record.get("id"), str) else ""
+    metadata = given if isinstance(given := record.get("metadata"), dict) else {}
+    record_id = given_id if isinstance(given_id := record.get("id"), str) else ""
     url = next((u for u in (metadata.get("url"), record.get("url")) if isinstance(u, str) and u),
                record_id if "://" in record_id else "")
     return RawDoc(url=url, payload=record["text"], is_html=False, nbytes=nbytes, where=where)

@@ -63,10 +63,11 @@ class Texts(Sequence[str]):
                 for file, offset, size in zip(self.file[lo:lo + _BLOCK].tolist(),
                                               self.offsets[lo:lo + _BLOCK].tolist(),
                                               self.sizes[lo:lo + _BLOCK].tolist()):
-                    if file != current:
+                    if file != current or f is None:  # f is None only before the first file
                         if f is not None:
                             f.close()
-                        f, current = open_location(self.paths[file]), file
+                        opened: BinaryIO = open_location(self.paths[file])
+                        f, current = opened, file
                     f.seek(offset)
                     yield f.read(size)
         finally:

@@ -281,7 +281,7 @@ def process_unit(job: tuple[WorkUnit, str]) -> str:
                 break
     publish_file(lines, spool_path(result))
     publish_file(events, result)  # last: marks the unit done
-    if unit.url is not None:  # the raw download is no longer needed once its events are saved
+    if unit.url is not None and unit.path is not None:  # the raw download, no longer needed once its events are saved
         Path(unit.path).unlink(missing_ok=True)
     return result
 
@@ -447,9 +447,10 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     """Read and clean every source, then dedup, decontaminate and mix into out_dir/docs."""
     out_dir = Path(out_dir)
     load_model.cache_clear()  # in this process: a model saved anew at a place since an earlier run
-    scored_in_units = config.quality.enabled and config.quality.model is not None
-    if scored_in_units:  # read here first: a missing model fails before any unit runs
-        QualityModel.load(config.quality.model).save(out_dir / "quality_model")  # what scored this
+    given_model = config.quality.model if config.quality.enabled else None
+    scored_in_units = given_model is not None
+    if given_model is not None:  # read here first: a missing model fails before any unit runs
+        QualityModel.load(given_model).save(out_dir / "quality_model")  # what scored this
     units = plan_units(config, out_dir / DOWNLOADS_DIR, engine)
     log.info("collect: %d work units from %d sources", len(units), len(config.sources))
     funnel = Funnel(config.review_samples)

@@ -11,7 +11,7 @@ help them.
 from __future__ import annotations
 
 import lzma
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
 
@@ -38,7 +38,7 @@ def _byte_of_symbol() -> dict[str, int]:
     return {symbol: byte for byte, symbol in bytes_to_unicode().items()}
 
 
-def token_bytes(tokenizer: Any, ids: Sequence[int]) -> bytes:
+def token_bytes(tokenizer: Any, ids: Iterable[int]) -> bytes:
     """The exact UTF-8 bytes a run of byte-level BPE token ids stands for; special tokens (document
     separators, chat markers) stand for no text. Decoding to `str` could not split a character
     between two runs of tokens: this can."""

@@ -7,6 +7,7 @@ counts) and one row per item (gold, prediction, per-choice log-likelihoods) for 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -50,7 +51,10 @@ def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
                          "save one with tokenizer.save_pretrained(DIR)")
     _check_weights(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which the checker reads as an
+    # unbound function (the device taken for `self`)
+    model = model.to(device).eval()  # pyright: ignore[reportArgumentType]
     return model, tokenizer
 
 
@@ -119,9 +123,10 @@ def _generate(model: Any, tokenizer: Any, max_length: int, data: TaskData, optio
 
     from tasks.evaluate.generation import final_number, generate_answers
 
-    run = dict(shots=options.shots, max_new_tokens=options.max_new_tokens, device=device,
-               batch_size=options.batch_size, max_length=max_length)
-    greedy = generate_answers(model, tokenizer, data.items, **run)
+    generate = functools.partial(generate_answers, model, tokenizer, data.items, shots=options.shots,
+                                 max_new_tokens=options.max_new_tokens, device=device,
+                                 batch_size=options.batch_size, max_length=max_length)
+    greedy = generate()
     rows = []
     for item, (completion,) in zip(data.items, greedy):
         pred = final_number(completion)
@@ -130,8 +135,7 @@ def _generate(model: Any, tokenizer: Any, max_length: int, data: TaskData, optio
     summary: dict[str, Any] = metrics.accuracy_block([float(r["correct"]) for r in rows])
     if options.samples:
         torch.manual_seed(options.seed)
-        sampled = generate_answers(model, tokenizer, data.items, num_samples=options.samples,
-                                   temperature=options.temperature, **run)
+        sampled = generate(num_samples=options.samples, temperature=options.temperature)
         for row, completions in zip(rows, sampled):
             row["samples_correct"] = sum(final_number(c) == row["gold"] for c in completions)
         for k in sorted({1, options.samples}):

@@ -27,7 +27,13 @@ class _TaggedLoader(yaml.SafeLoader):
     """Reads lm-eval YAML: `!function module.name` tags come back as plain strings."""
 
 
-_TaggedLoader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+def _tag_text(loader: yaml.SafeLoader, node: yaml.Node) -> str:
+    if not isinstance(node, yaml.ScalarNode):
+        raise yaml.constructor.ConstructorError(None, None, "!function takes a name", node.start_mark)
+    return str(loader.construct_scalar(node))
+
+
+_TaggedLoader.add_constructor("!function", _tag_text)
 
 
 @lru_cache(maxsize=1)

@@ -49,5 +49,5 @@ def accuracy_block(correct: Sequence[float], prefix: str = "acc") -> dict[str, f
 
 def core_score(tasks: Mapping[str, Mapping[str, object]]) -> float | None:
     """Macro mean of `centered_acc` over the multiple-choice tasks (those that report one)."""
-    values = [t["centered_acc"] for t in tasks.values() if isinstance(t.get("centered_acc"), float)]
+    values = [value for t in tasks.values() if isinstance(value := t.get("centered_acc"), float)]
     return mean(values) if values else None

@@ -160,31 +160,34 @@ def _demo(limit: int | None) -> list[list[Message]]:
     return [arithmetic.conversation(p) for p in arithmetic.problems("train", n, seed=DEMO_SEED)]
 
 
-def _file_candidates(path: Path | str) -> Iterator[tuple[list | None, str | None]]:
-    """(conversation, None) or (None, reason) for each candidate in one file; the first record
-    tells whether the file is an OpenAssistant message tree export."""
+def _file_candidates(path: Path | str) -> Iterator[list[Message] | str]:
+    """A conversation, or the reason it was dropped, for each candidate in one file; the first
+    record tells whether the file is an OpenAssistant message tree export."""
     records = iter(iter_jsonl([path]))
     first = next(records, None)
     records = itertools.chain([first] if first is not None else [], records)
     if is_oasst_message(first):
         threads, dropped = oasst_threads(records)
         for reason, n in dropped.items():
-            yield from [(None, reason)] * n
-        yield from ((thread, None) for thread in threads)
+            yield from [reason] * n
+        yield from threads
         return
     for record in records:
         convs = record_conversations(record) if isinstance(record, dict) else None
         if convs is None:
-            yield None, "unknown_format"
-        for conv in convs or []:
-            yield conv, None
+            yield "unknown_format"
+        yield from convs or []
 
 
 def _file_conversations(path: Path | str) -> Iterator[list[Message] | str]:
     """Each usable conversation of one file (only role and content kept), or a drop reason."""
-    for conv, reason in _file_candidates(path):
-        reason = reason or drop_reason(conv)
-        yield reason if reason else [{"role": m["role"], "content": m["content"]} for m in conv]
+    for candidate in _file_candidates(path):
+        if isinstance(candidate, str):
+            yield candidate
+        elif reason := drop_reason(candidate):
+            yield reason
+        else:
+            yield [{"role": m["role"], "content": m["content"]} for m in candidate]
 
 
 def load_conversations(source: str, limit: int | None = None) -> tuple[list[list[Message]], dict[str, int]]:

@@ -34,9 +34,9 @@ import hashlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -65,6 +65,7 @@ from tasks.sft.conversations import load_conversations
 log = logging.getLogger("gristmill.sft")
 TEXT = "text_"  # key prefix of the pretraining windows inside a batch
 VAL_TEXT_WINDOWS = 16  # evenly spaced val windows the text loss is measured on (16 x 256 tokens)
+U = TypeVar("U")  # a unit of training data: an example, or a packed row of them
 
 
 def sft_example(ids: list[int], mask: list[int]) -> Example:
@@ -181,6 +182,12 @@ def mixed_loss(loss_fn: LossFn, mix: float) -> LossFn:
     return loss
 
 
+def _batches(units: Sequence[U], collate_fn: Callable[[list[U], int], Batch], pad_id: int
+             ) -> Callable[[list[int]], Batch]:
+    """The batch of the units at some indices."""
+    return lambda indices: collate_fn([units[i] for i in indices], pad_id)
+
+
 def batch_source(config: Config, train_set: list[Example], pad_id: int, text: np.ndarray | None = None):
     """(get_batch(step) -> Batch, loss_fn, loop config, stats) for plain or packed batches, with
     `pretrain_windows` windows of `text` per step under TEXT-prefixed keys when pretrain_mix > 0."""
@@ -188,12 +195,12 @@ def batch_source(config: Config, train_set: list[Example], pad_id: int, text: np
         if config.tokens_per_step is not None:
             raise ValueError("tokens_per_step needs packing=true (rows of max_seq_len tokens); "
                              "without packing set batch_size / grad_accum_steps")
-        units, collate_fn, loss_fn, stats = train_set, collate, causal_lm_loss, {}
+        n_units, batch_of, loss_fn, stats = len(train_set), _batches(train_set, collate, pad_id), causal_lm_loss, {}
     else:
-        units = pack_examples(train_set, config.max_seq_len)
+        packed = pack_examples(train_set, config.max_seq_len)
         tokens = sum(len(ids) for ids, _ in train_set)
-        collate_fn, loss_fn = collate_packed, causal_lm_loss
-        stats = {"packed_rows": len(units), "packed_fill": tokens / (len(units) * config.max_seq_len)}
+        n_units, batch_of, loss_fn = len(packed), _batches(packed, collate_packed, pad_id), causal_lm_loss
+        stats = {"packed_rows": len(packed), "packed_fill": tokens / (len(packed) * config.max_seq_len)}
     loop_config = config.with_seq_len(config.max_seq_len, launched_world_size()) if config.packing else config
 
     mixing = config.pretrain_mix > 0
@@ -201,13 +208,13 @@ def batch_source(config: Config, train_set: list[Example], pad_id: int, text: np
         if text is None:
             raise ValueError("pretrain_mix > 0 needs the pretraining text (the tokenize stage's tokens)")
         loss_fn = mixed_loss(loss_fn, config.pretrain_mix)
+    mixed_text = text if mixing else None
 
     def get_batch(step: int) -> Batch:
-        idx = epoch_indices(step, loop_config.batch_size, len(units), config.seed)
-        batch = collate_fn([units[i] for i in idx], pad_id)
-        if mixing:  # a pure function of (seed, step), as the conversations are: resume stays exact
-            starts = train_starts(len(text), config.max_seq_len, config.pretrain_windows, config.seed, step)
-            batch.update({TEXT + k: v for k, v in windows_batch(text, starts, config.max_seq_len).items()})
+        batch = batch_of(epoch_indices(step, loop_config.batch_size, n_units, config.seed))
+        if mixed_text is not None:  # a pure function of (seed, step), as the conversations are: resume stays exact
+            starts = train_starts(len(mixed_text), config.max_seq_len, config.pretrain_windows, config.seed, step)
+            batch.update({TEXT + k: v for k, v in windows_batch(mixed_text, starts, config.max_seq_len).items()})
         return batch
 
     return get_batch, loss_fn, loop_config, stats
@@ -246,22 +253,23 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
 
     device = resolve_device(config.device)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        before = evaluate(model.to(device))
+        # transformers wraps PreTrainedModel.to with functools.wraps, which the checker reads as an
+        # unbound function (the device taken for `self`)
+        before = evaluate(model.to(device))  # pyright: ignore[reportArgumentType]
     log.info("%d train / %d held-out examples, before: %s, %s", len(train_set), len(heldout), before, counts)
-    if config.lora is not None:
-        model = apply_lora(model, config.lora)
+    trained = apply_lora(model, config.lora) if config.lora is not None else model  # model itself, or wrapped
     get_batch, loss_fn, loop_config, batch_stats = batch_source(
         config, train_set, pad_id, text[0] if text is not None else None)
-    summary = train(model, get_batch, loop_config, out_dir, MetricsLog(out_dir), loss_fn=loss_fn,
+    summary = train(trained, get_batch, loop_config, out_dir, MetricsLog(out_dir), loss_fn=loss_fn,
                     evaluate=evaluate if measured else None, log=log)
-    params = trainable_parameters(model)
+    params = trainable_parameters(trained)
     artifacts = ["model/config.json", "model/generation_config.json"]
     if config.lora is not None:
         artifacts.append("adapter/adapter_config.json")
     if config.lora is None:
         export_model(model, tokenizer, out_dir / "model")  # every rank: a sharded model is gathered first
     elif exports_here():
-        export_lora(model, tokenizer, out_dir / "model", out_dir / "adapter")
+        export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
     if exports_here():
         remove_checkpoints(out_dir)
     # Pretraining tokens the loop's tokens_seen leaves out (it counts the conversation rows).

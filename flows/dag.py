@@ -32,6 +32,11 @@ class PlannedStage:
     inputs_fingerprint: str | None = None  # digest of the external inputs it reads (part of the key)
 
     @property
+    def ray_workers(self) -> int:
+        """The Ray workers its config asks for (a data-parallel stage; core/stage.Engine); 1 for the others."""
+        return 1 if self.spec.ray_workers is None else self.spec.ray_workers(self.config)
+
+    @property
     def launch(self) -> LaunchConfig | None:
         """Its config's `launch` section (a training stage: core/launch.py); None for the others."""
         return None if self.spec.launch is None else self.spec.launch(self.config)

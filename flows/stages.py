@@ -71,7 +71,9 @@ class StageSpec(Generic[C]):
     upstream: tuple[str, ...] = ()
     # glob patterns (relative to the output folder) each of which some file of every output matches
     outputs: tuple[str, ...] = ()
-    uses_ray: bool = False  # data-parallel stages get a Ray engine; the rest run in-process
+    # a data-parallel stage: the Ray workers its config asks for (it gets a Ray engine); None: the
+    # stage runs in-process
+    ray_workers: Callable[[C], int] | None = None
     # "module.function" each Ray worker started ahead of the stage calls first (what its units
     # all load: imports, models), so that cost overlaps the run's own start (infra/ray_start.py);
     # a name, as the workers import it themselves
@@ -90,6 +92,10 @@ class StageSpec(Generic[C]):
     # its step metrics (core.stage.METRICS_FILE) whose columns contain one of these are drawn as
     # training curves on the report card (flows/report_card.py)
     curves: tuple[str, ...] = ()
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.ray_workers is not None
 
     def check_demos(self, config: C) -> None:
         """ValueError naming the first `demo:` source of `config` this stage does not know."""
@@ -174,12 +180,14 @@ MODEL_OUTPUTS = ("model/config.json", "model/*.safetensors", "model/tokenizer_co
 COLLECT = StageSpec(
     name="collect", run=_collect_run, config=collect.Config, description="Collect and clean raw documents.",
     version=collect.VERSION, fingerprint=collect.fingerprint,
-    outputs=("docs/*.jsonl.gz", "funnel.json"), uses_ray=True, warm_worker="tasks.collect.stage.warm_worker",
+    outputs=("docs/*.jsonl.gz", "funnel.json"), ray_workers=lambda config: config.num_workers,
+    warm_worker="tasks.collect.stage.warm_worker",
     publisher=_publish_collect, sources=lambda config: config.sources, demos=(demo_crawl.DEMO_NAME,))
 TOKENIZE = StageSpec(
     name="tokenize", run=_tokenize_run, config=tokenize.Config,
     description="Train the tokenizer, write token shards.",
-    version=tokenize.VERSION, fingerprint=tokenize.fingerprint, upstream=(COLLECT.name,), uses_ray=True,
+    version=tokenize.VERSION, fingerprint=tokenize.fingerprint, upstream=(COLLECT.name,),
+    ray_workers=lambda config: config.num_workers,
     outputs=("tokenizer/tokenizer.json", "tokens/train.bin", "tokens/val.bin", "tokens/meta.json",
              "tokens/index.json"))
 PRETRAIN = StageSpec(

@@ -14,7 +14,7 @@ import pytest
 from core.stage import Manifest, SerialEngine
 from flows.config import PipelineConfig, build_config_class, load_config
 from flows.dag import PlannedStage, plan, run_planned, stage_device
-from flows.stages import PRETRAIN, STAGE_NAMES, STAGES, StageSpec, checked, upstream_parameters
+from flows.stages import COLLECT, PRETRAIN, STAGE_NAMES, STAGES, StageSpec, checked, upstream_parameters
 from infra.artifacts import ArtifactStore
 
 CONFIG = '''"""The shout stage's contract."""
@@ -173,3 +173,6 @@ def test_an_entry_reads_its_stages_launch_and_device(tmp_path):
     assert [stage_device(planned[name]) for name in ("pretrain", "sft", "align")] == ["auto", "cuda", "cpu"]
     assert planned["pretrain"].launch == config.section(PRETRAIN).launch and planned["pretrain"].launch.processes == 2
     assert planned["collect"].launch is None and planned["evaluate"].launch is None
+    assert planned["collect"].ray_workers == config.section(COLLECT).num_workers
+    assert planned["pretrain"].ray_workers == 1
+    assert [spec.name for spec in STAGES if spec.uses_ray] == ["collect", "tokenize"]

@@ -81,9 +81,10 @@ def _causes(error: BaseException) -> list[BaseException]:
     """`error` and the errors it was raised from (fsspec's HTTP client turns a connection error
     into FileNotFoundError from it)."""
     chain: list[BaseException] = []
-    while error is not None and error not in chain:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
     return chain
 
 
@@ -128,6 +129,13 @@ def _asking(source: str, call: Callable[[], T], missing: T) -> T:
     return missing  # not reached: the last try returns or raises
 
 
+def bucket_exists(url: str) -> bool:
+    """Whether the object store at `url` (s3://bucket) has it; unreachable hosts and missing
+    credentials are a ValueError naming it, as for a source."""
+    fs, path = filesystem(url)
+    return _asking(url, lambda: fs.exists(path), False)
+
+
 def file_size(path: str | Path) -> int:
     """Size in bytes of a file, local or any fsspec URL."""
     fs, fs_path = filesystem(str(path))
@@ -143,7 +151,10 @@ def source_files(source: str, suffixes: tuple[str, ...] | None = None) -> list[P
 
     if parse_source(source).kind != "files":
         raise ValueError(f"source {source!r} is a {parse_source(source).kind!r} source, not files")
-    fs, root = _asking(source, lambda: filesystem(source), None) or (None, "")  # ftp:// connects here
+    connected = _asking(source, lambda: filesystem(source), None)  # ftp:// connects here
+    if connected is None:
+        raise ValueError(f"source {source!r} does not exist")
+    fs, root = connected
     wanted = (lambda p: str(p).lower().endswith(suffixes)) if suffixes else (lambda p: True)
     expected = f" (expected {', '.join(suffixes)})" if suffixes else ""
     info: dict[str, Any] | None = _asking(source, lambda: fs.info(root), None)

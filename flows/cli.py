@@ -95,7 +95,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         print("\n# why each stage that runs does: what differs from the nearest artifact in the store")
         print(format_reasons(explain(planned, store)), end="")
     for stage in planned:
-        launch = getattr(stage.config, "launch", None)
+        launch = stage.launch
         if not stage.complete and launch is not None and launch.backend == "accelerate":
             print(f"\n# {stage.spec.name}-{stage.key} without Ray, on {launch.nodes} node(s) that share "
                   f"GRISTMILL_HOME: on each, NODE_RANK 0..{launch.nodes - 1}, HEAD_IP the address of node 0\n"
@@ -109,10 +109,11 @@ def _demo_corpus_note(planned: list[PlannedStage]) -> str | None:
     """What the collect stage's demo source reads, as its key digests it: the same on every machine
     with the pinned distributions (tasks/collect/demo_crawl.py). Printed before the plan, whose rows
     scripts read up to the end."""
+    from flows.stages import COLLECT
     from tasks.collect import demo_crawl
 
-    collect = next((stage for stage in planned if stage.spec.name == "collect"), None)
-    if collect is None or demo_crawl.DEMO_SOURCE not in getattr(collect.config, "sources", ()):
+    collect = next((stage.config for stage in planned if stage.spec.name == COLLECT.name), None)
+    if not isinstance(collect, COLLECT.config) or demo_crawl.DEMO_SOURCE not in collect.sources:
         return None
     return f"\n# {demo_crawl.DEMO_SOURCE} (collect): {demo_crawl.corpus_digest()}"
 
@@ -210,7 +211,7 @@ def _up(args: argparse.Namespace) -> int:
     home = env.gristmill_home()
     ports = stack.Ports(**{name: getattr(args, f"{name}_port") for name in vars(stack.Ports())})
     try:
-        states = stack.up(home, args.host, ports, args.timeout)
+        states = stack.up(home, args.host, ports, args.timeout, artifacts=args.artifacts_destination)
     except (ValueError, FileNotFoundError) as error:
         return _fail(error)
     table = stack.format_states(states) + f"\nlogs: {stack.services_dir(home)}/<name>.log" + stack.auth_note()
@@ -360,6 +361,9 @@ def _add_stack(commands) -> None:
                         metavar="PORT", help=f"default {default}")
     up.add_argument("--print-env", action="store_true",
                     help="print only the export line on stdout: eval \"$(gristmill up --print-env)\"")
+    up.add_argument("--artifacts-destination", metavar="URI",
+                    help="where MLflow keeps artifacts and logged models (default: the mlflow-artifacts prefix "
+                         "of GRISTMILL_STORE's bucket when that is s3://, else $GRISTMILL_HOME/mlruns)")
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for health (default 180)")
     _command(commands, _status, "status", "what `gristmill up` started: running or not, pid, URL, health")
     _command(commands, _down, "down", "stop everything `gristmill up` started")

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State
 from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
-from core.launch import LaunchConfig
 from core.stage import METRICS_FILE, Engine, Manifest, SerialEngine
 from flows.config import PipelineConfig, with_overrides
 from flows.dag import PlannedStage, launch_problems_of, manifest_fields, open_store, plan, run_planned
@@ -32,6 +32,7 @@ from flows.notify import notify, rollbacks
 from flows.progress import stage_progress
 from flows.registry import Decision, register_and_promote
 from flows.report_card import Section, registry_section
+from flows.stages import COLLECT, EVALUATE
 from infra import env, ray_start
 from infra.artifacts import ArtifactStore
 from infra.memory import PeakRSS
@@ -59,20 +60,31 @@ class Runtime:
         self.tracker = tracker
         self.parent_run_id = parent_run_id
         self._pool = ThreadPoolExecutor(RECORD_THREADS, "gristmill-record") if background else None
-        self._records: list[Future] = []
+        self._records: dict[str, Future] = {}
         # stage -> "computed" | "reused", as the store decided when the stage ran: a stage planned
         # to run is reused when another run computed its key meanwhile
         self.outcomes: dict[str, str] = {}
 
-    def record(self, fn: Callable[..., None], *args: Any) -> None:
+    def record(self, name: str, after: Iterable[str], fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)`, the record of stage `name`, once the records of the stages `after` are done:
+        a publisher finds what its upstream stages' publishers logged (the evaluate stage's scores
+        are logged against the models the SFT and align records log). No wait can deadlock: the
+        pool takes records in the order they come, upstream stages' first."""
         if self._pool is None:
             fn(*args)
-        else:
-            self._records.append(self._pool.submit(fn, *args))
+            return
+        upstream = [self._records[u] for u in after if u in self._records]
+
+        def in_order() -> None:
+            for future in upstream:
+                future.result()
+            fn(*args)
+
+        self._records[name] = self._pool.submit(in_order)
 
     def join(self) -> None:
-        records, self._records = self._records, []
-        for future in records:
+        records, self._records = self._records, {}
+        for future in records.values():
             future.result()
 
     def abandon(self) -> None:
@@ -90,7 +102,7 @@ def _engine(stage: PlannedStage, store: ArtifactStore) -> Engine:
 
     # with the store on a bucket, workers write there: Ray's nodes need not share a disk; a local
     # Ray that `gristmill run` started early for this stage (infra/ray_start.py) is handed over
-    return RayEngine(num_workers=getattr(stage.config, "num_workers", 1),
+    return RayEngine(num_workers=stage.ray_workers,
                      worker_dirs=store.remote_location if store.remote is not None else None,
                      early=ray_start.take_early())
 
@@ -101,7 +113,7 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
     stage into its partial dir (in this process, or in the processes its `launch` section asks
     for), return the manifest fields. Called only once this run holds the key's lock and no other
     run committed it, so a stage that ends up reused has no computing run and no `why` artifact."""
-    launch: LaunchConfig | None = getattr(stage.config, "launch", None)
+    launch = stage.launch
     name = stage.spec.name
 
     def compute(partial_dir) -> dict[str, Any]:
@@ -187,8 +199,8 @@ def _reused(stage: PlannedStage, upstream: dict[str, Manifest], manifest: Manife
     the run that computed it (`gristmill.source_run_id`), and the outcome for the run's summary.
     `wait_s`: how long the computing run may take to end its MLflow run before this one back-fills it."""
     runtime.outcomes[stage.spec.name] = "reused"
-    runtime.record(_record_reused, stage, stage.config.model_dump(mode="json"), upstream, manifest, runtime,
-                   wait_s)
+    runtime.record(stage.spec.name, upstream, _record_reused, stage, stage.config.model_dump(mode="json"),
+                   upstream, manifest, runtime, wait_s)
     return manifest
 
 
@@ -268,7 +280,7 @@ def _report_card(tracker: Tracker, parent: str, run_name: str, planned: list[Pla
 
 @flow(name="pipeline")
 def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None,
-             overrides: list[str] | None = None, approve_gates: bool = False) -> dict[str, str]:
+             overrides: list[str] | None = None, approve_gates: bool = False) -> dict[str, str] | State:
     """Run the DAG (up to and including `until`); returns stage -> artifact directory.
     `overrides` are `key=value` settings applied to `config` (free-form, as on the command line);
     `approve_gates`: go on when a data gate trips (collect.gates), without asking (flows/gates.py)."""
@@ -308,15 +320,15 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
             manifests[stage.spec.name] = run_stage.with_options(
                 task_run_name=f"{stage.spec.name} [{status}]")(stage, upstream, runtime,
                                                                why=reasons.get(stage.spec.name))
-            if stage.spec.name == "collect":  # the data gates: before anything is trained on it
-                gates = enforce(manifests["collect"], config.collect.gates, config.refresh.bytes_per_token,
+            if stage.spec.name == COLLECT.name:  # the data gates: before anything is trained on it
+                gates = enforce(manifests[COLLECT.name], config.section(COLLECT).gates, config.refresh.bytes_per_token,
                                 store, tracker, parent, approve_gates)
             computed = runtime.outcomes[stage.spec.name] == "computed"
             if computed and (rows := rollbacks(manifests[stage.spec.name])):
                 notify(config.notify, "training.rollback", run, {"stage": stage.spec.name,
                                                                  "rollbacks": rows})
         runtime.join()
-        if config.registry.enabled and "evaluate" in manifests:
+        if config.registry.enabled and EVALUATE.name in manifests:
             decision = register_and_promote(config, tracker, parent, manifests)
             logger.info("registry: %s", decision.markdown())
     except Exception as error:
@@ -336,13 +348,13 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
         runtime.abandon()
         tracker.end(parent, ok=False)
         raise
-    tripped = gates is not None and gates.outcome != "passed"
-    summary = _summary(planned, manifests, runtime.outcomes) + (f"\n\n{gates.markdown()}" if tripped else "") + \
+    tripped = gates if gates is not None and gates.outcome != "passed" else None
+    summary = _summary(planned, manifests, runtime.outcomes) + (f"\n\n{tripped.markdown()}" if tripped else "") + \
         (f"\n\n{decision.markdown()}" if decision else "")
     logging.getLogger("gristmill").info("pipeline summary\n%s", summary)
     create_markdown_artifact(summary, key="pipeline-summary", description="Stages reused or computed")
     tracker.log_text(parent, summary, "summary.md")
-    extra = ([gates.section()] if tripped else []) + ([registry_section(decision.markdown())] if decision else [])
+    extra = ([tripped.section()] if tripped else []) + ([registry_section(decision.markdown())] if decision else [])
     _report_card(tracker, parent, run_name, planned, manifests, runtime.outcomes, extra)
     tracker.end(parent, ok=True)
     return {name: str(m.path) for name, m in manifests.items()}

@@ -36,7 +36,9 @@ from pathlib import Path
 import psutil
 
 from core.files import locked
+from core.sources import bucket_exists
 from infra import env, processes
+from infra.artifacts import STORE_ENV
 from infra.schemas import seed_mlflow, seed_prefect
 
 LOOPBACK = "127.0.0.1"
@@ -58,6 +60,7 @@ NAMES = ("prefect", "mlflow", "ray")  # the order `up` starts and reports them i
 PREFECT_AUTH = "PREFECT_SERVER_API_AUTH_STRING"
 MLFLOW_AUTH = "MLFLOW_AUTH_ADMIN_PASSWORD"
 MLFLOW_SECRET = "MLFLOW_FLASK_SERVER_SECRET_KEY"  # signs the auth app's CSRF tokens
+MLFLOW_BUCKET_PREFIX = "mlflow-artifacts"  # MLflow's artifacts in GRISTMILL_STORE's bucket
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,8 +180,31 @@ def _mlflow_auth(home: Path) -> tuple[tuple[str, ...], dict[str, str]]:
     return ("--app-name", "basic-auth"), {"MLFLOW_AUTH_CONFIG_PATH": str(config), MLFLOW_SECRET: secret}
 
 
-def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec]:
-    """The three services for `home`, bound to `host`."""
+def artifacts_destination(home: Path, requested: str | None = None) -> str:
+    """Where `up`'s MLflow server keeps artifacts (logged models among them): `requested`; else,
+    when GRISTMILL_STORE is an s3:// URL, the `mlflow-artifacts` prefix of its bucket, so a
+    node with no shared disk serves the registry's models from the bucket; else under the home."""
+    if requested:
+        return requested.rstrip("/")
+    store = os.environ.get(STORE_ENV, "")
+    if store.startswith("s3://"):
+        return f"s3://{store.removeprefix('s3://').split('/', 1)[0]}/{MLFLOW_BUCKET_PREFIX}"
+    return env.mlflow_artifacts_root(home).as_uri()
+
+
+def check_destination(url: str) -> None:
+    """An object-store destination's bucket answers with the credentials at hand: ValueError in one
+    line naming it otherwise (MLflow's server would start and fail only at the first upload)."""
+    if url.startswith("file:"):
+        return
+    bucket = "/".join(url.split("/", 3)[:3])
+    if not bucket_exists(bucket):
+        raise ValueError(f"--artifacts-destination {url}: the bucket {bucket} does not exist")
+
+
+def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), artifacts: str | None = None) -> list[Spec]:
+    """The three services for `home`, bound to `host`; MLflow's artifacts at
+    `artifacts_destination(home, artifacts)`."""
     check_exposure(host)
     home = Path(home).resolve()
     reach = LOOPBACK if host in WILDCARDS else host  # where clients on this machine connect
@@ -202,7 +228,7 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports()) -> list[Spec
         ports=(ports.mlflow,), export={"MLFLOW_TRACKING_URI": mlflow_url}, env={**base, **auth_env},
         argv=(_tool("mlflow"), "server", "--host", host, "--port", str(ports.mlflow),
               "--backend-store-uri", env.mlflow_store_uri(home),
-              "--artifacts-destination", env.mlflow_artifacts_root(home).as_uri(), "--workers", "2",
+              "--artifacts-destination", artifacts_destination(home, artifacts), "--workers", "2",
               *auth_args))
     ray_env = dict(base)
     node_ip: tuple[str, ...] = ()
@@ -277,8 +303,8 @@ def _recorded(record: Mapping, state: str, note: str = "") -> State:
 
 def _state(home: Path, name: str) -> State:
     record = _read(home, name)
-    if _leader(record) is None:
-        return State(name=name, state="stopped", url=record and record["url"])
+    if record is None or _leader(record) is None:
+        return State(name=name, state="stopped", url=record["url"] if record else None)
     ok = healthy(record)
     return replace(_recorded(record, "running" if ok else "starting"), healthy=ok)
 
@@ -306,19 +332,22 @@ def _start(home: Path, spec: Spec) -> dict:
 
 
 def up(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), timeout_s: float = 180.0,
-       names: tuple[str, ...] = NAMES) -> list[State]:
+       names: tuple[str, ...] = NAMES, artifacts: str | None = None) -> list[State]:
     """Start each of the services `names` that is not already alive, then wait until all answer
     their health check. A service that exits or stays unhealthy past `timeout_s` is stopped and
-    reported as failed (its log says why); the others keep running."""
+    reported as failed (its log says why); the others keep running. `artifacts`: MLflow's
+    artifact destination (`artifacts_destination`)."""
     ports.check()
+    if "mlflow" in names:
+        check_destination(artifacts_destination(home, artifacts))
     home = Path(home).resolve()
     services_dir(home).mkdir(parents=True, exist_ok=True)
     states: dict[str, State] = {}
     waiting: dict[str, dict] = {}
     with locked(home, STACK_LOCK):  # two `up`s at once would both start everything
-        for spec in (s for s in specs(home, host, ports) if s.name in names):
+        for spec in (s for s in specs(home, host, ports, artifacts) if s.name in names):
             record = _read(home, spec.name)
-            if _leader(record) is not None:
+            if record is not None and _leader(record) is not None:
                 waiting[spec.name] = record
                 states[spec.name] = _recorded(record, "starting", "already running")
                 continue
@@ -373,7 +402,7 @@ def down(home: Path, grace_s: float = STOP_GRACE_S) -> list[State]:
         processes.stop_sessions([(r["pid"], r["create_time"]) for r in records.values() if r], grace_s)
         for name in NAMES:
             _forget(home, name)
-    return [State(name=name, state="stopped", url=record and record["url"],
+    return [State(name=name, state="stopped", url=record["url"] if record else None,
                   note=("not running" if record is None else f"stopped pid {record['pid']}" if name in running
                         else "stale pid file removed"))
             for name, record in records.items()]

@@ -87,7 +87,7 @@ def load_chat_components(model_dir: Path) -> dict[str, Any]:
 
 def log_chat_model(tracker: Tracker, run_id: str, manifest: Manifest) -> str:
     """Log `manifest.path / "model"` as a transformers-flavour chat model of run `run_id`."""
-    import mlflow.transformers
+    import mlflow.transformers as mlflow_transformers
     from mlflow.models import Model
 
     model_dir = manifest.path / "model"
@@ -98,7 +98,7 @@ def log_chat_model(tracker: Tracker, run_id: str, manifest: Manifest) -> str:
         components = load_chat_components(model_dir)
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / "model"
-            mlflow.transformers.save_model(
+            mlflow_transformers.save_model(
                 components, str(local), task=CHAT_TASK,
                 mlflow_model=Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id,
                                    run_id=run_id, model_id=logged.model_id),
@@ -130,7 +130,7 @@ def log_model_metrics(tracker: Tracker, run_id: str, model_id: str,
     """Log into run `run_id` the numeric metrics of logged model `model_id`, each group against the
     data it was measured on (None: a summary of several); the model and the data become inputs
     of the run, as `mlflow.log_metrics(..., model_id=..., dataset=...)` makes them."""
-    datasets = [DatasetInput(Dataset(name=data.name, digest=data.digest, source_type=data.source_type,
+    datasets = [DatasetInput(Dataset(name=data.name, digest=data.digest, source_type=data.source_type or "local",
                                      source=data.source), tags=[InputTag("mlflow.data.context", "evaluation")])
                 for data, _ in measured if data is not None and data.source is not None]
     tracker.log_inputs(run_id, datasets, models=[LoggedModelInput(model_id)])

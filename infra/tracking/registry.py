@@ -45,7 +45,8 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(before)  # None unsets it
+        # None unsets it (MLflow's annotation omits None)
+        mlflow.set_tracking_uri(before)  # pyright: ignore[reportArgumentType]
 
 
 class ModelRegistry:

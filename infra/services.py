@@ -112,7 +112,10 @@ class EmbeddedServices:
     def _start_server(self) -> None:
         """Prefect's ephemeral server as SubprocessASGIServer runs it, on a free port."""
         self._port = _free_port()
-        prefect_dir = importlib.util.find_spec("prefect").submodule_search_locations[0]
+        spec = importlib.util.find_spec("prefect")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("Prefect is not installed in this environment")
+        prefect_dir = spec.submodule_search_locations[0]
         self._server = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect_dir).parent), "--factory",
              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self._port),
@@ -123,10 +126,13 @@ class EmbeddedServices:
     def _wait_for_server(self) -> None:
         timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
         deadline = time.monotonic() + timeout_s
+        server = self._server
+        if server is None:
+            raise RuntimeError("Prefect's server was not started")
         while time.monotonic() < deadline:
-            if self._server.poll() is not None:  # Prefect has read its URL: no other port now
-                why = (f"port {self._port} was taken before it bound it" if self._server.returncode ==
-                       PORT_IN_USE_EXIT else f"it exited with code {self._server.returncode}")
+            if server.poll() is not None:  # Prefect has read its URL: no other port now
+                why = (f"port {self._port} was taken before it bound it" if server.returncode ==
+                       PORT_IN_USE_EXIT else f"it exited with code {server.returncode}")
                 raise RuntimeError(f"Prefect's server did not start: {why}")
             elif http_ok(f"http://127.0.0.1:{self._port}/api/health"):
                 return

@@ -11,36 +11,18 @@ exit 3 (`GATE_EXIT`); a person's rejection with one line, exit 1.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra import env, ray_start
+from infra import env
 from infra.services import EmbeddedServices
 
 if TYPE_CHECKING:
     from flows.config import PipelineConfig
-    from flows.dag import PlannedStage
 
 GATE_EXIT = 3  # a data gate tripped: approve (--approve-gates) or loosen collect.gates
-
-
-@contextlib.contextmanager
-def _importing() -> Iterator[None]:
-    """Imports that live as long as the process (Prefect, MLflow: most of a reused run's time),
-    done without the garbage collector and then frozen (gc.freeze): collecting would find
-    nothing to free among them, and every later collection, the one at exit included, skips them."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def _fail(error: object) -> int:
@@ -82,30 +64,17 @@ def run(config: str, overrides: list[str], until: str | None = None, approve_gat
     if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
         return _fail("; ".join(problems))
     services = EmbeddedServices(home)
-    services.launch()  # Prefect's server boots beside the imports and Ray's start
-    try:
-        _start_ray_early(planned)
-        return _run(pipeline_config, services, until, approve_gates)
-    finally:
-        ray_start.stop_early()  # when the stage it was started for did not take it
-
-
-def _start_ray_early(planned: list[PlannedStage]) -> None:
-    """When the first stage to compute runs on a local Ray, start it now, on a thread, beside the
-    imports and services that come before the stage (infra/ray_start.py)."""
-    first = next((stage for stage in planned if not stage.complete), None)
-    if first is not None and first.spec.uses_ray and not os.environ.get("RAY_ADDRESS"):
-        ray_start.start_early(getattr(first.config, "num_workers", 1), first.spec.warm_worker)
+    services.launch()  # Prefect's server boots beside the imports below (docs/benchmarks.md)
+    return _run(pipeline_config, services, until, approve_gates)
 
 
 def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str | None,
          approve_gates: bool) -> int:
-    with _importing():
-        from core.files import DiskSpaceError
-        from flows.gates import GatesRejected, GatesStopped
-        from flows.pipeline import pipeline
-        from infra.launch import LaunchFailed
-        from infra.tracking import TrackingUnavailable, is_server, tracking_uri
+    from core.files import DiskSpaceError
+    from flows.gates import GatesRejected, GatesStopped
+    from flows.pipeline import pipeline
+    from infra.launch import LaunchFailed
+    from infra.tracking import TrackingUnavailable, is_server, tracking_uri
 
     try:
         services.ready()
@@ -149,9 +118,8 @@ def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> i
         return _fail(error)
     services = EmbeddedServices(env.gristmill_home())
     services.launch()
-    with _importing():
-        from flows.gates import GatesRejected, GatesStopped
-        from flows.refresh import data_refresh
+    from flows.gates import GatesRejected, GatesStopped
+    from flows.refresh import data_refresh
 
     try:
         services.ready()

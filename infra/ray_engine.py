@@ -12,21 +12,24 @@ stage's manifest stats by the flow layer.
 A worker that dies (OOM, a kill) is restarted and its call retried: the mapped functions are
 pure, so a retry gives the same result. A local Ray listens on 127.0.0.1 only (its head also
 runs Ray's API server, `dashboard.py`, even without the dashboard: it serves Ray's state API,
-not the web UI, and it too binds 127.0.0.1). A local Ray's session directory
-(logs, sockets) is removed at shutdown, so runs do not pile them up in the system temp folder.
+not the web UI, and it too binds 127.0.0.1). A local Ray keeps its session folder (logs, sockets)
+in a temp root of its own, not in the shared /tmp/ray: a new folder inside the supervisor's scratch
+folder (infra/supervisor.py) when there is one, which the supervisor removes however the run
+stops, else in the system temp folder. `shutdown` removes it, so runs do not pile them up.
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from core.stage import SerialEngine, load, map_name, map_progress
+from core.stage import SerialEngine, map_name, map_progress
 from infra import env
+from infra.supervisor import remove_tree, scratch_dir
 
 env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
 import ray  # noqa: E402
@@ -37,6 +40,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("gristmill.ray")
 MAX_RESTARTS = 3  # of a worker that died, each time retrying the call it was running
+# Ray's sockets live at <temp root>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store, up to
+# 64 characters below the root, and a Unix socket's path may not exceed 107.
+TEMP_ROOT_MAX_CHARS = 40
 
 
 @ray.remote
@@ -50,13 +56,6 @@ class _Worker:
     def call(self, fn: Callable[[T], R], item: T) -> R:
         return fn(item)
 
-    def warm(self, dotted: str) -> None:
-        """Call the function at "module.function" (a stage's `warm_worker`: imports, models)."""
-        try:
-            load(dotted)()
-        except Exception:  # the first unit meets the same error, and reports it
-            log.debug("warming %s failed", dotted, exc_info=True)
-
     def call_at(self, fn: Callable[[T], R], index: int, item: T) -> tuple[int, str, R]:
         """(index, the node that ran it, result)."""
         return index, self.node_id, fn(item)
@@ -64,48 +63,31 @@ class _Worker:
 
 class RayEngine:
     def __init__(self, num_workers: int, runtime_env: dict | None = None,
-                 worker_dirs: Callable[[Path], str] | None = None, early: Any = None):
+                 worker_dirs: Callable[[Path], str] | None = None, early: None = None):
         """`runtime_env`: Ray's, for every task and actor of this driver (e.g. environment variables);
         `worker_dirs`: where workers write what belongs in a stage folder of this machine, when
-        that is not the folder itself (core.stage.worker_dir); `early`: a local Ray started ahead
-        of need (infra/ray_start.py's EarlyRay), used when it fits, else stopped."""
+        that is not the folder itself (core.stage.worker_dir); `early`: always None
+        (infra/ray_start.py: no Ray is started ahead of its engine)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
         self.runtime_env = runtime_env
         self.worker_dirs = worker_dirs
         self._started_here = False
-        self._session_dir: str | None = None
-        self._early_pending = early
-        self._early: Any = None  # the early Ray this engine works on
+        self._temp_root: Path | None = None  # a local Ray's, when this engine started it
         self._actors: list = []
         # map name (the mapped function's) -> Ray node id -> units that node ran, over this engine's maps
         self.units_per_node: dict[str, Counter[str]] = {}
 
     def start(self) -> None:
-        """Join the cluster named by RAY_ADDRESS, or take the local Ray started early, or start a
-        local Ray; idempotent."""
+        """Join the cluster named by RAY_ADDRESS, or start a local Ray; idempotent."""
         address = os.environ.get("RAY_ADDRESS")
-        if (early := self._early_pending) is not None:
-            self._early_pending = None
-            early.wait()
-            if address or self.runtime_env or _local_cpus(early.num_workers) != _local_cpus(self.num_workers):
-                early.stop()  # started for other workers or settings than these
-            else:
-                self._early, self._session_dir, self._started_here = early, early.session_dir, True
-                if len(early.workers) == self.num_workers:  # started, and warming, beside the run's start
-                    self._actors = early.workers
-                else:
-                    for actor in early.workers:
-                        ray.kill(actor)
-                log.info("ray: local, %s workers (started early)", self.num_workers)
-                return
         if ray.is_initialized():
             return
         if address:
             ray.init(address=address, log_to_driver=False, runtime_env=self.runtime_env)
         else:
-            self._session_dir = init_local(self.num_workers, self.runtime_env)
+            self._temp_root = init_local(self.num_workers, self.runtime_env)
             self._started_here = True
         log.info("ray: %s, %s workers", address or "local", self.num_workers)
 
@@ -141,46 +123,53 @@ class RayEngine:
             for actor in self._actors:
                 ray.kill(actor)
         self._actors = []
-        if self._started_here and ray.is_initialized():
-            shutdown_local(self._session_dir)
-            self._started_here = False
-        if self._early is not None:
-            self._early.release()
-            self._early = None
-        if self._early_pending is not None:  # never started: the early Ray goes unused
-            self._early_pending.stop()
-            self._early_pending = None
+        if self._started_here:
+            shutdown_local(self._temp_root)
+            self._started_here, self._temp_root = False, None
 
 
-def start_workers(count: int, warm: str | None = None) -> list:
-    """`count` worker actors, placed on the cluster's nodes in turn; each first calls `warm`
-    ("module.function"), when given, before any call sent to it later."""
-    actors = [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
-                              scheduling_strategy=placement).remote()
-              for placement in _placements(count)]
-    if warm:
-        for actor in actors:
-            actor.warm.remote(warm)
-    return actors
+def start_workers(count: int) -> list:
+    """`count` worker actors, placed on the cluster's nodes in turn."""
+    return [_Worker.options(max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS,
+                            scheduling_strategy=placement).remote()
+            for placement in _placements(count)]
 
 
 def _local_cpus(num_workers: int) -> int:
     return max(num_workers, os.cpu_count() or 1)
 
 
-def init_local(num_workers: int, runtime_env: dict | None = None) -> str | None:
-    """Start a local Ray with room for `num_workers` workers; its session directory."""
-    ray.init(num_cpus=_local_cpus(num_workers), include_dashboard=False, log_to_driver=False,
-             configure_logging=False, runtime_env=runtime_env)
-    return _session_dir()
+def init_local(num_workers: int, runtime_env: dict | None = None) -> Path:
+    """Start a local Ray with room for `num_workers` workers, in a new temp root; that root. A
+    start that fails or is interrupted (Ctrl-C) stops what it started and removes the root."""
+    root = new_temp_root()
+    try:
+        ray.init(num_cpus=_local_cpus(num_workers), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, runtime_env=runtime_env, _temp_dir=str(root))
+    except BaseException:
+        shutdown_local(root)
+        raise
+    return root
 
 
-def shutdown_local(session_dir: str | None) -> None:
-    """Stop the local Ray and remove its session directory (logs, sockets), so runs do not pile
-    them up in the system temp folder."""
+def new_temp_root() -> Path:
+    """A new folder for a local Ray's temp root (`ray.init`'s documented `_temp_dir`: its session
+    folder, logs and sockets): in the supervisor's scratch folder, or where that path leaves no
+    room for Ray's sockets, in the system temp folder (else /tmp)."""
+    scratch = scratch_dir()
+    if scratch is not None and len(str(scratch)) + len("/ray-12345678") <= TEMP_ROOT_MAX_CHARS:
+        return Path(tempfile.mkdtemp(prefix="ray-", dir=scratch))
+    system = tempfile.gettempdir()
+    short = system if len(system) + len("/gristmill-ray-12345678") <= TEMP_ROOT_MAX_CHARS else "/tmp"
+    return Path(tempfile.mkdtemp(prefix="gristmill-ray-", dir=short))
+
+
+def shutdown_local(temp_root: Path | None) -> None:
+    """Stop the local Ray and remove its temp root (session folder, logs, sockets), so runs do
+    not pile them up in the temp folder."""
     ray.shutdown()
-    if session_dir:
-        shutil.rmtree(session_dir, ignore_errors=True)
+    if temp_root is not None:
+        remove_tree(temp_root)
 
 
 def _placements(count: int) -> list[str | NodeAffinitySchedulingStrategy]:
@@ -193,9 +182,3 @@ def _placements(count: int) -> list[str | NodeAffinitySchedulingStrategy]:
     if len(nodes) < 2:
         return ["DEFAULT"] * count
     return [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) for i in range(count)]
-
-
-def _session_dir() -> str | None:
-    """The local Ray's session directory (Ray has no public accessor for it)."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    return node.get_session_dir_path() if node is not None else None

@@ -1,16 +1,21 @@
 """The Ray engine: results in input order whatever the worker count, a worker killed mid-call is
-restarted and the call retried, the node of each unit counted, and a local Ray leaves no session
-directory behind (also one started early, infra/ray_start.py)."""
+restarted and the call retried, the node of each unit counted, and a local Ray keeps its session
+folder in a temp root of its own, which it leaves behind neither after its shutdown nor after a
+start that was interrupted."""
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from core import progress
 from infra.ray_engine import RayEngine
+from infra.supervisor import SCRATCH_ENV
 
 
 def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_removed(tmp_path, monkeypatch, caplog):
@@ -37,11 +42,11 @@ def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_remov
         assert (tmp_path / "killed-3").exists()  # the fault did happen
         placed = engine.units_per_node["square_killing_once"]
         assert len(placed) == 1 and sum(placed.values()) == 8, placed  # a retried unit counts once
-        session = engine._session_dir
-        assert session and Path(session).is_dir()
+        root = engine._temp_root
+        assert root is not None and len(list(root.glob("session_2*"))) == 1
     finally:
         engine.shutdown()
-    assert not Path(session).exists()
+    assert not root.exists()
 
 
 def test_a_local_ray_listens_on_loopback_only():
@@ -76,84 +81,39 @@ def test_a_single_call_runs_here_without_starting_ray(monkeypatch):
     engine = RayEngine(num_workers=2)
     try:
         assert engine.map(lambda _: os.getpid(), [None]) == [os.getpid()]
-        assert not ray.is_initialized() and engine._session_dir is None
+        assert not ray.is_initialized() and engine._temp_root is None
         assert engine.map(abs, [-1, -2]) == [1, 2] and ray.is_initialized()
     finally:
         engine.shutdown()
 
 
-def _ray_start_threads() -> list:
-    import threading
-
-    return [t for t in threading.enumerate() if t.name == "gristmill-ray-start"]
-
-
-def test_a_ray_started_early_is_taken_by_the_engine_and_ends_with_it(monkeypatch, caplog):
-    """`gristmill run` starts a local Ray on a thread while it starts its services
-    (infra/ray_start.py), and the flow hands it to the stage's engine, which works on it; the
-    engine's shutdown stops it, removes its session directory and ends the thread (Ray's processes
-    die with the thread that started them, so the thread lives exactly as long as that Ray)."""
+def test_a_local_ray_lives_in_the_scratch_folder_and_an_interrupted_start_leaves_nothing(tmp_path, monkeypatch):
+    """With a supervisor's scratch folder (infra/supervisor.py), a local Ray's temp root is a new
+    folder inside it, not the shared /tmp/ray; Ctrl-C as `ray.init` returns stops that Ray and
+    removes its root."""
     import ray
 
-    from infra import ray_start
+    from infra import ray_engine
 
-    def warmed(_) -> tuple[int, int]:  # nested, so Ray ships it by value to the workers
-        """What the collect stage's warm_worker loaded in this worker before any unit ran."""
-        from tasks.collect import langid, rules
-
-        return rules._spacy.cache_info().currsize, langid.load_model.cache_info().currsize
-
+    scratch = Path(tempfile.mkdtemp(prefix="gm-"))  # short: Ray's socket paths are below it
+    monkeypatch.setenv(SCRATCH_ENV, str(scratch))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray_start.start_early(2, warm="tasks.collect.stage.warm_worker")
-    assert len(_ray_start_threads()) == 1
-    early = ray_start.take_early()
-    engine = RayEngine(num_workers=2, early=early)
+    shared = set(Path("/tmp/ray").glob("session_2*"))
+    real_init, seen = ray.init, []
+
+    def init_then_ctrl_c(**kwargs):
+        real_init(**kwargs)
+        seen.extend(Path(kwargs["_temp_dir"]).glob("session_2*"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "init", init_then_ctrl_c)
     try:
-        with caplog.at_level(logging.INFO, "gristmill.ray"):
-            assert engine.map(warmed, [0, 1]) == [(1, 1), (1, 1)]  # in each of the two workers
-        assert "ray: local, 2 workers (started early)" in caplog.text
-        assert engine._actors == early.workers and len(early.workers) == 2
-        assert engine.map(abs, [-1, -2, -3]) == [1, 2, 3]
-        session = engine._session_dir
-        assert session and Path(session).is_dir() and len(_ray_start_threads()) == 1
+        with pytest.raises(KeyboardInterrupt):
+            ray_engine.init_local(1)
+        assert len(seen) == 1 and seen[0].parent.parent == scratch, seen
+        assert not ray.is_initialized() and not seen[0].parent.exists() and list(scratch.iterdir()) == []
+        own = {p for p in set(Path("/tmp/ray").glob("session_2*")) - shared if p.name.endswith(f"_{os.getpid()}")}
+        assert not own, own
     finally:
-        engine.shutdown()
-    assert not ray.is_initialized() and not Path(session).exists() and not _ray_start_threads()
-
-
-def test_a_warm_up_that_fails_leaves_the_workers_to_their_units(monkeypatch):
-    """The error of a stage's warm_worker is the units' to meet and report: the map runs."""
-    from infra import ray_start
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray_start.start_early(2, warm="no_such_module.warm")
-    engine = RayEngine(num_workers=2, early=ray_start.take_early())
-    try:
-        assert engine.map(abs, [-1, -2, -3]) == [1, 2, 3] and len(engine._actors) == 2
-    finally:
-        engine.shutdown()
-
-
-def test_an_early_ray_no_engine_takes_is_stopped_and_one_for_other_workers_replaced(monkeypatch):
-    """The stage that was to use the early Ray did not compute: stop_early stops it and its
-    thread. An engine with more workers than the early Ray has CPUs for starts its own."""
-    import ray
-
-    from infra import ray_start
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray_start.start_early(1, warm="no_such_module.warm")
-    ray_start.stop_early()
-    assert not ray.is_initialized() and not _ray_start_threads()
-    ray_start.stop_early()  # none pending: nothing to do
-
-    workers = (os.cpu_count() or 1) + 1
-    ray_start.start_early(1)
-    engine = RayEngine(num_workers=workers, early=ray_start.take_early())
-    try:
-        assert engine.map(abs, [-1, -2]) == [1, 2]
-        assert engine._early is None and ray.cluster_resources()["CPU"] == workers
-        assert not _ray_start_threads()  # the early one was stopped before this one started
-    finally:
-        engine.shutdown()
-    assert not ray.is_initialized()
+        ray.shutdown()
+        scratch.rmdir()

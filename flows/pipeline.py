@@ -33,7 +33,7 @@ from flows.progress import stage_progress
 from flows.registry import Decision, register_and_promote
 from flows.report_card import Section, registry_section
 from flows.stages import COLLECT, EVALUATE
-from infra import env, ray_start
+from infra import env
 from infra.artifacts import ArtifactStore
 from infra.memory import PeakRSS
 from infra.tracking import is_server
@@ -100,11 +100,9 @@ def _engine(stage: PlannedStage, store: ArtifactStore) -> Engine:
         RayEngine,  # imported lazily: only data stages pay Ray's start-up
     )
 
-    # with the store on a bucket, workers write there: Ray's nodes need not share a disk; a local
-    # Ray that `gristmill run` started early for this stage (infra/ray_start.py) is handed over
+    # with the store on a bucket, workers write there: Ray's nodes need not share a disk
     return RayEngine(num_workers=stage.ray_workers,
-                     worker_dirs=store.remote_location if store.remote is not None else None,
-                     early=ray_start.take_early())
+                     worker_dirs=store.remote_location if store.remote is not None else None)
 
 
 def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Runtime, runs: list[str],

@@ -74,10 +74,6 @@ class StageSpec(Generic[C]):
     # a data-parallel stage: the Ray workers its config asks for (it gets a Ray engine); None: the
     # stage runs in-process
     ray_workers: Callable[[C], int] | None = None
-    # "module.function" each Ray worker started ahead of the stage calls first (what its units
-    # all load: imports, models), so that cost overlaps the run's own start (infra/ray_start.py);
-    # a name, as the workers import it themselves
-    warm_worker: str | None = None
     uses_gpu: bool = False  # computed under the `gpu` concurrency limit (flows/pipeline.py)
     # a training stage's `launch` section (core/launch.py) and the device its config asks for
     launch: Callable[[C], LaunchConfig] | None = None
@@ -181,7 +177,6 @@ COLLECT = StageSpec(
     name="collect", run=_collect_run, config=collect.Config, description="Collect and clean raw documents.",
     version=collect.VERSION, fingerprint=collect.fingerprint,
     outputs=("docs/*.jsonl.gz", "funnel.json"), ray_workers=lambda config: config.num_workers,
-    warm_worker="tasks.collect.stage.warm_worker",
     publisher=_publish_collect, sources=lambda config: config.sources, demos=(demo_crawl.DEMO_NAME,))
 TOKENIZE = StageSpec(
     name="tokenize", run=_tokenize_run, config=tokenize.Config,

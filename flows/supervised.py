@@ -14,15 +14,25 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infra import env
 from infra.services import EmbeddedServices
 
 if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State
+
     from flows.config import PipelineConfig
 
 GATE_EXIT = 3  # a data gate tripped: approve (--approve-gates) or loosen collect.gates
+
+
+def _returned(value: dict[str, Any] | State) -> dict[str, Any]:
+    """What a flow call returned. Prefect raises the error of a Failed state its flow returns, so
+    a call that returns gives the flow's outputs."""
+    if not isinstance(value, dict):
+        raise TypeError(f"the flow returned {value!r}, not its outputs")
+    return value
 
 
 def _fail(error: object) -> int:
@@ -87,7 +97,7 @@ def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str
         cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
         print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
         return 1
-    for stage, path in outputs.items():
+    for stage, path in _returned(outputs).items():
         print(f"{stage:<9} {path}")
     uri = tracking_uri(services.home)
     print(f"MLflow: {uri}" if is_server(uri) else f"MLflow: mlflow ui --backend-store-uri {uri}")
@@ -123,7 +133,7 @@ def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> i
 
     try:
         services.ready()
-        outcome = data_refresh(config=pipeline_config, approve_gates=approve_gates)
+        outcome = _returned(data_refresh(config=pipeline_config, approve_gates=approve_gates))
     except KeyboardInterrupt:
         return 130
     except (GatesStopped, GatesRejected) as error:

@@ -63,11 +63,10 @@ class _Worker:
 
 class RayEngine:
     def __init__(self, num_workers: int, runtime_env: dict | None = None,
-                 worker_dirs: Callable[[Path], str] | None = None, early: None = None):
+                 worker_dirs: Callable[[Path], str] | None = None):
         """`runtime_env`: Ray's, for every task and actor of this driver (e.g. environment variables);
         `worker_dirs`: where workers write what belongs in a stage folder of this machine, when
-        that is not the folder itself (core.stage.worker_dir); `early`: always None
-        (infra/ray_start.py: no Ray is started ahead of its engine)."""
+        that is not the folder itself (core.stage.worker_dir)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers

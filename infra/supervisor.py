@@ -113,7 +113,7 @@ def supervise(argv: Sequence[str], poll_s: float = 0.5, stopped_note: str = "") 
             name = signal.Signals(received[0]).name
             note = f"; {stopped_note}" if stopped_note else ""
             print(f"gristmill: stopped by {name}{note}", file=sys.stderr)
-            return EXIT_CODES[received[0]]
+            return EXIT_CODES[signal.Signals(received[0])]
         # A child killed by a signal reports -N; a shell reports 128 + N.
         return child.returncode if child.returncode >= 0 else 128 - child.returncode
     finally:

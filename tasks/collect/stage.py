@@ -94,7 +94,7 @@ from tasks.collect.readers import (
     resolve_source,
     split_file,
 )
-from tasks.collect.records import RawDoc, ReadEvent, Skipped, quarantine_record
+from tasks.collect.records import ReadEvent, Skipped, quarantine_record
 from tasks.collect.spool import DocTable, SpoolWriter, TableBuilder, Texts, text_bytes
 
 log = logging.getLogger("gristmill.collect")
@@ -241,19 +241,6 @@ def unit_result_path(units_dir: str | Path, unit: WorkUnit) -> str:
 def spool_path(result: str) -> str:
     """Where the unit whose events are at `result` writes its kept documents' lines."""
     return result.removesuffix(".jsonl.gz") + SPOOL_SUFFIX
-
-
-_WARM_PAGE = ("<html><body><article><p>Each worker loads the models its units use once, before "
-              "its first unit.</p></article></body></html>")
-
-
-def warm_worker() -> None:
-    """Load what every unit uses (Trafilatura, the language-ID model, spaCy's tokenizer) by
-    cleaning one small page: a Ray worker started ahead of the stage does it while the run
-    starts (the stage table's `warm_worker`)."""
-    page = RawDoc(url="https://example.org/", payload=_WARM_PAGE.encode(), is_html=True,
-                  nbytes=len(_WARM_PAGE))
-    clean_document(extract_text(page) or "", page.url, Config())
 
 
 def process_unit(job: tuple[WorkUnit, str]) -> str:

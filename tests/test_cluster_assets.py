@@ -1,5 +1,6 @@
-"""The cluster assets, checked offline: the KubeRay manifest against the RayCluster v1 schema (the
-parts of KubeRay's CRD we rely on, written out here: no cluster, no network), `prefect.yaml`
+"""The cluster assets, checked offline: the KubeRay manifests against the RayCluster and RayJob v1
+schemas (the parts of KubeRay's CRDs we rely on, written out here: no cluster, no network), no
+volume shared between pods, `prefect.yaml`
 with Prefect's own model and its entrypoint imported, the Accelerate configs with Accelerate's
 own loader, and the Dockerfile's COPY sources against the repository."""
 from __future__ import annotations
@@ -57,20 +58,35 @@ RAYCLUSTER_V1 = {
         },
     },
 }
-PVC_V1 = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {"apiVersion": {"const": "v1"}, "kind": {"const": "PersistentVolumeClaim"},
-                   "spec": {"type": "object", "required": ["accessModes", "resources"], "properties": {
-                       "accessModes": {"type": "array", "items": {"enum": [
-                           "ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
-                       "resources": {"type": "object", "required": ["requests"]}}}},
+RAYJOB_V1 = {  # ray.io/v1 RayJob, reduced as above to what pipeline-job.yaml uses
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "ray.io/v1"},
+        "kind": {"const": "RayJob"},
+        "metadata": RAYCLUSTER_V1["properties"]["metadata"],
+        "spec": {
+            "type": "object", "required": ["entrypoint"],
+            "properties": {"entrypoint": {"type": "string"}, "clusterSelector": _STRINGS,
+                           "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]},
+                           "runtimeEnvYAML": {"type": "string"}, "submitterPodTemplate": _POD_TEMPLATE},
+        },
+    },
 }
-SCHEMAS = {"RayCluster": RAYCLUSTER_V1, "PersistentVolumeClaim": PVC_V1}
+SCHEMAS = {"RayCluster": RAYCLUSTER_V1, "RayJob": RAYJOB_V1}
+# Volumes a pod may have: its own disk. Anything another pod could also mount is a shared volume.
+PRIVATE_VOLUMES = {"emptyDir", "secret", "configMap"}
 
 
 def _manifests() -> dict[str, dict]:
-    docs = list(yaml.safe_load_all((REPO / "infra" / "k8s" / "raycluster.yaml").read_text()))
+    docs = [doc for name in ("raycluster.yaml", "pipeline-job.yaml")
+            for doc in yaml.safe_load_all((REPO / "infra" / "k8s" / name).read_text())]
     return {doc["kind"]: doc for doc in docs}
+
+
+def _pod_specs(manifests: dict[str, dict]) -> list[dict]:
+    spec = manifests["RayCluster"]["spec"]
+    return [g["template"]["spec"] for g in (spec["headGroupSpec"], *spec["workerGroupSpecs"])]
 
 
 def _image_tags() -> set[str]:
@@ -85,17 +101,43 @@ def test_kubernetes_manifests_match_their_schema():
         jsonschema.validate(doc, SCHEMAS[kind])
 
 
-def test_raycluster_is_consistent_with_the_image_and_the_volume():
-    cluster, pvc = _manifests()["RayCluster"], _manifests()["PersistentVolumeClaim"]
-    spec = cluster["spec"]
+def test_raycluster_is_consistent_with_the_image():
+    spec = _manifests()["RayCluster"]["spec"]
     assert spec["rayVersion"] == version("ray")  # KubeRay's contract: the image's Ray
-    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
-    pods = [g["template"]["spec"] for g in groups]
-    assert {c["image"] for p in pods for c in p["containers"]} <= _image_tags()
-    assert {v["persistentVolumeClaim"]["claimName"] for p in pods for v in p["volumes"]} == {pvc["metadata"]["name"]}
+    assert {c["image"] for p in _pod_specs(_manifests()) for c in p["containers"]} <= _image_tags()
     for group in spec["workerGroupSpecs"]:
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     assert spec["headGroupSpec"]["serviceType"] == "ClusterIP"  # not exposed outside the cluster
+
+
+def test_no_pod_shares_a_volume_and_each_keeps_its_state_and_cache_on_its_own_disk():
+    from infra.cache import MAX_GB_ENV
+
+    for pod in _pod_specs(_manifests()):
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for volume in volumes.values():
+            assert set(volume) - {"name"} <= PRIVATE_VOLUMES, volume
+        for container in pod["containers"]:
+            environ = {e["name"]: e.get("value") for e in container["env"]}
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            for var in ("GRISTMILL_HOME", "GRISTMILL_CACHE"):
+                assert "emptyDir" in volumes[mounts[environ[var]]], var
+            limit = volumes[mounts[environ["GRISTMILL_CACHE"]]]["emptyDir"]["sizeLimit"]
+            assert limit.endswith("Gi") and int(environ[MAX_GB_ENV]) < int(limit[:-2])  # evicts first
+
+
+def test_the_pipeline_job_runs_on_the_cluster_through_the_bucket():
+    from flows.config import load_config
+
+    manifests = _manifests()
+    job = manifests["RayJob"]["spec"]
+    assert job["clusterSelector"] == {"ray.io/cluster": manifests["RayCluster"]["metadata"]["name"]}
+    command = job["entrypoint"].split("&&")[-1].split()
+    assert command[:2] == ["gristmill", "run"]
+    config = load_config(REPO / command[2], command[3:])  # the overrides are valid keys and values
+    assert config.pretrain.launch.backend == config.sft.launch.backend == "ray"
+    assert config.pretrain.launch.nodes >= 2
+    assert all(source.startswith("s3://") for source in config.collect.sources)
 
 
 @pytest.mark.parametrize("mistake", ["int_start_param", "no_group_name", "v1alpha1"])
@@ -179,8 +221,8 @@ def test_the_store_manifest_sets_what_the_store_reads_and_the_ray_pods_take_it()
     config, secret = docs["ConfigMap"], docs["Secret"]
     assert RemoteStore(config["data"][STORE_ENV]).url.startswith("s3://")  # a URL the store accepts
     assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    spec = _manifests()["RayCluster"]["spec"]
-    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
-        for container in group["template"]["spec"]["containers"]:
-            refs = {next(iter(ref)): ref[next(iter(ref))]["name"] for ref in container["envFrom"]}
+    for pod in _pod_specs(_manifests()):
+        for container in pod["containers"]:
+            refs = {kind: ref["name"] for entry in container["envFrom"] for kind, ref in entry.items()}
+            assert not any(ref.get("optional") for entry in container["envFrom"] for ref in entry.values())
             assert refs == {"configMapRef": config["metadata"]["name"], "secretRef": secret["metadata"]["name"]}

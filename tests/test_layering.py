@@ -170,6 +170,14 @@ def test_each_stage_package_exposes_the_contract():
         assert len(init.body) == 1 and ast.get_docstring(init), spec.name
 
 
+def test_no_test_imports_a_benchmark():
+    """What tests and benchmarks share lives in the product's modules: a test runs a benchmark only
+    as `python -m bench ...`, never by importing it."""
+    importers = {str(p.relative_to(REPO)) for p in sorted((REPO / "tests").rglob("*.py"))
+                 if any(n.split(".")[0] == "bench" for n in _imported_names(p))}
+    assert importers == set()
+
+
 def test_mlflow_is_imported_only_by_infra_tracking():
     """The package infra/tracking/ is the only code of ours that imports mlflow."""
     users = {p.relative_to(REPO) for p in _sources("core", "tasks", "model", "infra", "flows", "bench")

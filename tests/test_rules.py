@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import tasks.collect.filters as text_filters
 import tasks.collect.rules as rules
 import tasks.collect.stage as collect
-from bench.clean import shared_pages
+from tasks.collect.pages import shared_pages
 
 CFG = collect.Config()
 REPO = Path(__file__).resolve().parents[1]

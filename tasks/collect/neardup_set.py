@@ -202,7 +202,7 @@ def build_labelled_set(shared_data: Path, n_originals: int, seed: int,
     order = list(range(len(texts)))
     rng.shuffle(order)
     position = {old: new for new, old in enumerate(order)}
-    truth = {tuple(sorted((position[a], position[b])))
+    truth = {(min(position[a], position[b]), max(position[a], position[b]))
              for family in families for a, b in combinations(family, 2)}
     return [texts[i] for i in order], truth
 

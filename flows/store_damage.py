@@ -1,4 +1,4 @@
-"""The kinds of damage `python -m bench store-fuzz` (bench/store_fuzz.py) does to a copy of a
+"""The kinds of damage `python -m bench store-fuzz` (bench/store_fuzz.py, flows/store_fuzz.py) does to a copy of a
 finished store, one function each: `KIND(store, output, rng) -> Harm`, where `output` is the
 committed output it was drawn to hit and `Harm` says what a check must find: the entries (and the
 files in them) `gristmill verify` must name, the outputs reuse must refuse, and the top-level
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.runs import STAGES
+from flows.runs import STAGES
 from infra.artifacts import MANIFEST, ArtifactStore
 from infra.integrity import FIELDS, SEAL, SMALL_FILE_BYTES, manifest_text, read_manifest
 
@@ -106,8 +106,16 @@ def flip_bit(store: ArtifactStore, out: Output, rng: random.Random) -> Harm:
                       unhashed=rel != MANIFEST and len(data) > SMALL_FILE_BYTES)
 
 
+def manifest_of(path: Path) -> dict:
+    """The parsed manifest of a committed output (the fuzzer damages only a store that verifies)."""
+    record, why = read_manifest(path)
+    if record is None:
+        raise RuntimeError(f"store-fuzz: {path}: {why}")
+    return record
+
+
 def _rewrite_manifest(out: Output, change: Callable[[dict], str]) -> Harm:
-    record = read_manifest(out.path)[0]
+    record = manifest_of(out.path)
     what = change(record)
     (out.path / MANIFEST).write_text(manifest_text(record))
     return _in_output(out, f"manifest {what}", MANIFEST)

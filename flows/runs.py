@@ -1,5 +1,6 @@
 """Running the real `gristmill` CLI against a home of its own, and reading what a run committed:
-shared by the fault suite (`bench chaos`) and the end-to-end tests."""
+shared by the benchmarks that run the pipeline (`bench chaos`, `bench store-fuzz`, `bench scale`)
+and the end-to-end tests."""
 from __future__ import annotations
 
 import json

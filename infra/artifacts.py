@@ -65,6 +65,7 @@ from infra.integrity import (
     unlisted,
 )
 from infra.remote_store import RemoteStore
+from model.checkpoint import store_env as checkpoint_store_env
 
 __all__ = ["CONFIG", "CORPUS", "MANIFEST", "SMALL_FILE_BYTES", "ArtifactStore", "Contracts", "Damage", "Entry",
            "VerifyMode", "canonical_json", "home_store", "stage_key"]
@@ -432,7 +433,11 @@ def home_store(home: Path, verify_on_reuse: VerifyMode = "size", contracts: Cont
     url = os.environ.get(STORE_ENV, "")
     if "://" not in url:
         return ArtifactStore(Path(url) if url else env.artifacts_root(home), verify_on_reuse, contracts=contracts)
-    return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=RemoteStore(url), contracts=contracts)
+    remote = RemoteStore(url)
+    # training checkpoints of the stages computed here (and in launched ranks, which inherit the
+    # variable) go to the bucket, beside their partial folder's place there (model/checkpoint.py)
+    os.environ.update(checkpoint_store_env(env.artifacts_root(home), remote.url))
+    return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=remote, contracts=contracts)
 
 
 def _listing(folder: Path) -> list[Path]:

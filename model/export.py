@@ -22,12 +22,6 @@ def generation_config(tokenizer: Any) -> GenerationConfig:
                             pad_token_id=tokenizer.pad_token_id)
 
 
-def exports_here() -> bool:
-    """Whether this process writes a training stage's outputs: the only process, or rank 0 of a
-    data-parallel launch."""
-    return is_rank0()
-
-
 def _unsharded(model: PreTrainedModel) -> PreTrainedModel | None:
     """A plain copy of `model` on rank 0's CPU (None on other ranks); for a sharded model every
     rank must call it, as its weights are gathered."""

@@ -7,12 +7,11 @@ and optional per-block `torch.compile`. Each process runs `batch_size` sequences
 (the config resolved by `LoopConfig.with_seq_len`). Resume is exact: batches come from
 `get_batch(index)`, a pure function of (seed, index), so the data position is the step (plus the
 rollback offset), and the whole state of model, optimizer and scheduler is checkpointed every
-`checkpoint_every` steps under `work_dir/checkpoints/step-%07d` (model/checkpoint.py: written aside
-and renamed when complete, digests in the marker, a damaged checkpoint skipped on resume, free
-space checked first). Checkpoints hold full, gathered state, so a run may resume on another number
-of processes; one that asks for another global batch is refused. Resume unpickles nothing freely:
-weights are safetensors, optimizer and RNG states load with `weights_only=True`, the LR
-scheduler's state is JSON.
+`checkpoint_every` steps as `checkpoints/step-%07d` of the work directory, on its disk or its
+artifact store's bucket (model/checkpoint.py: the marker with every file's digest written last, a
+damaged checkpoint skipped on resume; model/train_state.py: what a checkpoint holds, resume and
+rollback). Each checkpoint's seconds and bytes are logged (checkpoint_s, checkpoint_bytes) and
+summarised in the returned stats.
 
 Faults: a non-finite loss or gradient norm, or a loss spike (above the rolling mean of the last
 `spike_window` losses by `spike_zscore` standard deviations), rolls training back to the last
@@ -26,19 +25,14 @@ bar on a terminal, the stage's Prefect progress artifact, a relay to the parent 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import os
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -47,49 +41,28 @@ from accelerate.state import AcceleratorState
 from core.launch import PRECISION_VAR
 from core.progress import PROGRESS_LINE, Reporter
 from core.stage import MetricsLog
-from model.checkpoint import (
-    complete_checkpoints,
-    latest_good_checkpoint,
-    read_marker,
-    resume_point,
-    rewrite_marker,
-    save_checkpoint,
-)
+from model.checkpoint import checkpoint_stats, complete_checkpoints
 from model.config import LoopConfig
 from model.optim import make_optimizer
 from model.parallel import (
     clip_grad_norm,
     compile_blocks,
-    full_model_state,
-    full_optimizer_state,
-    is_rank0,
     is_sharded,
     launched_world_size,
-    load_model_state,
-    load_optimizer_state,
     shard,
 )
 from model.schedule import lr_multiplier
 from model.throughput import Throughput, device_peak_tflops
+from model.train_state import Parts, anomaly, resume, rollback, save_state
+from model.train_state import TrainingDiverged as TrainingDiverged  # raised by rollback; callers catch it here
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
-SCHEDULER_FILE = "scheduler.json"  # the LR scheduler's state inside a checkpoint
-MODEL_FILE = "model.safetensors"  # the full weights, each tied tensor once
-OPTIMIZER_FILE = "optimizer.pt"  # the full optimizer state by parameter name; absent before the first step
-RNG_FILE = "rng-{rank}.pt"  # each process's torch RNG states (adapter dropout)
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
 LABEL_TOTAL = "label_total"  # batch column: labelled tokens in the whole global batch (with_label_totals)
 RECENT_LOSSES = 10  # steps averaged into the reported final train loss
-# Floor of the rolling std as a fraction of the rolling mean loss: on a flat loss curve (std near
-# 0) ordinary batch-to-batch noise must not count as a spike.
-MIN_SPIKE_STD_FRAC = 0.01
-
-
-class TrainingDiverged(RuntimeError):
-    """Training kept producing non-finite or spiking losses after `max_rollbacks` rollbacks."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -240,140 +213,6 @@ def _tokens_in(batch: Batch) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
-def _fresh_state(cfg: LoopConfig) -> dict[str, Any]:
-    """Loop state at step 0; saved in each checkpoint's marker. `skip_offset`: batches skipped by
-    rollbacks (step s trains on batch s + skip_offset: the data position); `loss_window`: recent
-    losses for spike checks; `global_batch`: sequences per step, which a resume must keep."""
-    return {"step": 0, "tokens_seen": 0, "recent_losses": [], "eval": {}, "skip_offset": 0, "rollbacks": 0,
-            "loss_window": [], "global_batch": cfg.batch_size}
-
-
-@dataclass
-class Parts:
-    """What the loop trains with; checkpoints hold the state of the last three."""
-
-    accelerator: Accelerator
-    model: torch.nn.Module  # as prepared: DDP-wrapped, sharded, or plain
-    optimizer: Any  # Accelerate's wrapper of the optimizer
-    scheduler: Any
-
-    @property
-    def module(self) -> torch.nn.Module:
-        """The model without a DDP wrapper (a sharded model is its own)."""
-        return self.accelerator.unwrap_model(self.model)
-
-    @property
-    def inner_optimizer(self) -> torch.optim.Optimizer:
-        return self.optimizer.optimizer
-
-
-def _load_checkpoint(parts: Parts, path: Path, cfg: LoopConfig) -> dict[str, Any]:
-    """Model, optimizer, scheduler and this rank's RNG states from `path`, read by rank 0 and
-    broadcast (any world size, sharded or not); nothing is unpickled freely. A checkpoint of
-    another global batch is refused."""
-    marker = read_marker(path)
-    saved_batch = marker.get("global_batch", cfg.batch_size)
-    if saved_batch != cfg.batch_size:
-        raise ValueError(f"the checkpoint {path} trained {saved_batch} sequences per step and this run "
-                         f"{cfg.batch_size}: keep tokens_per_step (or batch_size) as it was, or train anew")
-    load_model_state(parts.module, safetensors.torch.load_file(path / MODEL_FILE) if is_rank0() else {})
-    optimizer = parts.inner_optimizer
-    if (path / OPTIMIZER_FILE).is_file():
-        saved = torch.load(path / OPTIMIZER_FILE, weights_only=True) if is_rank0() else {}
-        load_optimizer_state(parts.module, optimizer, saved)
-    else:  # a checkpoint from before the first step: the optimizer starts afresh
-        optimizer.state.clear()
-    rng = path / RNG_FILE.format(rank=parts.accelerator.process_index)
-    if rng.is_file():
-        states = torch.load(rng, weights_only=True)
-        torch.set_rng_state(states["cpu"])
-        if "cuda" in states and torch.cuda.is_available():
-            torch.cuda.set_rng_state(states["cuda"])
-    parts.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
-    return {**_fresh_state(cfg), **marker}
-
-
-def _save_checkpoint(parts: Parts, work_dir: Path, state: dict[str, Any], keep: int) -> None:
-    """Every rank takes part (the state is gathered); rank 0 writes weights, optimizer and scheduler,
-    every rank its RNG states. Before the first step the optimizer has no state and none is
-    written: asking torch for it would create it with an optimizer step."""
-    model_bytes = sum(p.numel() * p.element_size() for p in parts.model.parameters())
-    weights = full_model_state(parts.module)
-    optimizer = full_optimizer_state(parts.module, parts.inner_optimizer) if parts.inner_optimizer.state else None
-
-    def write(directory: Path) -> None:
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, directory / RNG_FILE.format(rank=parts.accelerator.process_index))
-        if is_rank0():
-            safetensors.torch.save_file(weights, directory / MODEL_FILE)
-            if optimizer is not None:
-                torch.save(optimizer, directory / OPTIMIZER_FILE)
-            (directory / SCHEDULER_FILE).write_text(json.dumps(parts.scheduler.state_dict()) + "\n")
-
-    # weights + AdamW's two moments, about 3x the model in float32
-    save_checkpoint(work_dir, state, keep, write, expected_bytes=3 * model_bytes,
-                    main=parts.accelerator.is_main_process, barrier=parts.accelerator.wait_for_everyone)
-
-
-def _resume(parts: Parts, work_dir: Path, metrics: MetricsLog, cfg: LoopConfig, log: logging.Logger) -> dict:
-    """Load the newest complete checkpoint that verifies, if any; returns its saved loop state."""
-    accelerator = parts.accelerator
-    good = resume_point(work_dir, main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
-    if good is None:
-        if accelerator.is_main_process:
-            metrics.truncate_after(-1)  # entries from a run that crashed before its first checkpoint
-        return _fresh_state(cfg)
-    step, path = good
-    if step:
-        log.info("resuming from step %d (%s)", step, path)
-    state = _load_checkpoint(parts, path, cfg)
-    if accelerator.is_main_process:
-        metrics.truncate_after(step)
-    return state
-
-
-def _anomaly(loss: float, grad_norm: float, window: list[float], cfg: LoopConfig) -> str | None:
-    """Why this step's result must not be kept ("non-finite" or "spike"), or None."""
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        return "non-finite"
-    if cfg.spike_zscore > 0 and len(window) >= cfg.spike_window:
-        mean, std = statistics.fmean(window), statistics.pstdev(window)
-        if loss > mean + cfg.spike_zscore * max(std, MIN_SPIKE_STD_FRAC * abs(mean)):
-            return "spike"
-    return None
-
-
-def _rollback(parts: Parts, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
-              loss: float, reason: str, cfg: LoopConfig, log: logging.Logger) -> dict[str, Any]:
-    """Restore the last complete checkpoint and skip every batch from it up to the offending one;
-    the new offset is written into that checkpoint's marker so a later resume keeps it."""
-    failed, accelerator = state["step"] + 1, parts.accelerator
-    if state["rollbacks"] >= cfg.max_rollbacks:
-        raise TrainingDiverged(
-            f"training loss is {loss} ({reason}) at step {failed} after {state['rollbacks']} rollbacks "
-            f"(max_rollbacks={cfg.max_rollbacks}); lower lr, tighten grad_clip, or check the data")
-    good = latest_good_checkpoint(work_dir, main=accelerator.is_main_process)
-    if good is None:
-        raise TrainingDiverged(f"training loss is {loss} ({reason}) at step {failed} and no intact "
-                               "checkpoint is left to roll back to")
-    good_step, path = good
-    saved = _load_checkpoint(parts, path, cfg)
-    skipped = failed - good_step  # the batches of steps good_step+1 .. failed
-    state = {**saved, "skip_offset": state["skip_offset"] + skipped, "rollbacks": state["rollbacks"] + 1}
-    log.warning("%s loss %.4g at step %d: rolled back to step %d, skipping %d batches (rollback %d of %d)",
-                reason, loss, failed, good_step, skipped, state["rollbacks"], cfg.max_rollbacks)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        rewrite_marker(path, state)
-        metrics.truncate_after(good_step)
-        metrics.log(good_step, rollback=state["rollbacks"], rollback_from_step=failed, rollback_skipped=skipped,
-                    rollback_nonfinite=int(reason == "non-finite"), rollback_loss=loss, rollback_reason=reason)
-    accelerator.wait_for_everyone()
-    return state
-
-
 def _due(done: int, every: int, max_steps: int) -> bool:
     """Whether a periodic action (log, eval, checkpoint) runs after `done` steps; always at the end."""
     return done == max_steps or (every > 0 and done % every == 0)
@@ -417,13 +256,13 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     Path(work_dir).mkdir(parents=True, exist_ok=True)
     parts = _prepare(model, cfg)
     accelerator, model, optimizer, scheduler = parts.accelerator, parts.model, parts.optimizer, parts.scheduler
-    state = _resume(parts, work_dir, metrics, cfg, log)
+    state = resume(parts, work_dir, metrics, cfg, log)
     resumed_from = state["step"]
     if cfg.max_rollbacks and not complete_checkpoints(work_dir):
-        _save_checkpoint(parts, work_dir, state, cfg.keep_checkpoints)  # a rollback target
+        save_state(parts, work_dir, state, cfg.keep_checkpoints)  # a rollback target
     peak_tflops = device_peak_tflops(cfg.peak_tflops, accelerator.device)
     meter = Throughput(flops_per_token, peak_tflops, accelerator.num_processes)
-    t0, tokens_now, first_step_s = time.perf_counter(), 0, None
+    t0, tokens_now, first_step_s, saves = time.perf_counter(), 0, None, []
     # The console bar / Prefect artifact / relay of the main process (core/progress.py); its line
     # every log_every steps stays in the log, and on the console when no bar replaces it.
     with Reporter("train", unit="step", enabled=accelerator.is_main_process) as progress:
@@ -433,10 +272,10 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
             batch = _shard(with_label_totals(get_batch(state["step"] + state["skip_offset"])), accelerator)
             lr = scheduler.get_last_lr()[0]
             loss, grad_norm = _train_step(model, optimizer, scheduler, batch, loss_fn, cfg, accelerator)
-            reason = _anomaly(loss, grad_norm, state["loss_window"], cfg)
+            reason = anomaly(loss, grad_norm, state["loss_window"], cfg)
             if reason:
                 before = state["step"]
-                state = _rollback(parts, work_dir, metrics, state, loss, reason, cfg, log)
+                state = rollback(parts, work_dir, metrics, state, loss, reason, cfg, log)
                 progress.advance(state["step"] - before)
                 continue
             tokens = _tokens_in(batch) * accelerator.num_processes
@@ -464,7 +303,10 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
                          "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()), extra={PROGRESS_LINE: True})
             # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
             if _due(done, cfg.checkpoint_every, cfg.max_steps):
-                _save_checkpoint(parts, work_dir, state, cfg.keep_checkpoints)
+                saved = save_state(parts, work_dir, state, cfg.keep_checkpoints)
+                saves.append(saved)
+                if accelerator.is_main_process:
+                    metrics.log(done, **saved)
     elapsed = time.perf_counter() - t0
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     recent = state["recent_losses"]
@@ -474,4 +316,6 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
             "resumed_from_step": resumed_from, "rollbacks": state["rollbacks"], "first_step_s": first_step_s or 0.0,
             **({"peak_memory_gib": torch.cuda.max_memory_allocated(accelerator.device) / 2**30}
                if accelerator.device.type == "cuda" else {}),
-            "world_size": accelerator.num_processes, "process_index": accelerator.process_index, **state["eval"]}
+            "world_size": accelerator.num_processes, "process_index": accelerator.process_index,
+            **checkpoint_stats(saves), **state["eval"]}
+

@@ -21,8 +21,9 @@ and optimizer state instead of two, which is what a CPU or a memory-bound GPU ca
 the value loss also moves the trunk the policy reads; vf_coef weighs it. The head starts at zero.
 
 Resume: every `checkpoint_every` steps (and after the last) the policy, value head (safetensors),
-optimizer and step go to `out_dir/checkpoints/step-%07d` (model/checkpoint.py: written aside,
-marker with digests last, renamed; a damaged one is skipped on resume). All randomness of a step
+optimizer and step go to `checkpoints/step-%07d` of `out_dir`, on its disk or its artifact store's
+bucket (model/checkpoint.py: marker with digests written last; a damaged one is skipped on
+resume); each one's seconds and bytes are logged (checkpoint_s, checkpoint_bytes). All randomness of a step
 (which prompts, the sampled tokens, the minibatch order) is drawn after seeding torch from (seed,
 step), so a resumed run repeats exactly what an uninterrupted one does without carrying RNG states
 across.
@@ -40,13 +41,10 @@ import torch
 from core.chat import Message, prompt_ids
 from core.progress import Reporter
 from core.stage import MetricsLog
-from model.checkpoint import (
-    read_marker,
-    resume_point,
-    save_checkpoint,
-)
+from model.checkpoint import checkpoint_stats, read_marker, resume_point, save_checkpoint
 from model.config import PPOConfig
 from model.export import generation_config
+from model.ranks import ONE_PROCESS, Ranks
 from model.schedule import warmup_linear
 
 log = logging.getLogger("gristmill.ppo")
@@ -61,59 +59,6 @@ FINAL_WINDOW = 10  # steps averaged into the final score/KL stats
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
-
-@dataclass(frozen=True)
-class Ranks:
-    """The data-parallel processes PPO trains in. Each rolls out its share of a step's prompts;
-    advantages are whitened, gradients averaged and metrics reported over all of them, so every
-    process takes the same optimizer step and holds the same weights."""
-
-    rank: int = 0
-    world: int = 1
-    device: str = "cpu"  # of the tensors exchanged: the policy's (NCCL needs CUDA)
-
-    @classmethod
-    def of_launch(cls, device: torch.device) -> Ranks:
-        """This process's place in the launch that started it (Accelerate's state joins the
-        process group the launcher set up); one process when it was not launched."""
-        from accelerate import PartialState
-
-        state = PartialState()
-        return cls(state.process_index, state.num_processes, str(device))
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def total(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each (scalar) value summed over the processes."""
-        if self.world == 1:
-            return values
-        stacked = torch.stack([v.detach().float().to(self.device) for v in values])
-        torch.distributed.all_reduce(stacked)
-        return tuple(stacked)
-
-    def average(self, row: dict[str, float]) -> dict[str, float]:
-        """A row of metrics, each the mean of the processes' values."""
-        if self.world == 1:
-            return row
-        totals = self.total(*(torch.tensor(float(v)) for v in row.values()))
-        return {k: t.item() / self.world for k, t in zip(row, totals)}
-
-    def average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
-        if self.world == 1:
-            return
-        for param in params:
-            if param.grad is not None:
-                torch.distributed.all_reduce(param.grad)
-                param.grad /= self.world
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
-
-
-ONE_PROCESS = Ranks()
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, ranks: Ranks = ONE_PROCESS) -> torch.Tensor:
@@ -356,9 +301,10 @@ def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, opti
 
 # ---------------------------------------------------------------- checkpoints and the loop
 
-def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int, ranks: Ranks) -> None:
+def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int,
+          ranks: Ranks) -> dict[str, float]:
     """Weights as safetensors (policy and value head), the optimizer's tensors with torch.save;
-    written by the main process (every process holds the same)."""
+    written by the main process (every process holds the same). Returns checkpoint_s and _bytes."""
     from safetensors.torch import save_model
 
     def write(directory: Path) -> None:
@@ -369,8 +315,8 @@ def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: i
         torch.save(modules["optimizer"].state_dict(), directory / "optimizer.pt")
 
     model_bytes = sum(p.numel() * p.element_size() for p in modules["policy"].parameters())
-    save_checkpoint(out_dir, state, keep, write, expected_bytes=3 * model_bytes, main=ranks.main,
-                    barrier=ranks.barrier)
+    return save_checkpoint(out_dir, state, keep, write, expected_bytes=3 * model_bytes, main=ranks.main,
+                           barrier=ranks.barrier)
 
 
 def _resume(out_dir: Path, modules: dict[str, Any], ranks: Ranks) -> dict[str, Any]:
@@ -425,6 +371,7 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
     resumed_from = state["step"]
     if ranks.main:  # the one process that writes metrics.jsonl
         metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
+    saves: list[dict[str, float]] = []
     with Reporter("ppo", unit="step", enabled=ranks.main) as progress:
         progress.start(cfg.max_steps, done=resumed_from)
         while state["step"] < cfg.max_steps:
@@ -436,9 +383,13 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
                 metrics.log(metrics_step_offset + step + 1, **row)
             progress.advance(1, score=row["ppo/score"], kl=row["ppo/kl"])
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
-                _save(out_dir, state, modules, cfg.keep_checkpoints, ranks)
+                saved = _save(out_dir, state, modules, cfg.keep_checkpoints, ranks)
+                saves.append(saved)
+                if ranks.main:
+                    metrics.log(metrics_step_offset + state["step"], **saved)
     recent = slice(-FINAL_WINDOW, None)
     return {"ppo_steps": state["step"], "ppo_resumed_from_step": resumed_from,
             "ppo_score_initial": state["scores"][0],
             "ppo_score_final": sum(state["scores"][recent]) / len(state["scores"][recent]),
-            "ppo_kl_final": sum(state["kls"][recent]) / len(state["kls"][recent])}
+            "ppo_kl_final": sum(state["kls"][recent]) / len(state["kls"][recent]),
+            **{f"ppo_{k}": v for k, v in checkpoint_stats(saves).items()}}

@@ -167,7 +167,8 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
     heads, see untrained_head_accuracy) and heldout_rm_margin_before/after."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from model.export import export_model, exports_here
+    from model.export import export_model
+    from model.parallel import is_rank0
 
     out_dir, rm_dir = Path(out_dir), Path(out_dir) / RM_DIR
     if (rm_dir / STATS_FILE).is_file():
@@ -202,7 +203,7 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
              "heldout_rm_accuracy_before": before["accuracy"], "heldout_rm_accuracy_after": after["accuracy"],
              "heldout_rm_accuracy_untrained_mean": untrained_mean,
              "heldout_rm_margin_before": before["margin"], "heldout_rm_margin_after": after["margin"]}
-    if exports_here():  # rank 0 of a data-parallel launch; the others hold the same weights
+    if is_rank0():  # rank 0 of a data-parallel launch; the others hold the same weights
         export_model(trainer.model, tokenizer, rm_dir)
         (rm_dir / STATS_FILE).write_text(json.dumps(stats, indent=1) + "\n")  # last: marks it complete
         shutil.rmtree(ckpt_dir, ignore_errors=True)

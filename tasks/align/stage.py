@@ -44,8 +44,9 @@ def train_function(method: str | TrainFn) -> TrainFn:
 def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> StageResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-    from model.export import export_model, exports_here
+    from model.export import export_model
     from model.lora import export_lora, trainable_parameters
+    from model.parallel import is_rank0
 
     out_dir, sft_dir = Path(out_dir), Path(sft.path) / "model"
     log.info("aligning %s with %s", sft_dir, config.method)
@@ -55,7 +56,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> Stag
     trained, stats = train_function(METHODS[config.method])(config.method_config(), job)
     params = trainable_parameters(trained)
     artifacts = ["metrics.jsonl"] + (["adapter/adapter_config.json"] if config.lora is not None else [])
-    if exports_here():  # rank 0 of a data-parallel launch; the other ranks hold the same weights
+    if is_rank0():  # rank 0 of a data-parallel launch; the other ranks hold the same weights
         if config.lora is not None:
             export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
         elif isinstance(trained, PreTrainedModel):

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from core.stage import Engine, Manifest, MetricsLog, SerialEngine, StageResult
 from core.units import bits_per_byte
-from model.checkpoint import remove_checkpoints
+from model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
 from model.data import (
     load_tokens,
     read_tokens,
@@ -35,7 +35,7 @@ from model.data import (
     train_starts,
     windows_batch,
 )
-from model.export import export_model, exports_here
+from model.export import export_model
 from model.loop import Batch, mean_token_loss, train
 from model.parallel import is_rank0, launched_world_size, leave_process_group
 from model.plan import flops_per_token
@@ -102,7 +102,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
     log.info("val_loss %.4f nats (%.4f bits/byte); unigram baseline %.4f nats",
              summary["val_loss"], summary["val_bpb"], unigram)
     export_model(model, tokenizer, out_dir / "model")  # every rank: a sharded model is gathered first
-    if exports_here():
+    if is_rank0():
         remove_checkpoints(out_dir)  # the exported model is the artifact; optimizer state is not
     stats = {"final_train_loss": summary["final_train_loss"], "val_loss": summary["val_loss"],
              "val_bpb": summary["val_bpb"], "unigram_val_loss": unigram,
@@ -112,7 +112,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
              "tokens_per_s": summary["tokens_per_s"], "resumed_from_step": summary["resumed_from_step"],
              "rollbacks": summary["rollbacks"], "world_size": summary["world_size"],
              "first_step_s": summary["first_step_s"],
-             **{key: summary[key] for key in ("mfu", "peak_memory_gib") if key in summary}}
+             **{key: summary[key] for key in ("mfu", "peak_memory_gib", *CHECKPOINT_STATS) if key in summary}}
     return StageResult(stats=stats, artifacts=["model/config.json", "model/generation_config.json"])
 
 

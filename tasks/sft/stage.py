@@ -44,9 +44,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.chat import Message, render_with_mask
 from core.stage import Engine, Manifest, MetricsLog, StageResult
-from model.checkpoint import remove_checkpoints
+from model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
 from model.data import load_tokens, spaced_batches, train_starts, windows_batch
-from model.export import export_model, exports_here
+from model.export import export_model
 from model.loop import (
     IGNORE_INDEX,
     Batch,
@@ -58,7 +58,7 @@ from model.loop import (
 )
 from model.lora import apply_lora, export_lora, trainable_parameters
 from model.packing import Example, collate_packed, pack_examples
-from model.parallel import launched_world_size
+from model.parallel import is_rank0, launched_world_size
 from tasks.sft.config import Config
 from tasks.sft.conversations import load_conversations
 
@@ -268,9 +268,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
         artifacts.append("adapter/adapter_config.json")
     if config.lora is None:
         export_model(model, tokenizer, out_dir / "model")  # every rank: a sharded model is gathered first
-    elif exports_here():
+    elif is_rank0():
         export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
-    if exports_here():
+    if is_rank0():
         remove_checkpoints(out_dir)
     # Pretraining tokens the loop's tokens_seen leaves out (it counts the conversation rows).
     text_tokens_seen = summary["steps"] * config.pretrain_windows * config.max_seq_len if config.pretrain_mix else 0
@@ -279,5 +279,6 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
                 for when, values in (("before", before), ("after", summary))},
              "text_tokens_seen": text_tokens_seen,
              **{k: summary[k] for k in ("final_train_loss", "steps", "tokens_seen", "tokens_per_s",
-                                        "resumed_from_step", "world_size")}, **params, **batch_stats, **counts}
+                                        "resumed_from_step", "world_size")},
+             **{k: summary[k] for k in CHECKPOINT_STATS if k in summary}, **params, **batch_stats, **counts}
     return StageResult(stats=stats, artifacts=artifacts)

@@ -1,0 +1,233 @@
+"""This node's cache of objects downloaded from a bucket: `$GRISTMILL_CACHE/objects`, bounded in
+size, least recently used evicted.
+
+    <cache>/objects/<sha256[:2]>/<sha256>    one object's bytes, named by their digest
+    <cache>/objects/.incoming-*              a download in progress (renamed into place when verified)
+    <cache>/objects/cache.lock               flock held while an object is put in place or evicted
+
+Entries are content-addressed: whatever URL an object came from, its bytes are named by their
+sha256, which the record that listed it (a checkpoint marker, an artifact manifest) gives. So an
+entry is never stale, two URLs of the same bytes share one entry, and wiping the cache (or losing
+any entry to eviction) costs a download, never a wrong answer. A download is verified (size, then
+sha256) before it is renamed into place; one that differs is an `ObjectDamaged` naming the URL, and
+nothing is kept of it. Several processes of one node share the cache: downloads go to names of
+their own, the rename into place is atomic, and eviction runs under the lock. Using an entry
+refreshes its mtime, the age eviction goes by; the newest entries stay and the bound is
+`GRISTMILL_CACHE_MAX_GB` (default 20 GiB, what a small node's disk spares), checked after each
+download. An entry evicted while a process still reads it stays readable to that process (POSIX
+keeps unlinked files open); callers that keep using a path link it first (`link_into`).
+
+Bucket calls go through `on_bucket`: a host that does not answer is tried `TRIES` times with a
+growing pause; that, refused credentials, or a bucket gone are an `BucketError` of one line naming
+the URL, raised as soon as retrying cannot help.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+from core.files import file_digest
+
+CACHE_ENV = "GRISTMILL_CACHE"
+MAX_GB_ENV = "GRISTMILL_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 20.0
+OBJECTS = "objects"
+LOCK = "cache.lock"
+TRIES = 3  # tries of a bucket call whose host does not answer
+PAUSE_S = 1.0  # pause after the first failed try; doubled after each next one
+
+T = TypeVar("T")
+
+
+class BucketError(OSError):
+    """A bucket call that cannot succeed (host unreachable after retries, credentials refused,
+    bucket gone), in one line naming the URL."""
+
+
+class ObjectDamaged(OSError):
+    """An object whose bytes are not those its record lists (truncated, changed, missing)."""
+
+
+def cache_root() -> Path:
+    """`$GRISTMILL_CACHE`, by default `~/.cache/gristmill` (under `$XDG_CACHE_HOME` when set)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gristmill"
+    return Path(os.environ.get(CACHE_ENV) or default)
+
+
+def max_bytes() -> int:
+    """The bound on the objects' total size: `$GRISTMILL_CACHE_MAX_GB` GiB (default 20)."""
+    return int(float(os.environ.get(MAX_GB_ENV) or DEFAULT_MAX_GB) * 2**30)
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _unreachable(error: BaseException) -> bool:
+    """A host that does not answer (refused, reset, timed out, unresolvable), by any client's names."""
+    return any(isinstance(e, (ConnectionError, TimeoutError, socket.gaierror))
+               or "Connect" in type(e).__name__ or "Timeout" in type(e).__name__ for e in _causes(error))
+
+
+def on_bucket(url: str, what: str, call: Callable[[], T], *, missing_ok: bool = False) -> T:
+    """`call()`, which does `what` with the object or prefix at `url`. A host that does not answer
+    is asked again (TRIES in all, pausing PAUSE_S, then twice that...); a missing object raises
+    FileNotFoundError when `missing_ok` (the caller knows what absence means), and everything that
+    retrying cannot fix is a BucketError of one line naming the URL."""
+    for attempt in range(1, TRIES + 1):
+        try:
+            return call()
+        except FileNotFoundError as error:
+            if _unreachable(error) and attempt < TRIES:
+                time.sleep(PAUSE_S * 2 ** (attempt - 1))
+                continue
+            if missing_ok and not _unreachable(error):
+                raise
+            raise BucketError(f"{url}: {what} failed: not found ({error}); is the bucket there?") from None
+        except PermissionError as error:
+            raise BucketError(f"{url}: {what} refused: {error}; check AWS_ACCESS_KEY_ID / "
+                              "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
+        except Exception as error:  # clients raise their own types (botocore, aiohttp)
+            if not _unreachable(error):
+                raise BucketError(f"{url}: {what} failed: {type(error).__name__}: {error}") from None
+            if attempt == TRIES:
+                endpoint = os.environ.get("AWS_ENDPOINT_URL", "(unset: AWS S3)")
+                raise BucketError(f"{url}: {what} failed: its host did not answer in {TRIES} tries "
+                                  f"({type(error).__name__}); the endpoint is AWS_ENDPOINT_URL={endpoint}") from None
+            time.sleep(PAUSE_S * 2 ** (attempt - 1))
+    raise AssertionError("not reached: the last try returns or raises")
+
+
+class ObjectCache:
+    """Verified local copies of objects, by sha256, under `root/objects`, at most `limit` bytes."""
+
+    def __init__(self, root: Path | None = None, limit: int | None = None):
+        self.dir = Path(root if root is not None else cache_root()) / OBJECTS
+        self.limit = max_bytes() if limit is None else limit
+
+    def entry(self, sha256: str) -> Path:
+        return self.dir / sha256[:2] / sha256
+
+    def fetch(self, url: str, size: int, sha256: str) -> Path:
+        """The local copy of the object at `url`, whose record says it has `size` bytes of digest
+        `sha256`: the cached entry when there is one, else downloaded, verified and put in place
+        (then older entries evicted down to the bound). ObjectDamaged when the bucket's bytes
+        differ from the record; BucketError when the bucket cannot be read."""
+        entry = self.entry(sha256)
+        if _size(entry) == size:
+            _touch(entry)
+            return entry
+        self.dir.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=".incoming-", dir=self.dir)
+        os.close(handle)
+        incoming = Path(name)
+        try:
+            self._download(url, incoming)
+            if (got := incoming.stat().st_size) != size:
+                raise ObjectDamaged(f"{url}: has {got} bytes, its record lists {size} (truncated or changed)")
+            if file_digest(incoming) != sha256:
+                raise ObjectDamaged(f"{url}: its bytes do not match the sha256 its record lists")
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                os.replace(incoming, entry)
+        finally:
+            incoming.unlink(missing_ok=True)
+        self.evict(keep=entry)
+        return entry
+
+    def put(self, path: Path, sha256: str) -> Path:
+        """Adopt a local file of digest `sha256` (one this process just uploaded) as its entry, by a
+        hard link when it can (no copy) or else a copy; the file itself stays where it is."""
+        entry = self.entry(sha256)
+        if entry.exists():
+            _touch(entry)
+            return entry
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=".incoming-", dir=self.dir)
+        os.close(handle)
+        incoming = Path(name)
+        try:
+            incoming.unlink()
+            try:
+                os.link(path, incoming)
+            except OSError:  # another filesystem
+                import shutil
+
+                shutil.copyfile(path, incoming)
+            with self._locked():
+                os.replace(incoming, entry)
+        finally:
+            incoming.unlink(missing_ok=True)
+        self.evict(keep=entry)
+        return entry
+
+    def _download(self, url: str, dest: Path) -> None:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(url)
+        on_bucket(url, "download", lambda: fs.get_file(path, str(dest)), missing_ok=True)
+
+    def entries(self) -> list[Path]:
+        return [p for p in self.dir.glob("??/*") if p.is_file()] if self.dir.is_dir() else []
+
+    def size(self) -> int:
+        return sum(_size(p) or 0 for p in self.entries())
+
+    def evict(self, keep: Path | None = None) -> list[Path]:
+        """Delete the least recently used entries until the rest fit the bound (never `keep`, the
+        one just fetched, even if alone it is larger); returns what was deleted."""
+        with self._locked():
+            aged = sorted(((p.stat().st_mtime, p) for p in self.entries()), reverse=True)
+            total, evicted = 0, []
+            for _, path in aged:  # newest first: what fits stays
+                size = _size(path) or 0
+                if total + size > self.limit and path != keep:
+                    path.unlink(missing_ok=True)
+                    evicted.append(path)
+                else:
+                    total += size
+            return evicted
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with (self.dir / LOCK).open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _touch(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):  # evicted meanwhile by another process
+        os.utime(path)
+
+
+def link_into(entry: Path, dest: Path) -> None:
+    """Put a cache entry's bytes at `dest` as a hard link (so eviction cannot take them from under
+    a reader; no copy) or, across filesystems, as a copy."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(entry, dest)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(entry, dest)

@@ -1,0 +1,240 @@
+"""Training checkpoints on an object store (model/checkpoint.py's BucketPlace, on the `s3_server`
+fixture's bucket) and this node's bounded object cache (core/cache.py).
+
+A work directory under the folder `GRISTMILL_CHECKPOINT_STORE` maps keeps its checkpoints on the
+bucket: files first, the marker last, so a run stopped between them leaves nothing that counts;
+another node (another local folder, an empty cache) resumes from the bucket to the curve of a run
+never stopped; a truncated object is reported by URL and the checkpoint before it used; a bucket
+that cannot be reached or is gone fails in one line naming it. The cache keeps the newest objects
+within its bound, verifies what it downloads, and wiping it changes nothing but time."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from core import cache
+from core.cache import BucketError, ObjectCache, ObjectDamaged, on_bucket
+from core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault
+from core.stage import MetricsLog, read_metrics
+from model.checkpoint import complete_checkpoints, store_env
+from model.config import LoopConfig
+from model.loop import train
+from model.presets import ModelConfig, build_model
+
+TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_seq_len=32)
+STAGE_DIR = Path("pretrain") / "pretrain-0123456789ab.partial"  # where a stage works, below the store root
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch, tmp_path) -> str:
+    """A fresh prefix of the test bucket; s3fs made anew so that it reads this test's variables."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    monkeypatch.setattr(cache, "PAUSE_S", 0.01)
+    monkeypatch.setenv("GRISTMILL_CACHE", str(tmp_path / "cache-a"))
+    return f"s3://crawl/store-{uuid.uuid4().hex[:8]}"
+
+
+def _node(monkeypatch, root: Path, url: str, cache_dir: Path) -> Path:
+    """Be a node whose store's local copy is `root` and whose cache is `cache_dir`; its stage folder."""
+    monkeypatch.setenv("GRISTMILL_CACHE", str(cache_dir))
+    for name, value in store_env(root, url).items():
+        monkeypatch.setenv(name, value)
+    (root / STAGE_DIR).mkdir(parents=True, exist_ok=True)
+    return root / STAGE_DIR
+
+
+def _batch(step: int) -> dict:
+    x = torch.randint(0, 200, (4, 17), generator=torch.Generator().manual_seed(step))
+    return {"input_ids": x[:, :-1], "labels": x[:, 1:]}
+
+
+def _fit(tok, work_dir: Path, max_steps: int = 6, crash_at: int | None = None) -> dict:
+    torch.manual_seed(0)
+    model = build_model(TINY, tok)
+
+    def get_batch(step: int) -> dict:
+        if step == crash_at:
+            raise RuntimeError("simulated crash")
+        return _batch(step)
+
+    cfg = LoopConfig(max_steps=max_steps, batch_size=4, checkpoint_every=2, log_every=100, keep_checkpoints=2)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return train(model, get_batch, cfg, work_dir, MetricsLog(work_dir))
+
+
+def _losses(work_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(work_dir / "metrics.jsonl") if "loss" in r}
+
+
+def _keys(url: str) -> list[str]:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return sorted(p.removeprefix(path + "/") for p in fs.find(path))
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def straight(tok, tmp_path_factory) -> tuple[dict, dict[int, float], Path]:
+    """A run never stopped, its checkpoints on the local disk (no bucket mapped)."""
+    work = tmp_path_factory.mktemp("straight")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("GRISTMILL_CHECKPOINT_STORE", raising=False)
+        stats = _fit(tok, work)
+    return stats, _losses(work), work
+
+
+def test_checkpoints_on_the_bucket_marker_last_and_another_node_resumes(tok, straight, bucket, tmp_path,
+                                                                        monkeypatch, caplog):
+    stats, curve, local = straight
+    assert [s for s, _ in complete_checkpoints(local)] == [4, 6]  # local-only: as before, on the disk
+    assert stats["checkpoints"] == 3 and stats["checkpoint_bytes"] > 0 and stats["checkpoint_s"] > 0
+    url = f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints"
+
+    # Node A: stopped after step 4's files are up but before its marker.
+    work_a = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    armed = tmp_path / "armed"
+    armed.touch()
+    monkeypatch.setenv(FAULT_ENV, "checkpoint-files:4")
+    monkeypatch.setenv(FAULT_ONCE_ENV, str(armed))
+    with pytest.raises(InjectedFault):
+        _fit(tok, work_a)
+    keys = _keys(url)
+    assert "step-0000002/checkpoint.json" in keys and "step-0000002/model.safetensors" in keys
+    assert "step-0000004/model.safetensors" in keys and "step-0000004/checkpoint.json" not in keys
+    assert not (work_a / "checkpoints").exists() or not list((work_a / "checkpoints").glob("step-*[0-9]"))
+
+    # Node B: another local folder, an empty cache; resumes from step 2 on the bucket.
+    work_b = _node(monkeypatch, tmp_path / "b", bucket, tmp_path / "cache-b")
+    with caplog.at_level(logging.INFO, logger="gristmill.train"):
+        resumed = _fit(tok, work_b)
+    assert "resuming from step 2" in caplog.text and resumed["resumed_from_step"] == 2
+    assert _losses(work_b) == {s: v for s, v in curve.items() if s > 2}  # exact, step for step
+    assert {**_losses(work_a), **_losses(work_b)} == curve
+    assert [s for s, _ in complete_checkpoints(work_b)] == [4, 6]
+    assert not [k for k in _keys(url) if k.startswith("step-0000002/")]  # beyond keep: deleted
+    rows = [r for r in read_metrics(work_b / "metrics.jsonl") if "checkpoint_s" in r]
+    assert [r["step"] for r in rows] == [4, 6] and all(r["checkpoint_bytes"] > 0 for r in rows)
+    assert resumed["checkpoint_bytes"] == rows[-1]["checkpoint_bytes"]
+    # checkpoints hold the same bytes wherever they live
+    assert resumed["checkpoint_bytes"] == stats["checkpoint_bytes"] == sum(
+        p.stat().st_size for p in (local / "checkpoints" / "step-0000006").iterdir() if p.name != "checkpoint.json")
+
+
+def test_a_truncated_object_falls_back_to_the_checkpoint_before_it(tok, straight, bucket, tmp_path, monkeypatch,
+                                                                   caplog):
+    _, curve, _ = straight
+    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(tok, work, crash_at=4)  # checkpoints 2 and 4
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004/model.safetensors")
+    fs.pipe_file(path, fs.cat_file(path)[:100])
+    other = _node(monkeypatch, tmp_path / "b", bucket, tmp_path / "cache-b")  # nothing cached there
+    with caplog.at_level(logging.WARNING, logger="gristmill.checkpoint"):
+        resumed = _fit(tok, other)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004/model.safetensors" in warnings[0]
+    assert "has 100 bytes" in warnings[0]
+    assert resumed["resumed_from_step"] == 2 and _losses(other) == {s: v for s, v in curve.items() if s > 2}
+
+
+def test_wiping_the_cache_between_runs_changes_nothing_but_time(tok, straight, bucket, tmp_path, monkeypatch):
+    _, curve, _ = straight
+    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(tok, work, crash_at=4)
+    assert list((tmp_path / "cache-a" / "objects").glob("??/*"))  # the uploads were adopted by the cache
+    import shutil
+
+    shutil.rmtree(tmp_path / "cache-a")
+    resumed = _fit(tok, work)
+    assert resumed["resumed_from_step"] == 4 and _losses(work) == curve
+
+
+def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_path, monkeypatch):
+    import s3fs
+
+    monkeypatch.setattr(cache, "TRIES", 2)
+    gone = _node(monkeypatch, tmp_path / "gone", "s3://no-such-bucket/store", tmp_path / "cache")
+    with pytest.raises(BucketError, match=r"^s3://no-such-bucket/store/pretrain/.*/checkpoints: listing "
+                                          r"checkpoints failed: not found") as found:
+        _fit(tok, gone)
+    assert "\n" not in str(found.value)
+
+    from infra.launch import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache")
+    try:
+        with pytest.raises(BucketError, match=r"host did not answer in 2 tries.*AWS_ENDPOINT_URL=http://127") as found:
+            _fit(tok, work)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert str(found.value).startswith(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints: ")
+    assert "\n" not in str(found.value)
+
+
+def test_refused_credentials_are_one_line_and_not_retried():
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise PermissionError("The AWS Access Key Id you provided does not exist in our records.")
+
+    with pytest.raises(BucketError, match=r"^s3://b/k: uploading refused: .*check AWS_ACCESS_KEY_ID"):
+        on_bucket("s3://b/k", "uploading", refused)
+    assert calls == [1]
+
+
+def _put(url: str, data: bytes) -> tuple[int, str]:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.pipe_file(path, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def test_the_cache_evicts_the_least_recently_used_within_its_bound(bucket, tmp_path):
+    objects = {name: _put(f"{bucket}/{name}", name.encode() * 100) for name in ("a", "b", "c")}
+    store = ObjectCache(tmp_path / "cache", limit=250)
+    a = store.fetch(f"{bucket}/a", *objects["a"])
+    b = store.fetch(f"{bucket}/b", *objects["b"])
+    assert a.read_bytes() == b"a" * 100 and store.size() == 200
+    import os
+
+    os.utime(b, (1, 1))  # b used long ago
+    store.fetch(f"{bucket}/a", *objects["a"])  # a hit: nothing downloaded, a now the newest
+    c = store.fetch(f"{bucket}/c", *objects["c"])
+    assert sorted(p.name for p in store.entries()) == sorted([a.name, c.name]) and store.size() <= 250
+    # what differs from its record is never kept
+    with pytest.raises(ObjectDamaged, match=r"s3://.*/b: has 100 bytes, its record lists 101"):
+        store.fetch(f"{bucket}/b", 101, objects["b"][1])
+    with pytest.raises(ObjectDamaged, match="sha256"):
+        store.fetch(f"{bucket}/b", 100, objects["a"][1][:-1] + "0")
+    assert not list(store.dir.glob(".incoming-*")) and store.size() <= 250
+
+
+def test_the_default_bound_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRISTMILL_CACHE_MAX_GB", raising=False)
+    assert cache.max_bytes() == 20 * 2**30
+    monkeypatch.setenv("GRISTMILL_CACHE_MAX_GB", "0.5")
+    monkeypatch.setenv("GRISTMILL_CACHE", str(tmp_path))
+    assert ObjectCache().limit == 2**29 and ObjectCache().dir == tmp_path / "objects"

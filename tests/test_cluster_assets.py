@@ -111,7 +111,7 @@ def test_raycluster_is_consistent_with_the_image():
 
 
 def test_no_pod_shares_a_volume_and_each_keeps_its_state_and_cache_on_its_own_disk():
-    from infra.cache import MAX_GB_ENV
+    from core.cache import MAX_GB_ENV
 
     for pod in _pod_specs(_manifests()):
         volumes = {v["name"]: v for v in pod["volumes"]}

@@ -11,7 +11,7 @@ order trials cycle through them:
                    moment of a stage; the j-th kill9 trial hits stage j (mod 6), so 6 cover all
   sigint           Ctrl-C to the terminal's process group: exit 130 within 10 s, nothing left running
   concurrent       two identical runs at once in a fresh home: both succeed, each stage once
-  fuzz             25 damaged input sets through collect (tasks/collect/fuzz.py): no escape, books balance
+  fuzz             25 damaged input sets through collect (tasks/collect/read/fuzz.py): no escape, books balance
   ray_worker       a Ray worker SIGKILLed mid-collect: the stage finishes by itself, same output
   commit           SIGKILL between a stage's manifest write and its rename (GRISTMILL_FAULT)
   disk_full        the stage's artifact folder on a small tmpfs: one clear error, then resume
@@ -224,7 +224,7 @@ def sigint(suite: Suite, name: str, stage: str) -> Trial:
 
 
 def fuzz(suite: Suite, name: str, stage: str) -> Trial:
-    from tasks.collect.fuzz import run_fuzz
+    from tasks.collect.read.fuzz import run_fuzz
 
     logging.getLogger("gristmill").setLevel(logging.ERROR)  # each quarantined file says so
     result = run_fuzz(25, suite.rng.randrange(1 << 30), suite.work / name)

@@ -54,9 +54,9 @@ from pathlib import Path
 from typing import Any
 
 import tasks.collect.stage as collect
-from tasks.collect.cleaning import CleanOutcome, clean_documents
-from tasks.collect.langid import bundled_ft176
-from tasks.collect.pages import Page, shared_pages
+from tasks.collect.clean.cleaning import CleanOutcome, clean_documents
+from tasks.collect.clean.langid import bundled_ft176
+from tasks.collect.read.pages import Page, shared_pages
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -96,7 +96,7 @@ def datatrove_filters(cfg: collect.Config) -> list[Any]:
     )
     from datatrove.pipeline.formatters import PIIFormatter
 
-    import tasks.collect.filters as text_filters
+    import tasks.collect.clean.filters as text_filters
 
     def kwargs(kind: str) -> dict[str, Any]:
         return text_filters.block_kwargs(kind, cfg)
@@ -155,7 +155,7 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
 def compare_verdicts(docs: list[Page], ours: list[CleanOutcome], datatrove_kept: set[str],
                      n_unique: int) -> dict[str, int]:
     """Print and count the distinct documents the two chains judge differently."""
-    from tasks.collect.langid import load_model
+    from tasks.collect.clean.langid import load_model
 
     n_unique = min(n_unique, len(ours))
     differ = [i for i in range(n_unique) if ours[i].kept != (str(i) in datatrove_kept)]
@@ -183,7 +183,7 @@ def measure(docs: list[Page], n_unique: int, cfg: collect.Config, n_chunks: int,
             scratch: Path) -> Measurements:
     """Warm every method up, then time each once per repeat, interleaved."""
     from infra.ray_engine import RayEngine
-    from tasks.collect.rules import clear_caches
+    from tasks.collect.clean.rules import clear_caches
 
     m = Measurements()
     chunks, warm = chunked(docs, n_chunks), chunked(docs[:n_unique], 2)

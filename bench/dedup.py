@@ -4,12 +4,12 @@
                           [--bands 18 --rows 6 --band-layouts 2 --threshold 0.55]
                           (default: DedupConfig's)
 
-The labelled set (tasks/collect/neardup_set.py): real documents of ../shared/data, ~15% of them with 1-3
+The labelled set (tasks/collect/dedup/neardup_set.py): real documents of ../shared/data, ~15% of them with 1-3
 edited copies, written once as a JSONL file in a temp dir. Every method reads that file and
 finds near-duplicate clusters (reading the file is timed for all); timings are medians over
 `--repeats` after one untimed warm-up on 100 documents, measured side by side in this process:
 
-  ours        tasks/collect/dedup.py near_dedup (SerialEngine, one process), default DedupConfig
+  ours        tasks/collect/dedup/near.py near_dedup (SerialEngine, one process), default DedupConfig
               (candidates from two band layouts of the same bands x rows values, each checked by
               exact Jaccard)
   datatrove   MinhashDedupSignature -> MinhashDedupBuckets -> MinhashDedupCluster ->
@@ -48,7 +48,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 COPIED_FRACTION = 0.15  # originals among the source documents
-MEAN_COPIES = 1.7  # copies per original: 1, 2, 3 with weights 5, 3, 2 (tasks/collect/neardup_set.py)
+MEAN_COPIES = 1.7  # copies per original: 1, 2, 3 with weights 5, 3, 2 (tasks/collect/dedup/neardup_set.py)
 WARMUP_DOCS = 100
 
 
@@ -59,7 +59,7 @@ def _read_jsonl(path: Path) -> list[str]:
 
 def run_ours(path: Path, cfg) -> np.ndarray:
     from core.stage import SerialEngine
-    from tasks.collect.dedup import near_dedup
+    from tasks.collect.dedup.near import near_dedup
 
     return near_dedup(_read_jsonl(path), cfg, SerialEngine()).cluster
 
@@ -67,7 +67,7 @@ def run_ours(path: Path, cfg) -> np.ndarray:
 def run_datasketch(path: Path, cfg) -> np.ndarray:
     from datasketch import MinHash, MinHashLSH
 
-    from tasks.collect.minhash import normalize
+    from tasks.collect.dedup.minhash import normalize
 
     k = cfg.shingle_words
     shingle_sets = []
@@ -175,7 +175,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, root: Path):
     """{method: (median seconds or None, precision, recall)}, datatrove's per-step seconds."""
-    from tasks.collect.neardup_set import precision_recall
+    from tasks.collect.dedup.neardup_set import precision_recall
 
     data, warm = root / "data" / "docs.jsonl", root / "warm" / "docs.jsonl"
     for path, docs in ((data, texts), (warm, texts[:WARMUP_DOCS])):
@@ -199,8 +199,8 @@ def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, r
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    from tasks.collect.dedup import DedupConfig
-    from tasks.collect.neardup_set import build_labelled_set, pair_jaccards
+    from tasks.collect.dedup.near import DedupConfig
+    from tasks.collect.dedup.neardup_set import build_labelled_set, pair_jaccards
 
     cfg = DedupConfig(**{k: getattr(args, k) for k in ("bands", "rows", "band_layouts", "threshold")
                          if getattr(args, k) is not None})

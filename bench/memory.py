@@ -47,8 +47,8 @@ def _tiny_collect():
 
 def demo_texts() -> list[tuple[str, str]]:
     """(url, extracted text) of every demo document, in the demo crawl's order."""
-    from tasks.collect import demo_crawl
-    from tasks.collect.readers import RawDoc, extract_text
+    from tasks.collect.read import demo_crawl
+    from tasks.collect.read.readers import RawDoc, extract_text
 
     docs = []
     for record in demo_crawl.iter_records(demo_crawl.list_packages()):

@@ -5,7 +5,7 @@ datatrove's equivalent pipeline on the same files, and from 1 to 2 workers.
                           [--datatrove-docs 10000] [--repeats 1] [--seed 0] [--keep DIR]
 
 Corpus (one per N and seed, written to a temp dir, or under --keep): every document is distinct,
-made of whole paragraphs of the English text of ../shared/data (tasks/collect/neardup_set.py's
+made of whole paragraphs of the English text of ../shared/data (tasks/collect/dedup/neardup_set.py's
 paragraphs, those fastText reads as English at >= 0.8), recombined with a seeded RNG: 200-450
 words, no paragraph over 35% of its document, and no two documents share more than one
 paragraph (so two unplanted documents have a 5-word-shingle Jaccard of about 0.2 at most).
@@ -140,8 +140,8 @@ class Corpus:
 
 def english_paragraphs(shared: Path) -> list[str]:
     """neardup_set's paragraphs that fastText reads as English (p >= 0.8), distinct, in order."""
-    from tasks.collect.langid import load_model
-    from tasks.collect.neardup_set import source_paragraphs
+    from tasks.collect.clean.langid import load_model
+    from tasks.collect.dedup.neardup_set import source_paragraphs
 
     model = load_model()
     out = []
@@ -197,7 +197,7 @@ def junk_document(kind: str, composer: Composer, sentences: dict[str, list[str]]
 def build_texts(n_docs: int, seed: int, shared: Path) -> tuple[list[str], set[tuple[int, int]],
                                                                 dict[int, str]]:
     """(texts in corpus order, planted pairs, junk kinds by index)."""
-    from tasks.collect.neardup_set import make_copy
+    from tasks.collect.dedup.neardup_set import make_copy
     from tasks.collect.stage import text_hash
 
     rng = random.Random(seed)
@@ -401,7 +401,7 @@ def _labels(corpus: Corpus, clusters: dict[Any, list[str]]) -> np.ndarray:
 def near_dup_quality(corpus: Corpus, labels: np.ndarray, reached: set[str]) -> dict[str, Any]:
     """Pairwise precision and recall on the planted pairs whose documents both reached near
     dedup (URLs in `reached`)."""
-    from tasks.collect.neardup_set import precision_recall
+    from tasks.collect.dedup.neardup_set import precision_recall
 
     at = {corpus.index()[u] for u in reached}
     truth = {(a, b) for a, b in corpus.truth if a in at and b in at}

@@ -107,10 +107,10 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 def _demo_corpus_note(planned: list[PlannedStage]) -> str | None:
     """What the collect stage's demo source reads, as its key digests it: the same on every machine
-    with the pinned distributions (tasks/collect/demo_crawl.py). Printed before the plan, whose rows
+    with the pinned distributions (tasks/collect/read/demo_crawl.py). Printed before the plan, whose rows
     scripts read up to the end."""
     from flows.stages import COLLECT
-    from tasks.collect import demo_crawl
+    from tasks.collect.read import demo_crawl
 
     collect = next((stage.config for stage in planned if stage.spec.name == COLLECT.name), None)
     if not isinstance(collect, COLLECT.config) or demo_crawl.DEMO_SOURCE not in collect.sources:

@@ -1,5 +1,5 @@
 """Data gates in a run: the collect output's numbers checked against `collect.gates` after collect
-and before tokenize (the check itself: tasks/collect/gates.py), and a person's decision when one trips.
+and before tokenize (the check itself: tasks/collect/output/gates.py), and a person's decision when one trips.
 
 When a gate trips, the first of these that applies decides:
 
@@ -45,7 +45,7 @@ from flows.stages import COLLECT
 from infra.artifacts import ArtifactStore
 from infra.services import is_embedded_prefect
 from infra.tracking.runs import Tracker
-from tasks.collect.gates import GatesConfig, Trip, check, samples
+from tasks.collect.output.gates import GatesConfig, Trip, check, samples
 
 ARTIFACT_KEY = f"{COLLECT.name}-gates"
 TAG = "gristmill.gates."

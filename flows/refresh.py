@@ -49,10 +49,10 @@ from infra import env
 from infra.artifacts import CORPUS, ArtifactStore, home_store
 from infra.tracking.corpus import log_corpus_version
 from infra.tracking.runs import Tracker
-from tasks.collect.common_crawl import CommonCrawlSource, list_files
 from tasks.collect.config import Config as CollectConfig
 from tasks.collect.config import NothingSurvived
-from tasks.collect.readers import SUPPORTED_SUFFIXES
+from tasks.collect.read.common_crawl import CommonCrawlSource, list_files
+from tasks.collect.read.readers import SUPPORTED_SUFFIXES
 
 DEPLOYMENT = "data-refresh"
 CC_STAMP = "cc"  # a Common Crawl file is immutable: its URL is its identity

@@ -23,7 +23,7 @@ from core.sources import parse_source
 from core.stage import Manifest, StageConfig, StageRun
 from tasks.align import config as align
 from tasks.collect import config as collect
-from tasks.collect import demo_crawl
+from tasks.collect.read import demo_crawl
 from tasks.evaluate import config as evaluate
 from tasks.pretrain import config as pretrain
 from tasks.sft import config as sft

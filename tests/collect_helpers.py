@@ -33,7 +33,7 @@ class KilledAfter(SerialEngine):
 
 def spooled_table(path, texts, source: str = "s"):
     """`texts` spooled to one file as a work unit spools its kept documents, and their table."""
-    from tasks.collect.spool import SpoolWriter, TableBuilder
+    from tasks.collect.output.spool import SpoolWriter, TableBuilder
 
     table = TableBuilder()
     with open(path, "wb") as f:

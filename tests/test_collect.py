@@ -15,13 +15,13 @@ import pytest
 from collect_helpers import TINY_CLEANING
 from pipeline_helpers import REPO, cli_env, committed_dir
 
-import tasks.collect.demo_crawl as demo_crawl
-import tasks.collect.filters as text_filters
+import tasks.collect.clean.filters as text_filters
+import tasks.collect.read.demo_crawl as demo_crawl
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
-from tasks.collect.cleaning import clean_document
+from tasks.collect.clean.cleaning import clean_document
 from tasks.collect.config import fingerprint
-from tasks.collect.readers import (
+from tasks.collect.read.readers import (
     RawDoc,
     Skipped,
     extract_text,

@@ -17,10 +17,10 @@ from test_common_crawl import CRAWL, server  # noqa: F401 (fixture)
 
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
+from tasks.collect.clean.quality_model import QualityModel
 from tasks.collect.config import fingerprint
-from tasks.collect.funnel import AccountingError
-from tasks.collect.quality_model import QualityModel
-from tasks.collect.readers import FILE_LEVEL_ERRORS, read_file
+from tasks.collect.output.funnel import AccountingError
+from tasks.collect.read.readers import FILE_LEVEL_ERRORS, read_file
 
 DOLMA = Path("jsonl") / "dolma_cc"
 

@@ -16,10 +16,10 @@ from collect_helpers import KilledAfter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tasks.collect.fuzz as fuzz
+import tasks.collect.read.fuzz as fuzz
 import tasks.collect.stage as collect
 from core.stage import SerialEngine
-from tasks.collect.readers import WHOLE, Part, RawDoc, Skipped, read_file, split_file
+from tasks.collect.read.readers import WHOLE, Part, RawDoc, Skipped, read_file, split_file
 
 DOLMA = Path("jsonl") / "dolma_cc"
 WARCS = ["dolma_wget/sample-0000.warc.gz", "dolma_wget/sample-0001.warc.gz",
@@ -151,7 +151,7 @@ def test_a_damaged_row_group_is_one_error_and_the_next_is_read(shared_data, tmp_
 @given(kind=st.sampled_from(sorted(fuzz.FAULTS)), seed=st.integers(0, 2**16),
        n_parts=st.integers(2, 12))
 def test_fuzzed_inputs_read_the_same_in_parts(tmp_path_factory, kind, seed, n_parts):
-    """Damaged and odd files of every kind (tasks/collect/damaged.py's faults): whatever a file holds, its
+    """Damaged and odd files of every kind (tasks/collect/read/damaged.py's faults): whatever a file holds, its
     parts read the whole file's events."""
     made = fuzz.FAULTS[kind](random.Random(seed), fuzz.PROSE)
     path = tmp_path_factory.mktemp("fuzz") / made.name
@@ -285,8 +285,8 @@ def test_a_stage_killed_in_its_corpus_level_steps_redoes_only_their_unfinished_t
     the output is a fresh run's, byte for byte."""
     from test_dedup import DiesPartWay
 
-    import tasks.collect.dedup as dedup
-    import tasks.collect.exact_dedup as exact_dedup
+    import tasks.collect.dedup.exact_dedup as exact_dedup
+    import tasks.collect.dedup.near as dedup
 
     monkeypatch.setattr(exact_dedup, "RUN_ROWS", 16)
     original = sorted((shared_data / DOLMA).glob("*.jsonl"))[0]

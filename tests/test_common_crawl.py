@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import tasks.collect.common_crawl as cc
-from tasks.collect.common_crawl import CommonCrawlSource, DownloadError
-from tasks.collect.readers import RawDoc, read_file
+import tasks.collect.read.common_crawl as cc
+from tasks.collect.read.common_crawl import CommonCrawlSource, DownloadError
+from tasks.collect.read.readers import RawDoc, read_file
 
 CRAWL = "CC-MAIN-TEST"
 FAST = {"retries": 3, "timeout_s": 5.0, "backoff_s": 0.01}  # tests must not sleep for seconds

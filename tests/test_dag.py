@@ -136,6 +136,8 @@ SPELLS_STAGE_NAMES = {
     "infra/artifacts.py": "the corpus-version chain (collect_dir) sits below the table's layer",
     "flows/reports.py": "the table's publishers: importing the table back would close an import cycle",
     "flows/cli.py": "the `gristmill evaluate` command's name: a command of its own, not the stage",
+    "flows/runs.py": "the tiny preset shortened for tests and benchmarks: overrides as a person types them",
+    "flows/load_trial.py": "the load trial's evaluate-only variants: overrides as a person types them",
 }
 
 

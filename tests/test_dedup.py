@@ -1,5 +1,5 @@
-"""Near-dedup (tasks/collect/dedup.py, minhash.py): hashing, signatures, banding, clusters, the persisted index, and
-precision/recall on a labelled set of real documents."""
+"""Near-dedup (tasks/collect/dedup/near.py, minhash.py): hashing, signatures, banding, clusters, the persisted index,
+and precision/recall on a labelled set of real documents."""
 from __future__ import annotations
 
 import json
@@ -13,12 +13,12 @@ import numpy as np
 import pydantic
 import pytest
 
-import tasks.collect.dedup as dedup
-import tasks.collect.exact_dedup as exact_dedup
-import tasks.collect.minhash as minhash
+import tasks.collect.dedup.exact_dedup as exact_dedup
+import tasks.collect.dedup.minhash as minhash
+import tasks.collect.dedup.near as dedup
 from core.stage import SerialEngine
-from tasks.collect.dedup import DedupConfig, DedupIndex, near_dedup
-from tasks.collect.neardup_set import build_labelled_set, cluster_pairs, precision_recall
+from tasks.collect.dedup.near import DedupConfig, DedupIndex, near_dedup
+from tasks.collect.dedup.neardup_set import build_labelled_set, cluster_pairs, precision_recall
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = DedupConfig()
@@ -74,7 +74,7 @@ def test_signatures_pinned_and_same_in_a_fresh_process():
     assert sig.shape == (1, CFG.bands * CFG.rows) and sig.dtype == np.uint32
     assert sig[0, :6].tolist() == [112999632, 81728182, 1475216617, 18663248, 100027817,
                                    190312850]
-    code = (f"from tasks.collect import dedup, minhash; print(minhash.minhash_signatures([{TEXT!r}], "
+    code = (f"from tasks.collect.dedup import minhash, near as dedup; print(minhash.minhash_signatures([{TEXT!r}], "
             "dedup.DedupConfig())[0].tolist())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True).stdout

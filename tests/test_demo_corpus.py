@@ -1,4 +1,4 @@
-"""The default run's text (`demo:python-docs`, tasks/collect/demo_crawl.py) is fixed by gristmill's pins:
+"""The default run's text (`demo:python-docs`, tasks/collect/read/demo_crawl.py) is fixed by gristmill's pins:
 installing or removing any other package leaves every artifact key as it was, and a pinned
 distribution missing or at another version stops the run when it is planned, in one line.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from pipeline_helpers import REPO, cli_env
 
-from tasks.collect import demo_crawl
 from tasks.collect.config import Config, fingerprint
+from tasks.collect.read import demo_crawl
 
 # Installed for the tests or the docs only, none of them in the corpus: what a base install lacks.
 NOT_CORPUS = ("pytest", "mkdocs", "ruff", "pyright", "lm-eval", "moto", "playwright", "hypothesis")
@@ -162,7 +162,7 @@ def test_the_demo_reads_the_environment_wherever_a_run_starts(tmp_path):
     info = checkout / f"{name}.egg-info"
     info.mkdir(parents=True)
     (info / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nA checkout.\n")
-    probe = "from tasks.collect.demo_crawl import corpus_digest; print(corpus_digest())"
+    probe = "from tasks.collect.read.demo_crawl import corpus_digest; print(corpus_digest())"
     seen = [subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True,
                            check=True).stdout for cwd in (checkout, tmp_path)]
     assert seen[0] == seen[1] == f"{demo_crawl.corpus_digest()}\n"

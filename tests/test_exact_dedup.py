@@ -1,4 +1,4 @@
-"""Exact dedup on the engine (tasks/collect/exact_dedup.py): the first row of each 128-bit hash
+"""Exact dedup on the engine (tasks/collect/dedup/exact_dedup.py): the first row of each 128-bit hash
 wins, whatever the runs, ranges, engine or completion order, and a killed run resumes."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_dedup import DiesPartWay, ShuffledEngine
 
-import tasks.collect.exact_dedup as exact_dedup
+import tasks.collect.dedup.exact_dedup as exact_dedup
 from core.stage import SerialEngine
 
 

@@ -7,7 +7,7 @@ Hypothesis runs derandomized (the same examples on every run, so CI cannot turn 
 it never met before; `python -m bench.fuzz --seed N` explores further) without an example
 database (nothing written into the repo), with max_examples that keep this file near 30 s on two
 cores. Byte- and text-level inputs are hypothesis strategies (they shrink to a minimal case);
-the structured fault kinds are tasks/collect/damaged.py's generators, fed a seed hypothesis draws.
+the structured fault kinds are tasks/collect/read/damaged.py's generators, fed a seed hypothesis draws.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tasks.collect.fuzz as fuzz
-import tasks.collect.readers as readers
+import tasks.collect.read.fuzz as fuzz
+import tasks.collect.read.readers as readers
 from tasks.collect.config import Config
-from tasks.collect.readers import (
+from tasks.collect.read.readers import (
     FILE_LEVEL_ERRORS,
     SUPPORTED_SUFFIXES,
     RawDoc,
@@ -84,7 +84,7 @@ def test_random_bytes_in_any_format_are_counted_not_raised(workdir, data, suffix
 @given(kind=st.sampled_from(sorted(fuzz.FAULTS)), seed=st.integers(0, 2**32 - 1))
 def test_every_fault_kind_is_read_and_counted(workdir, kind, seed):
     """Truncated/corrupt gzip and zstd, broken WARC headers, multi-MB lines, encodings, empty
-    files, odd JSON lines, Parquet/Arrow garbage (tasks/collect/damaged.py)."""
+    files, odd JSON lines, Parquet/Arrow garbage (tasks/collect/read/damaged.py)."""
     f = fuzz.FAULTS[kind](random.Random(seed), fuzz.PROSE)
     path = workdir / f"{kind}-{f.name}"
     path.write_bytes(f.data)

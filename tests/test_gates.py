@@ -1,4 +1,4 @@
-"""Data gates: the check (tasks/collect/gates.py) on the tiny preset's numbers and on a collapse, each
+"""Data gates: the check (tasks/collect/output/gates.py) on the tiny preset's numbers and on a collapse, each
 gate tripping and not; and the decision in a run (flows/gates.py) with Prefect's edges replaced: an
 earlier approval, `approve_gates`, a person's answer (approve, reject, no answer), no one to ask.
 The CLI's exit 3 and `--approve-gates`, `gristmill refresh` and the Prefect UI are in
@@ -14,7 +14,7 @@ import pytest
 import flows.gates as flow_gates
 from core.stage import Manifest
 from infra.artifacts import ArtifactStore
-from tasks.collect.gates import GatesConfig, Trip, check, samples, step_of
+from tasks.collect.output.gates import GatesConfig, Trip, check, samples, step_of
 
 OFF = GatesConfig(max_removed_fraction=None, max_removed_fraction_per_step=None, max_reason_fraction=None)
 SOURCE = "demo:python-docs"

@@ -27,7 +27,7 @@ import tasks.collect.stage as collect
 from core.stage import SerialEngine
 from infra.artifacts import ArtifactStore
 from infra.remote_store import Holder, RemoteStore, StoreURLError
-from tasks.collect.spool import Texts
+from tasks.collect.output.spool import Texts
 
 FILES = {"warc/a.warc.gz": "warc/dolma_wget/sample-0000.warc.gz",
          "warc/b.warc.gz": "warc/dolma_wget/sample-0001.warc.gz",

@@ -14,7 +14,7 @@ import pytest
 
 from core.files import file_digest
 from core.sources import input_digest
-from tasks.collect.readers import (
+from tasks.collect.read.readers import (
     FILE_LEVEL_ERRORS,
     RawDoc,
     Skipped,

@@ -1,4 +1,4 @@
-"""tasks/collect/rules.py against datatrove 0.10's blocks: the same keep/drop and the same reason
+"""tasks/collect/clean/rules.py against datatrove 0.10's blocks: the same keep/drop and the same reason
 on every shared WARC/JSONL page, a few corpora and labelled edge cases, under every threshold
 the config exposes; the word splitter and sentence counter against datatrove's."""
 from __future__ import annotations
@@ -18,10 +18,10 @@ from datatrove.utils.text import split_into_sentences, split_into_words
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import tasks.collect.filters as text_filters
-import tasks.collect.rules as rules
+import tasks.collect.clean.filters as text_filters
+import tasks.collect.clean.rules as rules
 import tasks.collect.stage as collect
-from tasks.collect.pages import shared_pages
+from tasks.collect.read.pages import shared_pages
 
 CFG = collect.Config()
 REPO = Path(__file__).resolve().parents[1]

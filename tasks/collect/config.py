@@ -3,7 +3,7 @@ thresholds, `CleaningConfig`), `VERSION` and `fingerprint`.
 
 Planning a run (flows/config.py, flows/dag.py: a `--dry-run`, a config mistake) needs only these,
 so this module imports neither datatrove, spaCy, trafilatura nor Ray; `run` is in stage.py and the
-cleaning chain that reads `CleaningConfig` in cleaning.py.
+cleaning chain that reads `CleaningConfig` in clean/cleaning.py.
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from pydantic import Field, field_validator, model_validator
 from core.decontam import DecontamConfig
 from core.sources import fingerprint_sources
 from core.stage import StageConfig
-from tasks.collect import demo_crawl
-from tasks.collect.common_crawl import DEFAULT_BASE_URL
-from tasks.collect.dedup import DedupConfig
-from tasks.collect.gates import GatesConfig
-from tasks.collect.langid import model_languages
-from tasks.collect.mixing import MixConfig
-from tasks.collect.pii import PII_KINDS, PiiKind
-from tasks.collect.quality_model import QualityConfig
-from tasks.collect.readers import SUPPORTED_SUFFIXES
+from tasks.collect.clean.langid import model_languages
+from tasks.collect.clean.pii import PII_KINDS, PiiKind
+from tasks.collect.clean.quality_model import QualityConfig
+from tasks.collect.dedup.near import DedupConfig
+from tasks.collect.output.gates import GatesConfig
+from tasks.collect.output.mixing import MixConfig
+from tasks.collect.read import demo_crawl
+from tasks.collect.read.common_crawl import DEFAULT_BASE_URL
+from tasks.collect.read.readers import SUPPORTED_SUFFIXES
 
 VERSION = 6  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing;
 # 4: near dedup checks exact Jaccard, two band layouts (dedup index format 2); 5: the dedup index
@@ -62,8 +62,8 @@ class CleaningConfig(StageConfig):
         default=0.65, ge=0, le=1,
         description="Drop documents whose top language probability is below this: 0.65, "
                     "FineWeb's and datatrove's LanguageFilter's. Markdown/reST package docs (the "
-                    "demo source) mix prose with code, which fastText scores lower: of the 467 demo "
-                    "documents the tiny preset keeps, 0.65 drops 24; tiny sets 0.5.")
+                    "demo source) mix prose with code, which fastText scores lower: 0.65 drops some "
+                    "of the demo documents the tiny preset keeps; tiny sets 0.5.")
     c4_filter: bool = Field(default=True, description="Apply C4's page rules (the c4_* fields).")
     c4_min_sentences: int = Field(
         default=5, ge=0, description="C4: drop pages with fewer sentences on lines that pass the line "
@@ -77,14 +77,14 @@ class CleaningConfig(StageConfig):
                                   "(C4's rule, on in datatrove's C4QualityFilter; FineWeb's recipe turns "
                                   "it off). C4 had one paragraph per line (text of HTML pages); "
                                   "hard-wrapped Markdown/reST (the demo source) splits sentences across "
-                                  "lines, so it finds 2 sentences in Flask's README and drops 39 of the 467 "
+                                  "lines, so it finds 2 sentences in Flask's README and drops some of the "
                                   "demo documents the tiny preset keeps; tiny turns it off.")
     c4_drop_lorem_ipsum: bool = Field(
         default=True, description="C4: drop pages containing 'lorem ipsum' (placeholder text).")
     c4_drop_curly_bracket: bool = Field(
         default=True, description="C4: drop pages with '{' on a prose line, C4's way to remove code (on "
                                   "in datatrove's C4QualityFilter). Code examples are wanted in the demo "
-                                  "source (package docs): it drops 294 of the 467 demo documents the tiny "
+                                  "source (package docs): it drops most of the demo documents the tiny "
                                   "preset keeps; tiny turns it off.")
     c4_skip_javascript_lines: bool = Field(
         default=True, description="C4: lines mentioning 'javascript' (\"please enable JavaScript\") "
@@ -97,8 +97,8 @@ class CleaningConfig(StageConfig):
         default=0.12, ge=0, le=1,
         description="FineWeb: drop if fewer than this fraction of non-empty lines end in "
                     "terminal punctuation: FineWeb's 0.12. In package docs code, headings and "
-                    "tables end without it (median 0.16): of the 467 demo documents the tiny "
-                    "preset keeps, 0.12 drops 87; tiny sets 0.05.")
+                    "tables end without it (median 0.16): 0.12 drops many of the demo documents "
+                    "the tiny preset keeps; tiny sets 0.05.")
     fineweb_max_short_line_frac: float = Field(
         default=0.67, ge=0, le=1, description="FineWeb: drop if more than this fraction of non-empty "
                                               "lines are short (see fineweb_short_line_chars).")
@@ -108,8 +108,8 @@ class CleaningConfig(StageConfig):
         default=0.01, ge=0, le=1,
         description="FineWeb: drop if lines repeating an earlier line hold more than this "
                     "fraction of the characters: FineWeb's 0.01. Docs repeat '```', reST "
-                    "underlines and 'Parameters' headers (median 0.009): of the 467 demo "
-                    "documents the tiny preset keeps, 0.01 drops 135; tiny sets 0.1.")
+                    "underlines and 'Parameters' headers (median 0.009): 0.01 drops many of the "
+                    "demo documents the tiny preset keeps; tiny sets 0.1.")
     fineweb_max_newlines_per_word: float = Field(
         default=0.3, ge=0, description="FineWeb: drop if newlines per word exceed this (lists, menus).")
     # Gopher quality rules (datatrove GopherQualityFilter). "Words" are spaCy tokens that are not
@@ -134,9 +134,9 @@ class CleaningConfig(StageConfig):
         description="Drop if fewer than this fraction of tokens contain a letter: Gopher's 0.8. "
                     "Gopher set it on whitespace words; datatrove counts every punctuation mark "
                     "as a token, so web prose scores 0.75-0.95 but Markdown/reST package docs "
-                    "(the demo source) score 0.5-0.6: of the 467 demo documents the tiny "
-                    "preset keeps, 0.8 drops 460; tiny sets 0.5, which still drops number "
-                    "tables and code dumps.")
+                    "(the demo source) score 0.5-0.6: 0.8 drops nearly all of the demo documents "
+                    "the tiny preset keeps; tiny sets 0.5, which still drops number tables and "
+                    "code dumps.")
     min_stop_words: int = Field(
         default=2, ge=0, description="Drop if fewer than this many distinct English stop words "
                                      "(the, be, to, of, and, that, have, with) occur.")
@@ -164,7 +164,7 @@ class CleaningConfig(StageConfig):
     pii_kinds: tuple[PiiKind, ...] = Field(
         default=PII_KINDS, description="Personal data replaced in kept documents: email -> <EMAIL>, "
                                        "ip_address -> <IP_ADDRESS>, iban -> <IBAN>, credit_card -> "
-                                       "<CREDIT_CARD>, phone -> <PHONE> (see pii.py); () turns "
+                                       "<CREDIT_CARD>, phone -> <PHONE> (see clean/pii.py); () turns "
                                        "scrubbing off.")
 
     @model_validator(mode="after")

@@ -2,26 +2,26 @@
 demo) → a clean, deduplicated, decontaminated training mix.
 
 Funnel, each step a counted decision (funnel.json, review/ samples of what each step removed):
-  read records (readers.py; non-documents skipped by type, corrupt input quarantined)
+  read records (read/readers.py; non-documents skipped by type, corrupt input quarantined)
   → extract main text (trafilatura) and repair Unicode (ftfy)
   → URL block list → language ID → Gopher quality/repetition, FineWeb, C4 → PII scrub
-    (cleaning.py) → benchmark decontamination (core/decontam.py) [→ the score of a quality model
-    trained before, `quality.model`], per record, in the work units
+    (clean/cleaning.py) → benchmark decontamination (core/decontam.py) [→ the score of a
+    quality model trained before, `quality.model`], per record, in the work units
   → exact dedup on normalized text → [model-based quality score of a model trained here on the
-    crawl, out of fold (quality_model.py)]
-  → MinHash-LSH near-dedup (dedup.py) → per-source mixing (mixing.py)
+    crawl, out of fold (clean/quality_model.py)]
+  → MinHash-LSH near-dedup (dedup/near.py) → per-source mixing (output/mixing.py)
   → `docs/part-%05d.jsonl.gz` with {"id", "text", "source", "url", "language"}.
 Every record read ends kept, dropped with a reason or quarantined: funnel.json's `accounting`
-(in = kept + dropped + quarantined, in total and per source; funnel.py) is checked before the
-stage returns, and a gap fails it with the numbers (AccountingError).
+(in = kept + dropped + quarantined, in total and per source; output/funnel.py) is checked before
+the stage returns, and a gap fails it with the numbers (AccountingError).
 
 Memory: the corpus-level steps hold no texts. Each work unit writes its kept documents' output
-lines to a spool file of its own (spool.py) and its events say where; merging the events, the
-stage keeps a row of a `DocTable` per kept document (128-bit text hash, source, spool file and
-place, text bytes: numpy columns, 48 bytes a document). Exact dedup (exact_dedup.py), the quality
-model's scoring and near dedup (dedup.py) run on the engine and spill to files in out_dir, so the
-driver holds a flag or a score a document and the candidate pairs; the shards are written on the
-engine by copying lines (sizes: docs/benchmarks.md).
+lines to a spool file of its own (output/spool.py) and its events say where; merging the events,
+the stage keeps a row of a `DocTable` per kept document (128-bit text hash, source, spool file
+and place, text bytes: numpy columns, 48 bytes a document). Exact dedup (dedup/exact_dedup.py),
+the quality model's scoring and near dedup (dedup/near.py) run on the engine and spill to files
+in out_dir, so the driver holds a flag or a score a document and the candidate pairs; the shards
+are written on the engine by copying lines (sizes: docs/benchmarks.md).
 
 Parallelism and resume: one work unit per part of an input file (a file larger than `unit_mb`
 splits into several: readers.split_file, computed on the engine as a WARC's needs a pass over it;
@@ -63,21 +63,9 @@ from core.files import (
 )
 from core.sources import file_size, parse_source
 from core.stage import Engine, SerialEngine, StageResult, worker_dir
-from tasks.collect import demo_crawl
-from tasks.collect.cleaning import clean_document
-from tasks.collect.common_crawl import (
-    CommonCrawlSource,
-    download,
-    list_files,
-    local_path,
-)
-from tasks.collect.config import DEDUP_INDEX_DIR, Config, NothingSurvived
-from tasks.collect.dedup import DedupIndex, near_dedup
-from tasks.collect.exact_dedup import first_occurrences
-from tasks.collect.funnel import NOT_IN_MIX, PREVIEW_CHARS, Funnel, check_accounting, flatten
-from tasks.collect.mixing import mix_sizes
-from tasks.collect.quality_model import DROP_REASON as QUALITY_DROP
-from tasks.collect.quality_model import (
+from tasks.collect.clean.cleaning import clean_document
+from tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
+from tasks.collect.clean.quality_model import (
     QualityConfig,
     QualityModel,
     cross_fit_scores,
@@ -86,7 +74,20 @@ from tasks.collect.quality_model import (
     load_reference_texts,
     train_quality_model,
 )
-from tasks.collect.readers import (
+from tasks.collect.config import DEDUP_INDEX_DIR, Config, NothingSurvived
+from tasks.collect.dedup.exact_dedup import first_occurrences
+from tasks.collect.dedup.near import DedupIndex, near_dedup
+from tasks.collect.output.funnel import NOT_IN_MIX, PREVIEW_CHARS, Funnel, check_accounting, flatten
+from tasks.collect.output.mixing import mix_sizes
+from tasks.collect.output.spool import DocTable, SpoolWriter, TableBuilder, Texts, text_bytes
+from tasks.collect.read import demo_crawl
+from tasks.collect.read.common_crawl import (
+    CommonCrawlSource,
+    download,
+    list_files,
+    local_path,
+)
+from tasks.collect.read.readers import (
     WHOLE,
     Part,
     extract_text,
@@ -94,8 +95,7 @@ from tasks.collect.readers import (
     resolve_source,
     split_file,
 )
-from tasks.collect.records import ReadEvent, Skipped, quarantine_record
-from tasks.collect.spool import DocTable, SpoolWriter, TableBuilder, Texts, text_bytes
+from tasks.collect.read.records import ReadEvent, Skipped, quarantine_record
 
 log = logging.getLogger("gristmill.collect")
 
@@ -316,7 +316,7 @@ def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Fun
 
 def apply_exact_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Path,
                       funnel: Funnel) -> DocTable:
-    """Drop exact duplicates: the first occurrence of each text hash wins (exact_dedup.py)."""
+    """Drop exact duplicates: the first occurrence of each text hash wins (dedup/exact_dedup.py)."""
     first = first_occurrences(docs.hash_hi, docs.hash_lo, engine,
                               worker_dir(engine, out_dir / EXACT_DEDUP_DIR), config.dedup.partition_mb)
     rows = np.flatnonzero(~first)
@@ -382,7 +382,7 @@ def apply_near_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Pa
 
 
 def apply_mix(docs: DocTable, config: Config, funnel: Funnel) -> tuple[DocTable, dict[str, Any]]:
-    """The mix's documents in order (mixing.py; a document may repeat); the ones it did not take
+    """The mix's documents in order (output/mixing.py; a document may repeat); the ones it did not take
     are dropped as not in the mix."""
     rows_of = {name: np.flatnonzero(docs.source == code) for code, name in enumerate(docs.sources)}
     rows_of = {name: rows for name, rows in rows_of.items() if len(rows)}

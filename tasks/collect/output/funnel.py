@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from core.decontam import DROP_REASON as CONTAMINATED
-from tasks.collect.quality_model import DROP_REASON as LOW_QUALITY
-from tasks.collect.records import FILE_LEVEL_ERRORS
-from tasks.collect.spool import DocTable
+from tasks.collect.clean.quality_model import DROP_REASON as LOW_QUALITY
+from tasks.collect.output.spool import DocTable
+from tasks.collect.read.records import FILE_LEVEL_ERRORS
 
 PREVIEW_CHARS = 500  # of a dropped document's text in review/dropped.jsonl
 

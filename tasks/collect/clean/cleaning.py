@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import tasks.collect.filters as text_filters
+import tasks.collect.clean.filters as text_filters
+from tasks.collect.clean.langid import detect_language
+from tasks.collect.clean.pii import scrub_pii
+from tasks.collect.clean.rules import Page
 from tasks.collect.config import CleaningConfig
-from tasks.collect.langid import detect_language
-from tasks.collect.pii import scrub_pii
-from tasks.collect.rules import Page
 
 
 @dataclass(frozen=True, kw_only=True)

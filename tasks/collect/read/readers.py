@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, cast
 
 from core.sources import file_size, filesystem, source_files
-from tasks.collect.records import (
+from tasks.collect.read.records import (
     FILE_LEVEL_ERRORS,
     SAMPLE_BYTES,
     WHOLE,
@@ -54,8 +54,8 @@ from tasks.collect.records import (
     quarantine_record,
     record_event,
 )
-from tasks.collect.tables import parquet_parts, read_arrow, read_parquet
-from tasks.collect.warc import read_warc, warc_parts
+from tasks.collect.read.tables import parquet_parts, read_arrow, read_parquet
+from tasks.collect.read.warc import read_warc, warc_parts
 
 # The reader API: the record types (records.py) are re-exported, readers' users need both.
 __all__ = [

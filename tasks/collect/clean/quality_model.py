@@ -44,14 +44,14 @@ from core.decontam import ngram_hashes, token_hashes
 from core.files import is_url, open_location, publish_file, staging_path
 from core.sources import DEMO_PREFIX, parse_source
 from core.stage import Engine, SerialEngine
-from tasks.collect.readers import (
+from tasks.collect.output.spool import take
+from tasks.collect.read.readers import (
     TEXT_SUFFIXES,
     Skipped,
     extract_text,
     read_file,
     resolve_source,
 )
-from tasks.collect.spool import take
 
 DEMO_STDLIB_NAME = "stdlib-docstrings"
 DEMO_STDLIB = DEMO_PREFIX + DEMO_STDLIB_NAME

@@ -1,5 +1,5 @@
 """Damaged and odd input files of every kind the collect stage's readers meet, for fuzzing them
-(tasks/collect/fuzz.py, tests/test_fuzz.py, tests/test_collect_units.py): one generator per fault
+(tasks/collect/read/fuzz.py, tests/test_fuzz.py, tests/test_collect_units.py): one generator per fault
 kind in FAULTS, `KIND(rng, texts) -> FuzzFile`, each drawing everything from `rng`, so a seed gives
 the same bytes (gzip with mtime 0, zstd, Parquet/Arrow written in memory). The generators are one
 table of fault kinds that reads better whole than split.
@@ -21,7 +21,7 @@ MAGICS = (b"", b"\x1f\x8b\x08", ZSTD_MAGIC, b"PAR1", b"ARROW1\x00\x00", b"WARC/1
           b'{"text": "', BOM)
 SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz", ".jsonl", ".jsonl.gz", ".json.gz",
             ".jsonl.zst", ".jsonl.zstd", ".json.zst", ".parquet", ".arrow", ".txt", ".txt.gz",
-            ".txt.zst")  # tasks.collect.readers.SUPPORTED_SUFFIXES, kept here to import nothing heavy
+            ".txt.zst")  # tasks.collect.read.readers.SUPPORTED_SUFFIXES, kept here to import nothing heavy
 # Prose that passes the default cleaning chain: the trial's intact documents.
 PROSE = (
     "The old mill stood at the bend of the river, where the water ran fast enough to turn the "

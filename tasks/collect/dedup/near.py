@@ -46,14 +46,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.files import fetch_file, names_in
 from core.stage import Engine
-from tasks.collect import spill
-from tasks.collect.minhash import (
+from tasks.collect.dedup.minhash import (
     EMPTY_SIG,
     chunk_signatures,
     exact_jaccards,
     shingle_sets,
 )
-from tasks.collect.spool import take
+from tasks.collect.output import spill
+from tasks.collect.output.spool import take
 
 INDEX_FORMAT = 3  # 3: bucket rows in key-sorted shards (2: one band-key matrix)
 _U64 = np.uint64
@@ -78,7 +78,7 @@ class DedupConfig(BaseModel):
     # share one value with each of `rows` first-layout bands, so they are nearly independent):
     # for 18 x 6 and two layouts 0.43 at s=0.5, 0.82 at 0.6, 0.99 at 0.7 (one layout: 0.25,
     # 0.58, 0.90). The exact-Jaccard check then decides, so more candidates cost time, never
-    # precision. Measured on tasks/collect/neardup_set.py (seeds 0-3, 1,976-2,011 docs; docs/benchmarks.md#near-dedup),
+    # precision. Measured on neardup_set.py (seeds 0-3, 1,976-2,011 docs; docs/benchmarks.md#near-dedup),
     # precision 1.0 everywhere; recall 0.95-0.96 with one layout checked at 0.6, 0.97-0.98 with
     # two, 0.98-0.99 with two checked at 0.55 (datatrove at 18 x 6, no check: 0.955-0.972).
     # Below 0.55 the labelled set gains little and real pages sharing only a site's navigation

@@ -1,7 +1,7 @@
 """Fuzzing the collect stage's readers and cleaning chain with damaged input files
 (`python -m bench.fuzz` runs `run_fuzz`; tests/test_fuzz.py runs single trials).
 
-A trial generates one to four input files, each from a fault kind in FAULTS (tasks/collect/damaged.py:
+A trial generates one to four input files, each from a fault kind in FAULTS (tasks/collect/read/damaged.py:
 random bytes, truncated or corrupted gzip and zstd, broken WARC headers, multi-MB lines, mixed and invalid
 encodings, empty files, JSON lines that are not objects or lack `text`, Parquet/Arrow garbage),
 adds one intact JSONL source (so the stage has documents to finish with, and a damaged copy of
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.collect.damaged import BOM, FAULTS, MAX_DOC_BYTES, PROSE, FuzzFile, count_jsonl_records, jsonl
+from tasks.collect.read.damaged import BOM, FAULTS, MAX_DOC_BYTES, PROSE, FuzzFile, count_jsonl_records, jsonl
 
 # The generators' names are part of this module's interface: a fuzzing test reads both from here.
 __all__ = ["BOM", "FAULTS", "MAX_DOC_BYTES", "PROSE", "FuzzFile", "Trial", "count_jsonl_records", "jsonl",
@@ -57,7 +57,7 @@ def run_trial(files: Sequence[FuzzFile], workdir: Path, texts: Sequence[str] = P
     source of its own, in `workdir`; check what the module docstring lists."""
     from core.stage import SerialEngine
     from tasks.collect.config import Config
-    from tasks.collect.mixing import MixConfig
+    from tasks.collect.output.mixing import MixConfig
     from tasks.collect.stage import run
 
     shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,3 @@
+"""The collect stage's dedup: `exact_dedup` (first occurrence of each text hash) and `near`
+(MinHash-LSH clusters, with `minhash`'s signatures and band keys); `neardup_set` is the labelled
+near-duplicate set that measures near dedup's precision and recall."""

@@ -4,6 +4,9 @@ size, least recently used evicted.
     <cache>/objects/<sha256[:2]>/<sha256>    one object's bytes, named by their digest
     <cache>/objects/.incoming-*              a download in progress (renamed into place when verified)
     <cache>/objects/cache.lock               flock held while an object is put in place or evicted
+    <cache>/objects/trees/<hash of a path>   a link to a folder made of entries' hard links (an
+                                             artifact downloaded into the store's local copy),
+                                             which eviction may delete: it can be downloaded again
 
 Entries are content-addressed: whatever URL an object came from, its bytes are named by their
 sha256, which the record that listed it (a checkpoint marker, an artifact manifest) gives. So an
@@ -14,8 +17,11 @@ nothing is kept of it. Several processes of one node share the cache: downloads 
 their own, the rename into place is atomic, and eviction runs under the lock. Using an entry
 refreshes its mtime, the age eviction goes by; the newest entries stay and the bound is
 `GRISTMILL_CACHE_MAX_GB` (default 20 GiB, what a small node's disk spares), checked after each
-download. An entry evicted while a process still reads it stays readable to that process (POSIX
-keeps unlinked files open); callers that keep using a path link it first (`link_into`).
+download. The size counts each file once however many links it has, the folders of `keep_tree`
+included, and a tree goes whole (renamed aside as `.<name>.download-evicted-<pid>`, then deleted), so
+downloaded artifacts and checkpoints together stay within the bound. An entry evicted while a
+process still reads it stays readable to that process (POSIX keeps unlinked files open); callers
+that keep using a path link it first (`link_into`).
 
 Bucket calls go through `on_bucket`: a host that does not answer is tried `TRIES` times with a
 growing pause; that, refused credentials, or a bucket gone are an `BucketError` of one line naming
@@ -25,11 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import shutil
 import socket
+import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,6 +49,7 @@ MAX_GB_ENV = "GRISTMILL_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
 OBJECTS = "objects"
 LOCK = "cache.lock"
+TREES = "trees"
 TRIES = 3  # tries of a bucket call whose host does not answer
 PAUSE_S = 1.0  # pause after the first failed try; doubled after each next one
 
@@ -120,7 +130,7 @@ class ObjectCache:
     def entry(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256
 
-    def fetch(self, url: str, size: int, sha256: str) -> Path:
+    def fetch(self, url: str, size: int, sha256: str, *, evict: bool = True) -> Path:
         """The local copy of the object at `url`, whose record says it has `size` bytes of digest
         `sha256`: the cached entry when there is one, else downloaded, verified and put in place
         (then older entries evicted down to the bound). ObjectDamaged when the bucket's bytes
@@ -144,7 +154,8 @@ class ObjectCache:
                 os.replace(incoming, entry)
         finally:
             incoming.unlink(missing_ok=True)
-        self.evict(keep=entry)
+        if evict:
+            self.evict(keep=entry)
         return entry
 
     def put(self, path: Path, sha256: str) -> Path:
@@ -163,8 +174,6 @@ class ObjectCache:
             try:
                 os.link(path, incoming)
             except OSError:  # another filesystem
-                import shutil
-
                 shutil.copyfile(path, incoming)
             with self._locked():
                 os.replace(incoming, entry)
@@ -172,6 +181,32 @@ class ObjectCache:
             incoming.unlink(missing_ok=True)
         self.evict(keep=entry)
         return entry
+
+    def fill(self, directory: Path, objects: Mapping[str, tuple[str, int, str]]) -> None:
+        """Put each object (relative path -> (URL, bytes, sha256)) at `directory/<path>`, hard-linked
+        from its fetched entry; no eviction: the caller registers the folder (`keep_tree`), which
+        evicts with the folder counted, so its objects are not taken while it is being filled."""
+        for rel, (url, size, sha256) in objects.items():  # evicted after, once: it scans the whole cache
+            link_into(self.fetch(url, size, sha256, evict=False), Path(directory) / rel)
+
+    def _tree_link(self, folder: Path) -> Path:
+        return self.dir / TREES / hashlib.sha256(str(Path(folder).resolve()).encode()).hexdigest()[:32]
+
+    def keep_tree(self, folder: Path) -> None:
+        """Count `folder` (filled by `fill`) in the bound, and let eviction delete it when it is the
+        least recently used; `touch_tree` marks it used."""
+        link = self._tree_link(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(f".{link.name}.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(Path(folder).resolve())
+        os.replace(tmp, link)
+        self.evict(keep=link)
+
+    def touch_tree(self, folder: Path) -> None:
+        link = self._tree_link(folder)
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(link, follow_symlinks=False)
 
     def _download(self, url: str, dest: Path) -> None:
         import fsspec
@@ -182,22 +217,35 @@ class ObjectCache:
     def entries(self) -> list[Path]:
         return [p for p in self.dir.glob("??/*") if p.is_file()] if self.dir.is_dir() else []
 
+    def trees(self) -> list[Path]:
+        """The links of the folders `keep_tree` registered whose folder is still there."""
+        folder = self.dir / TREES
+        return [p for p in folder.glob("*") if not p.name.startswith(".") and p.is_dir()] if folder.is_dir() else []
+
     def size(self) -> int:
-        return sum(_size(p) or 0 for p in self.entries())
+        """Bytes on disk of the entries and the registered folders, each file counted once."""
+        return _Usage(self.entries(), self.trees()).total
 
     def evict(self, keep: Path | None = None) -> list[Path]:
-        """Delete the least recently used entries until the rest fit the bound (never `keep`, the
-        one just fetched, even if alone it is larger); returns what was deleted."""
+        """Delete the least recently used entries and registered folders until the rest fit the
+        bound (never `keep`, the one just fetched, even if alone it is larger); returns what went."""
         with self._locked():
-            aged = sorted(((p.stat().st_mtime, p) for p in self.entries()), reverse=True)
-            total, evicted = 0, []
-            for _, path in aged:  # newest first: what fits stays
-                size = _size(path) or 0
-                if total + size > self.limit and path != keep:
-                    path.unlink(missing_ok=True)
-                    evicted.append(path)
+            entries, trees = self.entries(), self.trees()
+            usage = _Usage(entries, trees)
+            units = sorted((p.lstat().st_mtime, p) for p in [*entries, *trees] if p != keep)
+            evicted = []
+            for _, oldest in units:
+                if usage.total <= self.limit:
+                    break
+                usage.drop(oldest)
+                if oldest in trees:
+                    _remove_tree(oldest)
                 else:
-                    total += size
+                    oldest.unlink(missing_ok=True)
+                evicted.append(oldest)
+            for link in (self.dir / TREES).glob("*") if (self.dir / TREES).is_dir() else []:
+                if not link.exists():  # its folder was removed by other means
+                    link.unlink(missing_ok=True)
             return evicted
 
     @contextlib.contextmanager
@@ -206,6 +254,46 @@ class ObjectCache:
         with (self.dir / LOCK).open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
+
+
+class _Usage:
+    """Bytes on disk of a set of entries and folders, each file (inode) counted once, however many
+    of them link it; `drop` takes one out."""
+
+    def __init__(self, entries: list[Path], trees: list[Path]):
+        self.links: dict[tuple[int, int], int] = {}
+        self.sizes: dict[tuple[int, int], int] = {}
+        self.files = {unit: self._files(unit) for unit in [*entries, *trees]}
+        for inodes in self.files.values():
+            for inode in inodes:
+                self.links[inode] = self.links.get(inode, 0) + 1
+        self.total = sum(self.sizes.values())
+
+    def _files(self, unit: Path) -> list[tuple[int, int]]:
+        found = []
+        for path in [unit] if unit.is_file() else unit.rglob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                info = path.stat()
+                if stat.S_ISREG(info.st_mode):
+                    self.sizes[(info.st_dev, info.st_ino)] = info.st_size
+                    found.append((info.st_dev, info.st_ino))
+        return found
+
+    def drop(self, unit: Path) -> None:
+        for inode in self.files.pop(unit, []):
+            self.links[inode] -= 1
+            if self.links[inode] == 0:
+                self.total -= self.sizes[inode]
+
+
+def _remove_tree(link: Path) -> None:
+    """Delete a registered folder (renamed aside first, so nobody finds it half deleted) and its link."""
+    with contextlib.suppress(FileNotFoundError):
+        folder = link.resolve(strict=True)
+        aside = folder.with_name(f".{folder.name}.download-evicted-{os.getpid()}")
+        os.replace(folder, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    link.unlink(missing_ok=True)
 
 
 def _size(path: Path) -> int | None:
@@ -228,6 +316,4 @@ def link_into(entry: Path, dest: Path) -> None:
     try:
         os.link(entry, dest)
     except OSError:
-        import shutil
-
         shutil.copyfile(entry, dest)

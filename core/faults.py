@@ -1,8 +1,9 @@
 """Injected faults: `fault_point(where)` marks a point where a crash is too short-lived to hit with
 a timed kill, so the fault suite (`python -m bench chaos`) and the tests can stop a run exactly
 there. Points: `commit:<stage>` (a stage's manifest written, its directory not yet renamed into
-place; infra/artifacts.py) and `checkpoint:<step>` (a training checkpoint of that step just put in
-place; model/checkpoint.py).
+place; infra/artifacts.py), `checkpoint-files:<step>` (a training checkpoint's files written, its
+marker not yet) and `checkpoint:<step>` (a training checkpoint of that step just put in place;
+model/checkpoint.py).
 
     GRISTMILL_FAULT=<point>                  the process dies there as a crash would (SIGKILL)
     GRISTMILL_FAULT_ONCE=<file> (with it)    instead the point raises InjectedFault, and only

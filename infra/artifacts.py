@@ -11,8 +11,11 @@
 
 With `GRISTMILL_STORE=s3://bucket/prefix` the committed outputs live in the bucket and <root> is
 this machine's copy of them (infra/remote_store.py): a commit uploads the output, its manifest
-last, before the local rename; an output absent here is downloaded when a run asks for it; a lease
-object, beside the flock, makes two runs on any machines compute a key once.
+last, before the local rename; an output absent here is downloaded when a run asks for it, its
+files through this node's object cache (core/cache.py: verified, hard-linked, so stored once) and
+the output counted in the cache's bound, so the least recently used downloads are deleted again
+(a later run downloads them anew); a lease object, beside the flock, makes two runs on any
+machines compute a key once.
 
 A key is a hash of the stage name and version, its hashed config, the keys of its upstream
 artifacts and a fingerprint of any external inputs. An output counts as complete only when it
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from core.cache import ObjectCache
 from core.faults import fault_point
 from core.files import describe_files
 from core.stage import Manifest
@@ -65,6 +69,7 @@ from infra.integrity import (
     unlisted,
 )
 from infra.remote_store import RemoteStore
+from infra.store_records import CORPUS, StoreRecords
 from model.checkpoint import store_env as checkpoint_store_env
 
 __all__ = ["CONFIG", "CORPUS", "MANIFEST", "SMALL_FILE_BYTES", "ArtifactStore", "Contracts", "Damage", "Entry",
@@ -73,7 +78,6 @@ __all__ = ["CONFIG", "CORPUS", "MANIFEST", "SMALL_FILE_BYTES", "ArtifactStore", 
 STORE_ENV = "GRISTMILL_STORE"  # where committed outputs live: a local path or s3://bucket/prefix
 CONFIG = "config.json"
 KEY_LENGTH = 12  # hex chars of sha256: 48 bits, ample for one project's artifacts
-CORPUS = "corpus"  # not a stage: the chain of corpus versions over collect artifacts
 # stage -> glob patterns of the files every output of it lists (what its downstream stages read)
 Contracts = Mapping[str, Sequence[str]]
 
@@ -122,7 +126,7 @@ _IN_CORPUS: tuple[tuple[EntryKind, str, bool | None], ...] = (
     ("corpus", r"versions\.(jsonl|tmp)", False), ("lock", r"corpus-[\w.-]+\.lock", False), ("set aside", _ASIDE, None))
 
 
-class ArtifactStore:
+class ArtifactStore(StoreRecords):
     """Materializes stage outputs under `root`, reusing any complete output with the same key;
     `verify_on_reuse` says how a reused output's files are checked: "size" (the small ones
     hashed too) or "sha256" (every byte). With `remote`, `root` is this machine's copy of it.
@@ -151,6 +155,7 @@ class ArtifactStore:
             return manifest
         if manifest is None:
             return self._download(self.remote, stage, key)
+        ObjectCache().touch_tree(manifest.path)  # a downloaded output, used: the last to be evicted
         if self.remote.manifest(stage, key) is None:  # committed here before the store had a bucket
             self.remote.upload(stage, key, manifest.path, list(manifest.files))
         return manifest
@@ -176,13 +181,16 @@ class ArtifactStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         fetching = Path(tempfile.mkdtemp(prefix=f".{final.name}.download-", dir=final.parent))
         try:
-            remote.download(stage, key, list(record.get("files", {})), fetching)
+            remote.download(stage, key, [], fetching)  # the manifest; its files through the cache:
+            ObjectCache().fill(fetching, {rel: (f"{remote.url_of(stage, key)}/{rel}", info["bytes"], info["sha256"])
+                                          for rel, info in file_records(record).items()})  # a path outside: left out
             if self._complete(fetching, stage, key) is None:
                 raise OSError(f"{remote.url_of(stage, key)} differs from its manifest")
             if final.exists() and self._complete(final, stage, key) is None:
                 shutil.rmtree(final)  # an incomplete leftover
             with contextlib.suppress(OSError):  # a concurrent download may have put it there first
                 os.replace(fetching, final)
+            ObjectCache().keep_tree(final)  # within the cache's bound, evicted when least used
         finally:
             shutil.rmtree(fetching, ignore_errors=True)
         log.info("%s-%s: downloaded from %s", stage, key, remote.url_of(stage, key))
@@ -374,49 +382,6 @@ class ArtifactStore:
         if (manifest := self.load(stage, key)) is None:
             raise OSError(f"{final}: the output just committed fails the checks of reuse (see the warning above)")
         return manifest
-
-    # --- data gates: a person's decisions on an output whose numbers tripped a gate (flows/gates.py) ---
-
-    def gate_decisions(self, stage: str, key: str) -> list[dict[str, Any]]:
-        """Every decision recorded on (stage, key)'s gates, oldest first."""
-        path = self._gates_file(stage, key)
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def add_gate_decision(self, stage: str, key: str, record: dict[str, Any]) -> None:
-        """Append one decision: one line, written with a single append."""
-        path = self._gates_file(stage, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as out:
-            out.write(canonical_json(record) + "\n")
-
-    def _gates_file(self, stage: str, key: str) -> Path:
-        return self.root / stage / f"{stage}-{key}.gates.jsonl"
-
-    # --- corpus versions: collect artifacts chained by data refreshes (flows/refresh.py) ---
-
-    def corpus_versions(self) -> list[dict[str, Any]]:
-        """Every published corpus version, oldest first: {version, parent_version, collect_key,
-        inputs (input -> its version stamp when collected), stats...}."""
-        path = self.root / CORPUS / "versions.jsonl"
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def collect_dir(self, version: dict[str, Any]) -> Path:
-        """The collect artifact holding one corpus version's documents and dedup index."""
-        return self.final_dir("collect", version["collect_key"])
-
-    def add_corpus_version(self, record: dict[str, Any]) -> None:
-        """Publish one version (call under `lock(CORPUS, ...)`, so numbers follow each other); the
-        file is replaced atomically, so a crash leaves the chain as it was before or after."""
-        path = self.root / CORPUS / "versions.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lines = "".join(canonical_json(r) + "\n" for r in [*self.corpus_versions(), record])
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(lines)
-        os.replace(tmp, path)
 
 
 def _manifest_of(directory: Path) -> dict[str, Any]:

@@ -238,3 +238,44 @@ def test_the_default_bound_comes_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("GRISTMILL_CACHE_MAX_GB", "0.5")
     monkeypatch.setenv("GRISTMILL_CACHE", str(tmp_path))
     assert ObjectCache().limit == 2**29 and ObjectCache().dir == tmp_path / "objects"
+
+
+def _output(store, stage: str, size: int):
+    import os
+
+    def compute(partial: Path) -> dict:
+        (partial / "shards").mkdir()
+        (partial / "shards" / "train.bin").write_bytes(os.urandom(size))
+        return {"config": {"size": size}, "upstream": {}, "stats": {}, "meta": {}}
+
+    return store.materialize(stage, "0123456789ab", compute)[0]
+
+
+def test_downloaded_artifacts_live_in_the_bounded_cache(bucket, tmp_path, monkeypatch):
+    """Another node's copy of two outputs: fetched through its cache (stored once, hard links),
+    the least recently used one deleted again when both exceed the bound, downloaded anew when a
+    run asks for it; wiping the cache changes nothing but time."""
+    from infra.artifacts import ArtifactStore
+    from infra.remote_store import RemoteStore
+
+    one = ArtifactStore(tmp_path / "one", remote=RemoteStore(bucket))
+    made = {stage: _output(one, stage, 30_000) for stage in ("tokenize", "pretrain")}
+    monkeypatch.setenv("GRISTMILL_CACHE", str(tmp_path / "node-cache"))
+    monkeypatch.setenv("GRISTMILL_CACHE_MAX_GB", str(45_000 / 2**30))  # room for one output, not two
+    other = ArtifactStore(tmp_path / "other", remote=RemoteStore(bucket))
+    tokens = other.load("tokenize", "0123456789ab")
+    assert tokens is not None and tokens.path.is_relative_to(tmp_path / "other")
+    shard = tokens.path / "shards" / "train.bin"
+    assert shard.read_bytes() == (made["tokenize"].path / "shards" / "train.bin").read_bytes()
+    assert shard.stat().st_nlink == 2  # the cache's entry and the store's copy: one file on disk
+    assert ObjectCache().size() < 45_000
+    assert other.load("pretrain", "0123456789ab") is not None  # tokenize is now the least recently used
+    assert not tokens.path.exists() and ObjectCache().size() <= 45_000
+    assert other.verify() == []  # nothing half deleted is left to count
+    again = other.load("tokenize", "0123456789ab")  # downloaded anew
+    assert again is not None and (again.path / "shards" / "train.bin").read_bytes() == \
+        (made["tokenize"].path / "shards" / "train.bin").read_bytes()
+    import shutil
+
+    shutil.rmtree(tmp_path / "node-cache")  # wiped: the local copies stay, and so do their answers
+    assert other.load("tokenize", "0123456789ab") is not None and other.load("pretrain", "0123456789ab") is not None

@@ -43,6 +43,9 @@ class LaunchConfig(StageConfig):
         "Machines the processes are spread over: with backend ray, nodes of the Ray cluster; with accelerate "
         "the pipeline launches on this machine only (1), and for more you run the per-node command that "
         "`gristmill run --dry-run` prints on each."))
+    max_failures: int = Field(default=1, ge=0, description=(
+        "backend ray: times a failed group of workers (one whose node was lost included) is started again, "
+        "on the nodes there are then; the stage resumes from its last checkpoint."))
     accelerate_config: str | None = Field(
         default=None, description="Accelerate config file (e.g. infra/accelerate/multinode.yaml, or your own; "
                                   "fsdp_gpu.yaml shards align's trainers). None: infra/accelerate/ddp_gpu.yaml on a "

@@ -3,10 +3,13 @@
 `backend: accelerate`: the stage's Prefect task starts Accelerate's launcher with one
 `python -m flows.launched` rank per process (infra/launch.py supervises it); `backend: ray`:
 the Ray Train driver (infra/ray_train.py), whose workers run the same ranks, supervised alike. The ranks plan the
-run from this run's config, so they train into the same `.partial` directory the task's store
-lock guards; rank 0 hands the stats back in a file, and the task commits the manifest only once
-every rank exited 0. Their log lines reach the task's log with the rank in front; the step
-metrics reach MLflow from rank 0's metrics.jsonl (flows/pipeline.py follows it).
+run from this run's config, so they train into the stage's `.partial` directory (the one the task's
+store lock guards, or its namesake on another node's disk); rank 0 hands the stats back in a file
+(through Ray from another node), and the task commits the manifest only once every rank exited 0.
+Their log lines reach the task's log with the rank in front; the step metrics reach MLflow from
+rank 0's metrics.jsonl (flows/pipeline.py follows it). Ray Train's nodes need no disk of this
+machine's when the store is on a bucket: rank 0 uploads its outputs there and the task downloads
+them into its `.partial` directory before committing (`upload_outputs`, `download_outputs`).
 
 The same ranks, started by hand on each node of a cluster without Ray, commit the artifact
 themselves (`--commit`): `per_node_command` is what `gristmill run --dry-run` prints for it.
@@ -20,12 +23,16 @@ import shlex
 import tempfile
 from pathlib import Path
 
+import fsspec
+
 from core import progress
 from core.launch import REPO, LaunchConfig, on_cuda
 from core.stage import StageResult
 from flows.config import PipelineConfig
 from flows.dag import PlannedStage, stage_device
+from infra.artifacts import ArtifactStore
 from infra.launch import PREFIX, accelerate_argv, ray_argv, run_launcher
+from model.checkpoint import CHECKPOINTS_DIR
 
 
 def _cuda(stage: PlannedStage) -> bool:
@@ -39,18 +46,28 @@ def _launch(stage: PlannedStage) -> LaunchConfig:
 
 
 def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
-             logger: logging.Logger | logging.LoggerAdapter) -> StageResult:
-    """Train `stage` into `partial_dir` under `accelerate launch` with its launch's processes;
-    raises infra.launch.LaunchFailed (one line) when a rank fails."""
+             logger: logging.Logger | logging.LoggerAdapter, store: ArtifactStore | None = None) -> StageResult:
+    """Train `stage` into `partial_dir` under `accelerate launch` (or Ray Train) with its launch's
+    processes; raises infra.launch.LaunchFailed (one line) when a rank fails. With Ray and a store
+    on a bucket, rank 0 may run on a node that shares no disk with this one: its outputs come
+    through the bucket into `partial_dir`."""
     launch = _launch(stage)
-    # Beside the partial dir, on the store: the ranks of a Ray cluster's other nodes see it too.
+    on_ray = launch.backend == "ray"
+    via_bucket = on_ray and store is not None and store.remote is not None
+    if on_ray and launch.nodes > 1 and not via_bucket:
+        logger.warning("%s: launch.nodes=%d with the artifact store on this machine's disk: every node must see "
+                       "GRISTMILL_HOME (a shared disk), or set GRISTMILL_STORE=s3://... so that nodes share nothing "
+                       "but the bucket", stage.spec.name, launch.nodes)
     with tempfile.TemporaryDirectory(prefix=f".{partial_dir.name}-launch-", dir=partial_dir.parent) as scratch:
         scratch = Path(scratch)
         (scratch / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
         worker = ["-m", "flows.launched", str(scratch / "config.json"), stage.spec.name,
-                  "--result", str(scratch / "result.json")]
-        launcher = accelerate_argv if launch.backend == "accelerate" else ray_argv
-        argv = launcher(launch, worker, cuda=_cuda(stage), log_dir=scratch / "logs")
+                  "--result", str(scratch / "result.json"), *(["--upload"] if via_bucket else [])]
+        if on_ray:  # the config goes to the workers' nodes and the result comes back, through Ray
+            argv = ray_argv(launch, worker, cuda=_cuda(stage), ship=[scratch / "config.json"],
+                            result=scratch / "result.json")
+        else:
+            argv = accelerate_argv(launch, worker, cuda=_cuda(stage), log_dir=scratch / "logs")
         logger.info("%s: %d x %d processes (%s) into %s: %s", stage.spec.name, launch.nodes, launch.processes,
                     launch.backend, partial_dir, shlex.join(argv))
         # Rank 0 relays its progress (core/progress.py): drawn here, on this console and in the
@@ -59,7 +76,34 @@ def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
             run_launcher(argv, on_line=lambda line: _relay(line, relayed, logger),
                          env={**os.environ, progress.RELAY_VAR: "1"})
         result = json.loads((scratch / "result.json").read_text())
+    if via_bucket and store is not None:
+        download_outputs(store, partial_dir, result["uploaded"])
     return StageResult(stats=result["stats"], artifacts=result["artifacts"])
+
+
+def _outputs(partial: Path) -> list[str]:
+    """A partial folder's outputs: its files but the checkpoints (the stage's own working state)."""
+    return sorted(path.relative_to(partial).as_posix() for path in partial.rglob("*")
+                  if path.is_file() and path.relative_to(partial).parts[0] != CHECKPOINTS_DIR)
+
+
+def upload_outputs(store: ArtifactStore, partial: Path) -> list[str]:
+    """Rank 0's outputs in `partial` (on its own node) to the partial folder's place on the store's
+    bucket, for the driver on another node to commit; returns what it uploaded."""
+    fs, remote = fsspec.core.url_to_fs(store.remote_location(partial))
+    files = _outputs(partial)
+    fs.put([str(partial / rel) for rel in files], [f"{remote}/{rel}" for rel in files])
+    return files
+
+
+def download_outputs(store: ArtifactStore, partial: Path, files: list[str]) -> None:
+    """What `upload_outputs` put on the bucket, into the driver's `partial` folder (replacing what
+    is there: a rank 0 on this node wrote the same bytes), then off the bucket."""
+    fs, remote = fsspec.core.url_to_fs(store.remote_location(partial))
+    for rel in files:
+        (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+    fs.get([f"{remote}/{rel}" for rel in files], [str(partial / rel) for rel in files])
+    fs.rm([f"{remote}/{rel}" for rel in files])
 
 
 def _relay(line: str, relayed: progress.Relayed, logger: logging.Logger | logging.LoggerAdapter) -> None:

@@ -6,8 +6,10 @@ Every rank plans the run from the same config (so the same artifact key), reads 
 artifacts from the store and trains its share into the stage's `.partial` directory (the training
 code's Accelerator joins the launcher's process group). Then:
 
-- `--result FILE` (the pipeline's accelerate backend, flows/pipeline.py): rank 0 writes the stage's
-  stats there; the pipeline, the ranks' parent, commits the manifest once every rank exited 0.
+- `--result FILE` (the pipeline's launched backends, flows/launch.py): rank 0 writes the stage's
+  stats there; the pipeline commits the manifest once every rank exited 0. With `--upload` (Ray
+  Train on nodes that share only the store's bucket) rank 0 first uploads its outputs to the
+  partial folder's place on the bucket, and the pipeline downloads them before it commits.
 - `--commit` (by hand, one launcher per node: the command `gristmill run --dry-run` prints): once
   every rank has finished, rank 0 commits the manifest, so the pipeline then reuses the artifact.
 """
@@ -26,6 +28,7 @@ from core import progress
 from core.stage import Manifest, SerialEngine
 from flows.config import PipelineConfigBase, load_config
 from flows.dag import PlannedStage, manifest_fields, open_store, plan, run_planned
+from flows.launch import upload_outputs
 from infra import env
 from infra.artifacts import ArtifactStore
 
@@ -41,8 +44,11 @@ def _planned(config: PipelineConfigBase, stage: str,
     for name in target.spec.upstream:
         manifest = store.load(name, planned[name].key)
         if manifest is None:
+            shared = "" if store.remote is not None else (
+                " on this node (a rank on another node needs GRISTMILL_HOME on a disk every node shares, "
+                "or GRISTMILL_STORE=s3://... )")
             raise SystemExit(f"gristmill: {stage} needs {name}-{planned[name].key}, which is not in the "
-                             f"store {store.root}; run `gristmill run CONFIG --until {name}` first")
+                             f"store {store.root}{shared}; run `gristmill run CONFIG --until {name}` first")
         upstream[name] = manifest
     return target, upstream
 
@@ -72,6 +78,9 @@ def _main(argv: Sequence[str] | None) -> int:
     done = parser.add_mutually_exclusive_group(required=True)
     done.add_argument("--result", type=Path, help="rank 0 writes the stage's stats here")
     done.add_argument("--commit", action="store_true", help="rank 0 commits the manifest")
+    parser.add_argument("--upload", action="store_true",
+                        help="with --result: rank 0 uploads its outputs to the store's bucket, for a driver on "
+                             "another node (flows/launch.py), and lists them in the result")
     args = parser.parse_args(argv)
     output = logging.StreamHandler(sys.stdout)
     output.addFilter(progress.mark_progress_lines)  # the parent tells progress lines apart by their mark
@@ -91,7 +100,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if rank != 0:
         return 0
     if args.result is not None:
-        args.result.write_text(json.dumps({"stats": result.stats, "artifacts": result.artifacts}))
+        uploaded = upload_outputs(store, partial) if args.upload else []
+        args.result.write_text(json.dumps({"stats": result.stats, "artifacts": result.artifacts,
+                                           "uploaded": uploaded}))
         return 0
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fields = manifest_fields(stage, upstream, result, {"launch": {

@@ -124,7 +124,7 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
         with PeakRSS() as peak, runtime.tracker.follow_metrics(run_id, partial_dir / METRICS_FILE), \
                 stage_progress(stage.spec.name):
             if launch is not None and launch.backend != "inline":
-                result = launched(stage, runtime.config, partial_dir, get_run_logger())
+                result = launched(stage, runtime.config, partial_dir, get_run_logger(), runtime.store)
             else:
                 engine = _engine(stage, runtime.store)
                 try:

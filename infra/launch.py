@@ -68,15 +68,20 @@ def accelerate_argv(launch: LaunchConfig, worker: Sequence[str], *, cuda: bool, 
     return [*argv, *worker]
 
 
-def ray_argv(launch: LaunchConfig, worker: Sequence[str], *, cuda: bool, log_dir: Path) -> list[str]:
+def ray_argv(launch: LaunchConfig, worker: Sequence[str], *, cuda: bool, ship: Sequence[Path] = (),
+             result: Path | None = None) -> list[str]:
     """The Ray Train driver (infra/ray_train.py) of `worker` (`-m module args...`) with
-    `launch.processes` workers on each of `launch.nodes` nodes of the RAY_ADDRESS cluster."""
+    `launch.processes` workers on each of `launch.nodes` nodes of the RAY_ADDRESS cluster. The
+    nodes need no disk of this machine's: the `ship` files travel to the workers, and rank 0's
+    `result` file comes back, through Ray."""
     flag, module, *args = worker
     assert flag == "-m", worker
     precision = [] if launch.mixed_precision == "auto" else ["--mixed-precision", launch.mixed_precision]
     return [sys.executable, "-m", "infra.ray_train", "--processes", str(launch.processes),
-            "--nodes", str(launch.nodes), *(["--gpu"] if cuda else []), *precision,
-            "--log-dir", str(log_dir), module, *args]
+            "--nodes", str(launch.nodes), "--max-failures", str(launch.max_failures),
+            *(["--gpu"] if cuda else []), *precision,
+            *(arg for path in ship for arg in ("--ship", str(path))),
+            *(["--result", str(result)] if result else []), module, *args]
 
 
 def _failure(lines: list[str], returncode: int) -> str:

@@ -40,6 +40,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("gristmill.ray")
 MAX_RESTARTS = 3  # of a worker that died, each time retrying the call it was running
+# What a worker on another node needs of the driver's environment: the store, the shared data, the
+# offline switches, the bucket's endpoint and credentials (a joined cluster's nodes were started
+# without them; a local Ray's workers inherit them anyway).
+PASSED_VARS = ("GRISTMILL_", "HF_", "TOKENIZERS_", "OMP_NUM_THREADS", "PYTHONPATH", "AWS_")
+
+
+def driver_env() -> dict[str, str]:
+    """This process's variables that its workers on the cluster's nodes get (PASSED_VARS)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PASSED_VARS)}
 # Ray's sockets live at <temp root>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store, up to
 # 64 characters below the root, and a Unix socket's path may not exceed 107.
 TEMP_ROOT_MAX_CHARS = 40
@@ -84,7 +93,7 @@ class RayEngine:
         if ray.is_initialized():
             return
         if address:
-            ray.init(address=address, log_to_driver=False, runtime_env=self.runtime_env)
+            ray.init(address=address, log_to_driver=False, runtime_env=self.runtime_env or {"env_vars": driver_env()})
         else:
             self._temp_root = init_local(self.num_workers, self.runtime_env)
             self._started_here = True

@@ -144,6 +144,16 @@ class TwoRayNodes(dict):
         assert self.second is not None
         return next(p for p in psutil.Process(self.second.pid).children(recursive=True) if p.name() == "raylet")
 
+    def replace_second(self) -> None:
+        """A fresh second node (an empty disk again) for one that was lost: once the head has seen
+        it go, as Kubernetes starts a new pod for a lost one."""
+        deadline = time.monotonic() + 120
+        while self.alive() > 1:
+            assert time.monotonic() < deadline, "the head still counts the lost node alive after 120 s"
+            time.sleep(1)
+        self.stop_second()  # what is left of it
+        self.start_second()
+
     def stop_second(self) -> None:
         _stop(self.second)
         self.second = None
@@ -173,6 +183,7 @@ def two_ray_nodes(root: Path, private: list[Path] | None = None) -> Iterator[Two
     empty tmpfs over, `private_dirs(root)` by default); yields them, the environment a driver
     joins them with. Each node is stopped by its session, the second first."""
     _check_unshare()
+    root.mkdir(parents=True, exist_ok=True)
     cluster = TwoRayNodes(root, private if private is not None else private_dirs(root))
     try:
         cluster.start_head()

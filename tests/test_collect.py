@@ -3,17 +3,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pydantic
 import pytest
 from collect_helpers import TINY_CLEANING
-from pipeline_helpers import REPO, cli_env, committed_dir
 
 import tasks.collect.clean.filters as text_filters
 import tasks.collect.read.demo_crawl as demo_crawl
@@ -428,31 +424,3 @@ def test_missing_extractor_dependency_fails_loudly(shared_data, tmp_path, monkey
     config = collect.Config(sources=[str(shared_data / "warc" / "warcio_examples")])
     with pytest.raises(ImportError, match="lxml_html_clean"):
         collect.run(config, tmp_path / "out", engine=SerialEngine())
-
-
-@pytest.mark.slow
-def test_collect_on_two_ray_nodes_runs_units_on_both_and_writes_the_local_runs_bytes(tiny_run, two_ray_nodes,
-                                                                                    prefect_server, tmp_path):
-    """The real CLI's collect with RAY_ADDRESS naming a head and a second node (tests/ray_cluster.py):
-    its work units run on both nodes (the manifest's `units_per_node`, the map's log line), and it
-    commits the shared local-Ray run's artifact, under the same key, byte for byte."""
-    home = tmp_path / "home"
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
-                           "--until", "collect"], cwd=REPO, env=cli_env(home, {**two_ray_nodes, **prefect_server}),
-                          capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    ours, local = committed_dir(home, "collect"), tiny_run.committed["collect"]
-    assert ours.name == local.name  # the engine is not part of the key
-
-    manifest = json.loads((ours / "manifest.json").read_text())
-    placed = manifest["stats"]["units_per_node"]["process_unit"]
-    units = int(re.search(r"collect: (\d+) work units", out)[1])
-    assert len(placed) == 2 and sum(placed.values()) == units and min(placed.values()) > 0, placed
-    logged = re.search(r"process_unit: (\d+) units, per Ray node: (\w+) (\d+), (\w+) (\d+)", out)
-    assert logged and int(logged[1]) == units and {logged[2], logged[4]} == {n[:8] for n in placed}, out[-4000:]
-
-    files = json.loads((local / "manifest.json").read_text())["files"]
-    assert sorted(manifest["files"]) == sorted(files) and "docs/part-00000.jsonl.gz" in files
-    for rel in files:
-        assert (ours / rel).read_bytes() == (local / rel).read_bytes(), rel

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -281,45 +280,3 @@ def test_a_ray_worker_that_died_is_named_not_the_ranks_it_took_down():
         "rank 1: its process died (killed, or out of memory)"
     assert failure_line(WorkerGroupError("x", {0: collateral})) == \
         "rank 0: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:29853."
-
-
-def _ray_ranks(home: Path) -> dict[int, psutil.Process]:
-    """RANK -> process of the Ray Train workers of the launch in flight in `home` (from the first
-    line each writes to its log: `rank N of W on node ID (pid P)`)."""
-    ranks = {}
-    for log in (home / "artifacts").glob("*/.*-launch-*/logs/rank-*.log"):
-        first = log.read_text().splitlines()[:1]
-        if first and "(pid " in first[0]:
-            ranks[int(first[0].split()[1])] = psutil.Process(int(first[0].rsplit("(pid ", 1)[1].rstrip(")")))
-    return ranks
-
-
-@pytest.mark.slow
-def test_ray_backend_trains_across_two_nodes_as_one_process_does(tiny_run, two_ray_nodes, prefect_server, tmp_path):
-    """pretrain with `backend: ray`, one process on each of two Ray nodes (a head and a second
-    node on this machine): the two workers run on different nodes, their lines reach the run's
-    output with the rank in front; SIGTERM (what a cancel sends) stops the run and both workers
-    within 10 s, as Ctrl-C does under Accelerate; kill -9 of
-    a worker fails the stage in one line; the re-run resumes and trains the shared inline run's
-    loss curve and validation loss within 1e-4, under the same key."""
-    home = tiny_run.home_with(tmp_path / "home", ("collect", "tokenize"))
-    on_ray = ["pretrain.launch.backend=ray", "pretrain.launch.processes=1", "pretrain.launch.nodes=2"]
-    args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *on_ray,
-            "pretrain.checkpoint_every=20", "--until", "pretrain"]
-    env = cli_env(home, {**two_ray_nodes, **prefect_server})
-    _stops_on(signal.SIGTERM, *_start_and_await_a_checkpoint(args, home, env, lambda _: _ray_ranks(home)))
-
-    proc, ranks = _start_and_await_a_checkpoint(args, home, env, lambda _: _ray_ranks(home))
-    killed_at = max(checkpoint_steps(home))
-    ranks[1].kill()
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 1
-    assert "gristmill: rank 1: its process died (killed, or out of memory)" in err.splitlines(), err[-3000:]
-    assert "resuming from step" in out + err
-    placed = dict(re.findall(r"\[rank(\d)\]:rank \1 of 2 on node (\w+)", out + err))
-    assert sorted(placed) == ["0", "1"] and len(set(placed.values())) == 2, placed  # a node each
-
-    rerun = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
-    _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run, killed_at,
-                                  {"backend": "ray", "processes": 1, "nodes": 2, "world_size": 2})

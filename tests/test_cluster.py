@@ -1,0 +1,139 @@
+"""The pipeline on a Ray cluster whose nodes share nothing but the object store: the `two_ray_nodes`
+fixture's second node has an empty private disk (tests/ray_cluster.py) and the artifacts live on
+the `s3_server` fixture's bucket (GRISTMILL_STORE=s3://...). Whatever the stages need travels
+through the bucket or through Ray; a path only the driver has fails the worker given it in one
+line. The single-machine run they are compared with is the shared `tiny_run`."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from pipeline_helpers import REPO, STAGES, cli_env, committed_dir, manifest_files
+
+from core.stage import read_metrics
+
+BUCKET = "crawl"
+# pretrain, SFT and align (GRPO) as Ray Train workers, one on each node; collect and tokenize's
+# Ray workers and evaluate (no Ray backend) as they always run on RAY_ADDRESS's cluster
+ON_TWO_NODES = [f"{stage}.launch.{key}={value}" for stage in ("pretrain", "sft", "align")
+                for key, value in (("backend", "ray"), ("processes", 1), ("nodes", 2))]
+CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss"), "align": ("reward", "kl", "loss")}
+
+
+def _objects(prefix: str) -> set[str]:
+    import boto3
+
+    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {item["Key"].removeprefix(prefix) for page in pages for item in page.get("Contents", [])}
+
+
+def _same_curves(ours: Path, theirs: Path, keys: tuple[str, ...]) -> None:
+    """The committed metrics of two runs of a stage: the same steps, each curve within 1e-4."""
+    mine, reference = read_metrics(ours / "metrics.jsonl"), read_metrics(theirs / "metrics.jsonl")
+    assert [r["step"] for r in mine] == [r["step"] for r in reference]
+    for key in keys:
+        expected = [r[key] for r in reference if key in r]
+        assert expected and [r[key] for r in mine if key in r] == pytest.approx(expected, abs=1e-4), (ours, key)
+
+
+@pytest.mark.slow
+def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_commits_the_single_machine_runs_artifacts(
+        tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path):
+    """`gristmill run configs/tiny.yaml` with the store on the bucket, the training stages on Ray
+    Train across the two nodes: every stage commits on the bucket under the single-machine run's
+    key, collect's and tokenize's units ran on both nodes, each training stage had a rank on each
+    node (their lines reach the run's output with the rank in front), and the loss curves are the
+    single-machine run's within 1e-4."""
+    home = tmp_path / "home"
+    services = {**two_ray_nodes, **prefect_server, **s3_server, "GRISTMILL_STORE": f"s3://{BUCKET}/cluster"}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
+                           *ON_TWO_NODES], cwd=REPO, env=cli_env(home, services), capture_output=True, text=True,
+                          timeout=1500)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    print(f"the pipeline on two nodes: {time.monotonic() - started:.0f} s")
+
+    on_bucket = _objects("cluster/")
+    for stage in STAGES:
+        name = tiny_run.committed[stage].name
+        assert committed_dir(home, stage).name == name  # the launch is not part of the key
+        assert f"{stage}/{name}/manifest.json" in on_bucket, stage
+    assert not any(".partial/" in key or key.endswith(".lease") for key in on_bucket)  # nothing left behind
+
+    for stage in ("collect", "tokenize"):  # units on both nodes, the single-machine run's bytes
+        per_node = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]["units_per_node"]
+        assert all(len(nodes) == 2 and min(nodes.values()) > 0 for nodes in per_node.values()), (stage, per_node)
+        assert manifest_files(committed_dir(home, stage)) == manifest_files(tiny_run.committed[stage]), stage
+    assert re.search(r"process_unit: \d+ units, per Ray node: \w+ [1-9]\d*, \w+ [1-9]\d*", out), out[-4000:]
+
+    placed = re.findall(r"\[rank(\d)\]:rank \1 of 2 on node (\w+)", out)
+    assert len(placed) == 3 * 2 and all(placed[i][1] != placed[i + 1][1] for i in (0, 2, 4)), placed
+    for stage, keys in CURVES.items():
+        _same_curves(committed_dir(home, stage), tiny_run.committed[stage], keys)
+
+
+def test_a_worker_given_a_path_only_the_driver_has_fails_in_one_line_naming_it(two_ray_nodes, tmp_path):
+    """Ray Train on the two nodes, a zip file on the driver's disk listed by each worker: the one on
+    the second node (which has no such file) fails, in one line naming the path."""
+    listed = tmp_path / "driver-only.zip"
+    with zipfile.ZipFile(listed, "w") as archive:
+        archive.write(REPO / "configs" / "tiny.yaml", arcname="tiny.yaml")
+    proc = subprocess.run([sys.executable, "-m", "infra.ray_train", "--processes", "1", "--nodes", "2",
+                           "--max-failures", "0", "zipfile", "-l", str(listed)], cwd=REPO,
+                          env=cli_env(tmp_path / "home", two_ray_nodes), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"gristmill-launch failed: rank [01]: NotOnThisNode: {re.escape(str(listed))} is not on "
+                        r"node \w{8}: only the driver has it .*", last), last
+    assert re.search(r"\[rank[01]\]:tiny\.yaml", proc.stdout), proc.stdout[-3000:]  # the head's worker listed it
+
+
+def _checkpoint_steps(prefix: str) -> list[int]:
+    """Steps of the complete training checkpoints on the bucket under `prefix` (step 0, the
+    rollback anchor, is not progress)."""
+    found = (re.search(r"/checkpoints/step-(\d+)/checkpoint\.json$", key) for key in _objects(prefix))
+    steps = {int(m[1]) for m in found if m}
+    return sorted(step for step in steps if step > 0)
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_pretrain_is_replaced_and_the_stage_finishes_with_the_uninterrupted_curve(
+        tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path):
+    """pretrain on Ray Train across the two nodes, the store and its checkpoints on the bucket. Once a
+    checkpoint is there, kill -9 of the second node's raylet (the machine is lost), and a fresh second
+    node with an empty disk in its place, as Kubernetes replaces a pod: Ray Train starts the workers
+    again (launch.max_failures 1) on the nodes there are, they resume from the bucket's checkpoint,
+    and the same run commits the uninterrupted run's curve under its key."""
+    home = tiny_run.home_with(tmp_path / "home", ("collect", "tokenize"))
+    services = {**two_ray_nodes, **prefect_server, **s3_server, "GRISTMILL_STORE": f"s3://{BUCKET}/lost-node"}
+    on_ray = ["pretrain.launch.backend=ray", "pretrain.launch.processes=1", "pretrain.launch.nodes=2"]
+    output = tmp_path / "run.log"
+    with output.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
+                                 *on_ray, "pretrain.checkpoint_every=20", "--until", "pretrain"], cwd=REPO,
+                                env=cli_env(home, services), stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not _checkpoint_steps("lost-node/pretrain/"):
+            assert proc.poll() is None and time.monotonic() < deadline, output.read_text()[-4000:]
+            time.sleep(0.5)
+        two_ray_nodes.second_raylet().kill()
+        two_ray_nodes.replace_second()
+        proc.wait(900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = output.read_text()
+    assert proc.returncode == 0, text[-6000:]
+    assert "resuming from step" in text, text[-4000:]
+    placed = re.findall(r"\[rank(\d)\]:rank \1 of 2 on node (\w+)", text)
+    assert len(placed) == 4 and len({node for _, node in placed}) == 3, placed  # the second node's replacement
+    assert committed_dir(home, "pretrain").name == tiny_run.committed["pretrain"].name
+    _same_curves(committed_dir(home, "pretrain"), tiny_run.committed["pretrain"], CURVES["pretrain"])

@@ -199,7 +199,7 @@ def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, r
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    from tasks.collect.dedup.near import DedupConfig
+    from tasks.collect.dedup.config import DedupConfig
     from tasks.collect.dedup.neardup_set import build_labelled_set, pair_jaccards
 
     cfg = DedupConfig(**{k: getattr(args, k) for k in ("bands", "rows", "band_layouts", "threshold")

@@ -75,7 +75,8 @@ def test_near_dedup_holds_no_signatures_in_the_driver(tmp_path):
     it was 1,070 when the driver gathered the signatures, 2.7 KB before that)."""
     import random
 
-    from tasks.collect.dedup.near import DedupConfig, near_dedup
+    from tasks.collect.dedup.config import DedupConfig
+    from tasks.collect.dedup.near import near_dedup
 
     n, cfg = 30_000, DedupConfig(chunk_docs=128)  # 235 chunks
     rng = random.Random(0)

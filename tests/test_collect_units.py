@@ -308,8 +308,8 @@ def test_a_stage_killed_in_its_corpus_level_steps_redoes_only_their_unfinished_t
     assert second.done["exact_dedup._partition_task"] == [True] + [False] * (hash_ranges - 1)
     chunks, ranges = (len(resumed.done[f"dedup.{task}"]) for task in ("_chunk_task", "_partition_task"))
     assert resumed.done["exact_dedup._partition_task"] == [True] * hash_ranges and hash_ranges >= 2
-    assert resumed.done["dedup._chunk_task"] == [True] * chunks and chunks >= 3
-    assert resumed.done["dedup._partition_task"] == [True] * 5 + [False] * (ranges - 5)
+    assert resumed.done["near._chunk_task"] == [True] * chunks and chunks >= 3
+    assert resumed.done["near._partition_task"] == [True] * 5 + [False] * (ranges - 5)
     fresh = _run(tmp_path / "fresh", **config)
     assert result.stats == fresh.stats
     assert result.stats["near_duplicates"] > 0 and result.stats["exact_duplicates"] > 0

@@ -17,7 +17,9 @@ import tasks.collect.dedup.exact_dedup as exact_dedup
 import tasks.collect.dedup.minhash as minhash
 import tasks.collect.dedup.near as dedup
 from core.stage import SerialEngine
-from tasks.collect.dedup.near import DedupConfig, DedupIndex, near_dedup
+from tasks.collect.dedup.config import DedupConfig
+from tasks.collect.dedup.index import DedupIndex
+from tasks.collect.dedup.near import near_dedup
 from tasks.collect.dedup.neardup_set import build_labelled_set, cluster_pairs, precision_recall
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +76,7 @@ def test_signatures_pinned_and_same_in_a_fresh_process():
     assert sig.shape == (1, CFG.bands * CFG.rows) and sig.dtype == np.uint32
     assert sig[0, :6].tolist() == [112999632, 81728182, 1475216617, 18663248, 100027817,
                                    190312850]
-    code = (f"from tasks.collect.dedup import minhash, near as dedup; print(minhash.minhash_signatures([{TEXT!r}], "
+    code = (f"from tasks.collect.dedup import config as dedup, minhash; print(minhash.minhash_signatures([{TEXT!r}], "
             "dedup.DedupConfig())[0].tolist())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True).stdout
@@ -348,10 +350,10 @@ def test_a_killed_run_redoes_only_its_unfinished_chunks_and_partitions(tmp_path)
     with pytest.raises(RuntimeError, match="killed"):
         first = DiesPartWay(dedup._partition_task, 3)
         near_dedup(docs, cfg, first, work_dir=work)
-    assert first.done["dedup._chunk_task"] == [True] * 5 + [False] * 9
+    assert first.done["near._chunk_task"] == [True] * 5 + [False] * 9
     resumed = DiesPartWay()
     result = near_dedup(docs, cfg, resumed, work_dir=work, index_dir=tmp_path / "resumed")
-    assert resumed.done == {"dedup._chunk_task": [True] * 14, "dedup._partition_task": [True] * 3 + [False] * 5}
+    assert resumed.done == {"near._chunk_task": [True] * 14, "near._partition_task": [True] * 3 + [False] * 5}
     assert result.counts() == base.counts() and result.representative == base.representative
     assert np.array_equal(result.index.signatures, base.index.signatures)
     other = near_dedup(docs[:-1], cfg, DiesPartWay(), work_dir=work)  # another input: its own files

@@ -8,12 +8,15 @@ The modules, by concern, in the order a document meets them:
     read/     readers (by format: warc, tables), records, common_crawl, demo_crawl;
               for tests and benchmarks: pages, damaged, fuzz
     clean/    cleaning (the chain), filters, rules, langid, pii, quality_model
-    dedup/    exact_dedup, near, minhash; neardup_set (near dedup's labelled set)
+    dedup/    exact_dedup; near (+ config, index, minhash); neardup_set (near dedup's
+              labelled set)
     output/   spool, spill, mixing, funnel, gates
     config    the stage's `Config`, `VERSION` and `fingerprint` (light, so planning a run stays
               fast)
-    stage     `run`: the work units on the injected engine, then the corpus-level steps;
-              imported only when the stage computes
+    stage     `run`: the work units on the injected engine, merged, then the corpus-level
+              steps; imported only when the stage computes
+    corpus    the corpus-level steps: exact dedup, the quality model trained here, near dedup,
+              the mix and the docs shards
 
 The stage's entry in flows/stages.py names `config` and `stage`. Each folder's `__init__` says
 what its modules do."""

@@ -20,7 +20,7 @@ from core.stage import StageConfig
 from tasks.collect.clean.langid import model_languages
 from tasks.collect.clean.pii import PII_KINDS, PiiKind
 from tasks.collect.clean.quality_model import QualityConfig
-from tasks.collect.dedup.near import DedupConfig
+from tasks.collect.dedup.config import DedupConfig
 from tasks.collect.output.gates import GatesConfig
 from tasks.collect.output.mixing import MixConfig
 from tasks.collect.read import demo_crawl

@@ -23,6 +23,10 @@ the quality model's scoring and near dedup (dedup/near.py) run on the engine and
 in out_dir, so the driver holds a flag or a score a document and the candidate pairs; the shards
 are written on the engine by copying lines (sizes: docs/benchmarks.md).
 
+This module plans and runs the work units (a record's whole path through the chain is
+`document_event`) and merges their events; the corpus-level steps after the merge are
+corpus.py's, run here in order.
+
 Parallelism and resume: one work unit per part of an input file (a file larger than `unit_mb`
 splits into several: readers.split_file, computed on the engine as a WARC's needs a pass over it;
 per chunk of demo packages; per Common Crawl file, which downloads inside its unit), mapped by the
@@ -48,13 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from core.decontam import DecontamConfig, DecontamIndex, build_index
 from core.decontam import drop_reason as contamination_reason
 from core.files import (
-    ensure_free_space,
-    fetch_file,
     iter_jsonl,
     names_in,
     publish_file,
@@ -66,20 +66,24 @@ from core.stage import Engine, SerialEngine, StageResult, worker_dir
 from tasks.collect.clean.cleaning import clean_document
 from tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
 from tasks.collect.clean.quality_model import (
-    QualityConfig,
     QualityModel,
-    cross_fit_scores,
     is_low_quality,
     load_model,
-    load_reference_texts,
-    train_quality_model,
 )
-from tasks.collect.config import DEDUP_INDEX_DIR, Config, NothingSurvived
-from tasks.collect.dedup.exact_dedup import first_occurrences
-from tasks.collect.dedup.near import DedupIndex, near_dedup
-from tasks.collect.output.funnel import NOT_IN_MIX, PREVIEW_CHARS, Funnel, check_accounting, flatten
-from tasks.collect.output.mixing import mix_sizes
-from tasks.collect.output.spool import DocTable, SpoolWriter, TableBuilder, Texts, text_bytes
+from tasks.collect.config import Config, NothingSurvived
+from tasks.collect.corpus import (
+    EXACT_DEDUP_DIR,
+    GZIP_LEVEL,
+    NEAR_DEDUP_DIR,
+    QUALITY_DIR,
+    apply_exact_dedup,
+    apply_mix,
+    apply_near_dedup,
+    apply_quality_model,
+    write_shards,
+)
+from tasks.collect.output.funnel import PREVIEW_CHARS, Funnel, check_accounting, flatten
+from tasks.collect.output.spool import DocTable, SpoolWriter, TableBuilder, text_bytes
 from tasks.collect.read import demo_crawl
 from tasks.collect.read.common_crawl import (
     CommonCrawlSource,
@@ -101,12 +105,7 @@ log = logging.getLogger("gristmill.collect")
 
 DEMO_CHUNKS_PER_WORKER = 4  # several small units per worker balance uneven package sizes
 UNITS_DIR, DOWNLOADS_DIR = "units", "downloads"
-# in out_dir, spilled files of the corpus-level steps on the engine (kept for a resumed run)
-EXACT_DEDUP_DIR, QUALITY_DIR, NEAR_DEDUP_DIR = "exact_dedup", "quality", "near_dedup"
 SPOOL_SUFFIX = ".docs.jsonl"  # beside a unit's events: its kept documents' output lines
-# zlib's default level for the shards and events: level 9 (gzip's) costs more CPU for a file
-# barely smaller (docs/benchmarks.md)
-GZIP_LEVEL = 6
 
 
 # ---------------------------------------------------------------- work units (per part of a file)
@@ -285,7 +284,7 @@ def run_units(units: list[WorkUnit], units_dir: str | Path, engine: Engine) -> l
     return results
 
 
-# ---------------------------------------------------------------- corpus-level steps
+# ---------------------------------------------------------------- merging the units
 
 def text_hash(text: str) -> bytes:
     """sha256 of the text lowercased with whitespace collapsed: the exact-dedup key (its first 8
@@ -314,17 +313,6 @@ def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Fun
     return table.table([spool_path(result) for result in results])
 
 
-def apply_exact_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Path,
-                      funnel: Funnel) -> DocTable:
-    """Drop exact duplicates: the first occurrence of each text hash wins (dedup/exact_dedup.py)."""
-    first = first_occurrences(docs.hash_hi, docs.hash_lo, engine,
-                              worker_dir(engine, out_dir / EXACT_DEDUP_DIR), config.dedup.partition_mb)
-    rows = np.flatnonzero(~first)
-    funnel.drop_rows("exact_duplicates", docs, rows,
-                     lambda i: {"duplicate_of": docs.id(rows[i])})  # the first has the same id
-    return docs.take(first)
-
-
 def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
     """A source that yielded no document (an empty or corrupt file, requests only) is counted as
     `error_source_without_documents` and quarantined with what it held; the other sources go on.
@@ -341,93 +329,6 @@ def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
         funnel.source(source)["error_source_without_documents"] += 1
         funnel.quarantine.append({"reason": "error_source_without_documents", "where": source,
                                   "source": source, "sample": json.dumps(why)})
-
-
-def apply_quality_model(docs: DocTable, cfg: QualityConfig, engine: Engine, out_dir: Path,
-                        funnel: Funnel) -> tuple[DocTable, dict[str, float]]:
-    """Train reference-vs-crawl, save the model, drop docs whose cross-fit score (from a model
-    that did not train on them, scored on the engine) is below the threshold."""
-    positives = load_reference_texts(cfg.reference, cfg.max_train_docs, cfg.seed)
-    crawl = docs.texts()
-    model, metrics = train_quality_model(positives, crawl, cfg)
-    model.save(out_dir / "quality_model")
-    scores = cross_fit_scores(positives, crawl, cfg, engine=engine,
-                              work_dir=worker_dir(engine, out_dir / QUALITY_DIR))
-    low = is_low_quality(scores, cfg)
-    rows = np.flatnonzero(low)
-    funnel.drop_rows(f"dropped_{QUALITY_DROP}", docs, rows,
-                     lambda i: {"score": round(float(scores[rows[i]]), 4)})
-    return docs.take(~low), {f"quality_model_{k}": v for k, v in metrics.items()}
-
-
-def apply_near_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Path,
-                     funnel: Funnel) -> tuple[DocTable, dict[str, int]]:
-    index = None
-    if config.dedup_index_from:
-        index_dir = Path(config.dedup_index_from) / DEDUP_INDEX_DIR
-        try:  # under the artifact store: the workers read its shards where the store keeps them
-            location = worker_dir(engine, index_dir)
-        except ValueError:
-            location = str(index_dir)
-        index = DedupIndex.load(index_dir, location)
-    result = near_dedup(docs.texts(), config.dedup, engine, index, ids=docs.ids,
-                        work_dir=worker_dir(engine, out_dir / NEAR_DEDUP_DIR),
-                        index_dir=out_dir / DEDUP_INDEX_DIR)
-    funnel.drop_rows("near_duplicates", docs, result.removed,
-                     lambda i: {"duplicate_of": result.survivor[i]})
-    keep = np.ones(len(docs), bool)
-    keep[result.removed] = False
-    return docs.take(keep), \
-        {f"near_dedup_{k}": v for k, v in result.counts().items()}
-
-
-def apply_mix(docs: DocTable, config: Config, funnel: Funnel) -> tuple[DocTable, dict[str, Any]]:
-    """The mix's documents in order (output/mixing.py; a document may repeat); the ones it did not take
-    are dropped as not in the mix."""
-    rows_of = {name: np.flatnonzero(docs.source == code) for code, name in enumerate(docs.sources)}
-    rows_of = {name: rows for name, rows in rows_of.items() if len(rows)}
-    names, picks, record = mix_sizes({name: docs.text_bytes[rows] for name, rows in rows_of.items()},
-                                     config.mix)
-    rows = np.concatenate([np.zeros(0, np.int64)] + [rows_of[name] for name in names])
-    starts = np.cumsum([0] + [len(rows_of[name]) for name in names])
-    del rows_of
-    rows = rows[starts[picks[:, 0]] + picks[:, 1]]
-    taken = np.zeros(len(docs), bool)
-    taken[rows] = True
-    funnel.drop_rows(NOT_IN_MIX, docs, np.flatnonzero(~taken))
-    return docs.take(rows), record
-
-
-def _shard_task(item: tuple[Texts, str]) -> str:
-    """Write one docs shard by copying its documents' lines; gzip mtime fixed at 0 so equal docs
-    give byte-identical files."""
-    lines, location = item
-    tmp = staging_path(location, ".tmp")
-    ensure_free_space(tmp.parent, int(lines.sizes.sum()), "a document shard")  # gzip only shrinks it
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
-                                                   compresslevel=GZIP_LEVEL) as f:
-        for line in lines.lines():  # deflate's output does not depend on the pieces
-            f.write(line)
-    publish_file(tmp, location)
-    return location
-
-
-def write_shards(docs: DocTable, docs_dir: Path, docs_per_shard: int, engine: Engine) -> int:
-    """docs/part-%05d.jsonl.gz, `docs_per_shard` documents each, written on the engine (to the
-    folder's place on the bucket when the workers share no disk with this machine, then fetched)."""
-    if docs_dir.exists():  # left by an interrupted earlier attempt
-        shutil.rmtree(docs_dir)
-    docs_dir.mkdir(parents=True)
-    location = worker_dir(engine, docs_dir)
-    starts = range(0, len(docs), docs_per_shard)
-    written = engine.map(_shard_task, [
-        (docs.take(np.arange(start, min(start + docs_per_shard, len(docs)))).texts(),
-         f"{location}/part-{k:05d}.jsonl.gz") for k, start in enumerate(starts)])
-    if location != str(docs_dir):
-        for shard in written:
-            fetch_file(shard, docs_dir / shard.rsplit("/", 1)[-1])
-        remove_tree(location)
-    return len(written)
 
 
 def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:

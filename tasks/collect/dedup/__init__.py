@@ -1,3 +1,4 @@
 """The collect stage's dedup: `exact_dedup` (first occurrence of each text hash) and `near`
-(MinHash-LSH clusters, with `minhash`'s signatures and band keys); `neardup_set` is the labelled
-near-duplicate set that measures near dedup's precision and recall."""
+(MinHash-LSH clusters: `minhash`'s signatures and band keys, `config`'s settings, and `index`, the
+persisted index a refresh dedups against); `neardup_set` is the labelled near-duplicate set that
+measures near dedup's precision and recall."""

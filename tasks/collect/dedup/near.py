@@ -28,24 +28,26 @@ found over the nodes of verified pairs. A run killed part way reuses the chunks 
 finished (files named by chunk and range in a folder named by the input). Every step is
 order-free, so the result is the same for any engine, worker count, partition count or
 completion order.
+
+The settings and a run's spilled-file layout are config.py's; the persisted index (reading it,
+checking a pair against it, writing the next one) is index.py's.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
-import math
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.files import fetch_file, names_in
+from core.files import names_in
 from core.stage import Engine
+from tasks.collect.dedup.config import ROW, DedupConfig, Run
+from tasks.collect.dedup.index import BLOCK_ROWS, DedupIndex, index_verify, write_index
 from tasks.collect.dedup.minhash import (
     EMPTY_SIG,
     chunk_signatures,
@@ -55,97 +57,22 @@ from tasks.collect.dedup.minhash import (
 from tasks.collect.output import spill
 from tasks.collect.output.spool import take
 
-INDEX_FORMAT = 3  # 3: bucket rows in key-sorted shards (2: one band-key matrix)
-_U64 = np.uint64
-_ROW = np.dtype([("key", "<u8"), ("col", "<u2"), ("node", "<i8")])  # a bucket row: 18 bytes
-_PAIRS_PER_BLOCK = 65_536  # candidate pairs verified at once against the index's signatures
 # pairs of input documents checked exactly at once, a task each: both shingle sets of each (~300
 # 8-byte hashes for a 300-word page) are sorted together, so a block holds ~10 MB per temporary;
 # small enough that a corpus's few blocks still keep every worker busy to the end
 _EXACT_PAIRS_PER_BLOCK = 2_048
 _PAIRED_PER_BUCKET = 8  # a bucket's node is paired with at most this many earlier nodes
-_BLOCK_ROWS = 65_536  # rows copied at once into the new index's files
-
-
-class DedupConfig(BaseModel):
-    """How documents are shingled, hashed and judged near-duplicate."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    shingle_words: int = Field(default=5, ge=1, description="Words per shingle (word n-gram size).")
-    # A pair of Jaccard similarity s shares a bucket in at least one band of one layout with
-    # probability about 1 - (1 - s**rows)**(bands * band_layouts) (the second layout's bands
-    # share one value with each of `rows` first-layout bands, so they are nearly independent):
-    # for 18 x 6 and two layouts 0.43 at s=0.5, 0.82 at 0.6, 0.99 at 0.7 (one layout: 0.25,
-    # 0.58, 0.90). The exact-Jaccard check then decides, so more candidates cost time, never
-    # precision. Measured on neardup_set.py (seeds 0-3, 1,976-2,011 docs; docs/benchmarks.md#near-dedup),
-    # precision 1.0 everywhere; recall 0.95-0.96 with one layout checked at 0.6, 0.97-0.98 with
-    # two, 0.98-0.99 with two checked at 0.55 (datatrove at 18 x 6, no check: 0.955-0.972).
-    # Below 0.55 the labelled set gains little and real pages sharing only a site's navigation
-    # (0.49 in that set) come close.
-    bands: int = Field(default=18, ge=1, description="LSH bands; bands x rows = hash permutations.")
-    rows: int = Field(default=6, ge=1, description="Signature values per band (all must match for two "
-                                                   "documents to share the band's bucket).")
-    band_layouts: int = Field(default=2, ge=1, le=2, description="Ways the signature is cut into bands "
-                                                                 "(1: consecutive values; 2: also one "
-                                                                 "value of each of `rows` bands).")
-    threshold: float = Field(default=0.55, gt=0, le=1, description="Jaccard similarity of shingle sets "
-                                                                    "at or above which two documents are "
-                                                                    "near-duplicates (exact for two input "
-                                                                    "documents, estimated from the "
-                                                                    "signatures against the index).")
-    seed: int = Field(default=1, ge=0, description="Seed of the hash permutations. Signatures (and a "
-                                                   "persisted index) are comparable only under one seed.")
-    chunk_docs: int = Field(default=1024, ge=1, description="Documents per signature task (independent "
-                                                            "of the worker count; results do not change).")
-    partition_mb: float = Field(default=16, gt=0, description="Spilled rows per partition task: near "
-                                                               "dedup's bucket rows (18 bytes a band of a "
-                                                               "document, index included) and exact "
-                                                               "dedup's hashes (24 bytes a document); "
-                                                               "smaller: more tasks for the workers to "
-                                                               "share, each holding less. Results do not "
-                                                               "change; the index's shards do.")
-
-    @model_validator(mode="after")
-    def _check_permutations(self) -> DedupConfig:
-        if self.bands * self.rows > 4096:
-            raise ValueError(f"bands x rows: {self.bands} x {self.rows} = "
-                             f"{self.bands * self.rows} permutations; use at most 4096")
-        return self
-
-    @property
-    def num_perm(self) -> int:
-        return self.bands * self.rows
-
-    def lsh_threshold(self) -> float:
-        """Jaccard similarity where the banding S-curve is steepest, about (1/bands)**(1/rows)."""
-        return (1 / self.bands) ** (1 / self.rows)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Run:
-    """Where one near dedup keeps its spilled files (a path or URL its workers reach; a killed
-    run's finished chunks and partitions are reused from here), and how they are cut."""
-
-    work_dir: str
-    cfg: DedupConfig
-    bits: int  # 2**bits partitions of the bucket keys, by their top bits
-    m: int  # index documents: nodes 0..m-1; input document i is node m + i
-
-    def file(self, kind: str, n: int) -> str:
-        return spill.file_in(self.work_dir, kind, n)
 
 
 def _bucket_rows(keys: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     """Bucket rows of documents' keys [n, columns], sorted by key (then column, then node)."""
-    rows = np.empty(keys.size, _ROW)
+    rows = np.empty(keys.size, ROW)
     rows["key"] = keys.ravel()
     rows["col"] = np.tile(np.arange(keys.shape[1], dtype=np.uint16), len(keys))
     rows["node"] = np.repeat(nodes, keys.shape[1])
     return rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]
 
-
-def _chunk_task(item: tuple[Sequence[str], int, int, bool, _Run]) -> tuple[np.ndarray, np.ndarray]:
+def _chunk_task(item: tuple[Sequence[str], int, int, bool, Run]) -> tuple[np.ndarray, np.ndarray]:
     """Signatures of one chunk of documents (sig file) and their bucket rows sorted by key (rows
     file), unless an earlier attempt wrote them. Returns which documents have words (a real
     signature holds 108 values of 2**32, not all the maximum) and where each partition's rows
@@ -160,7 +87,6 @@ def _chunk_task(item: tuple[Sequence[str], int, int, bool, _Run]) -> tuple[np.nd
         spill.save(run.file("rows", chunk), rows)
         spill.save(run.file("sig", chunk), sigs)  # last: marks the chunk done
     return ~(sigs == EMPTY_SIG).all(axis=1), spill.key_bounds(rows["key"], run.bits)
-
 
 def _pairs_in_buckets(rows: np.ndarray) -> np.ndarray:
     """Candidate pairs [k, 2] (smaller node first) from bucket rows sorted by (key, col, node):
@@ -180,46 +106,23 @@ def _pairs_in_buckets(rows: np.ndarray) -> np.ndarray:
     nodes = rows["node"]
     return np.stack([nodes[left], nodes[right]], axis=1)
 
-
 def _distinct(pairs: np.ndarray) -> np.ndarray:
     """The distinct pairs [k, 2] of nodes, sorted (each row coded as one int64)."""
     n_nodes = int(pairs.max()) + 1 if len(pairs) else 1
     return np.stack(np.divmod(np.unique(pairs[:, 0] * n_nodes + pairs[:, 1]), n_nodes), axis=1)
 
-
-def _partition_task(item: tuple[int, list[spill.Piece], bool, _Run]) -> np.ndarray:
+def _partition_task(item: tuple[int, list[spill.Piece], bool, Run]) -> np.ndarray:
     """Distinct candidate pairs [k, 2] of one partition of the bucket keys (index rows and this
     input's), at least one node from the input; kept in a pairs file for a resumed run."""
     p, pieces, done, run = item
     if done:
         return spill.load(run.file("pairs", p))
-    rows = spill.read_pieces(pieces, _ROW)
+    rows = spill.read_pieces(pieces, ROW)
     rows = rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]  # pieces are each sorted
     pairs = _pairs_in_buckets(rows)
     pairs = _distinct(pairs[pairs[:, 1] >= run.m])  # two index docs were both kept already
     spill.save(run.file("pairs", p), pairs)
     return pairs
-
-
-def _index_shard_task(item: tuple[int, list[spill.Piece], np.ndarray, _Run]) -> str:
-    """The new index's rows of one key range: the old index's and those of this input's documents
-    it keeps (renumbered after the old index, in input order; `excluded`: the input positions it
-    does not keep, ascending). Returns the file it wrote."""
-    p, pieces, excluded, run = item
-    rows = spill.read_pieces(pieces, _ROW)
-    position = rows["node"] - run.m
-    mine = position >= 0
-    dropped = np.zeros(len(rows), bool)
-    if len(excluded):
-        at = np.minimum(np.searchsorted(excluded, position[mine]), len(excluded) - 1)
-        dropped[mine] = excluded[at] == position[mine]
-    rows = rows[~dropped]
-    mine = rows["node"] >= run.m
-    rows["node"][mine] -= np.searchsorted(excluded, rows["node"][mine] - run.m)
-    rows = rows[np.lexsort((rows["node"], rows["col"], rows["key"]))]
-    spill.save(run.file("bucket", p), rows)
-    return run.file("bucket", p)
-
 
 def _components(n_nodes: int, pairs: np.ndarray) -> np.ndarray:
     """Union-find over all edges at once: each node's root is the smallest node of its component.
@@ -233,80 +136,6 @@ def _components(n_nodes: int, pairs: np.ndarray) -> np.ndarray:
         np.minimum.at(parent, np.maximum(ra, rb)[differ], np.minimum(ra, rb)[differ])
         while not np.array_equal(parent[parent], parent):
             parent = parent[parent]
-
-
-_INDEX_FIELDS = ("shingle_words", "bands", "rows", "band_layouts", "seed")  # signature settings
-
-
-@dataclass(frozen=True, kw_only=True)
-class DedupIndex:
-    """The signatures and bucket rows of every document kept so far, on disk: index.json (written
-    last), ids.npy, signatures.npy and `buckets-NNNNNN.npy`, shard p holding the bucket rows whose
-    keys' top `bits` bits are p, sorted by key. Read memory-mapped: a refresh reads the rows of
-    its partitions' key ranges and the signatures of its candidate pairs, not the whole index."""
-
-    directory: Path
-    location: str  # where workers read the shards (the directory, or its place on a bucket)
-    shingle_words: int
-    bands: int
-    rows: int
-    band_layouts: int
-    seed: int
-    docs: int
-    bits: int
-
-    def __len__(self) -> int:
-        return self.docs
-
-    @property
-    def ids(self) -> np.ndarray:
-        return np.load(self.directory / "ids.npy", mmap_mode="r")
-
-    @property
-    def signatures(self) -> np.ndarray:
-        return np.load(self.directory / "signatures.npy", mmap_mode="r")
-
-    def shard(self, p: int) -> np.ndarray:
-        return np.load(self.directory / f"buckets-{p:06d}.npy", mmap_mode="r")
-
-    def check_compatible(self, cfg: DedupConfig) -> None:
-        """ValueError naming the first config field the stored signatures disagree with."""
-        for name in _INDEX_FIELDS:
-            if getattr(self, name) != getattr(cfg, name):
-                raise ValueError(f"{name}: the index was built with {getattr(self, name)}, the "
-                                 f"config says {getattr(cfg, name)}; rebuild the index")
-
-    def pieces(self, bits: int) -> list[list[spill.Piece]]:
-        """For each of 2**bits key ranges, the stretches of the index's shards that fall in it
-        (found by binary search on the memory-mapped keys)."""
-        out: list[list[spill.Piece]] = [[] for _ in range(1 << bits)]
-        for q in range(1 << self.bits):
-            spill.add_pieces(out, f"{self.location}/buckets-{q:06d}.npy",
-                             spill.key_bounds(self.shard(q)["key"], bits))
-        return out
-
-    @classmethod
-    def load(cls, directory: Path, location: str | None = None) -> DedupIndex:
-        directory = Path(directory)
-        meta_path = directory / "index.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{meta_path}: no dedup index here (index.json is missing)")
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format") != INDEX_FORMAT:
-            raise ValueError(f"{meta_path}: index format {meta.get('format')}, this version reads "
-                             f"format {INDEX_FORMAT} only; rebuild the index (rerun the collect "
-                             f"stage that wrote it)")
-        index = cls(directory=directory, location=location or str(directory), docs=meta["docs"],
-                    bits=meta["bits"], **{name: meta[name] for name in _INDEX_FIELDS})
-        expected = {"ids.npy": ((index.docs,), index.ids.shape),
-                    "signatures.npy": ((index.docs, index.bands * index.rows), index.signatures.shape),
-                    "buckets-*.npy": ((index.docs * index.bands * index.band_layouts,),
-                                      (sum(len(index.shard(q)) for q in range(1 << index.bits)),))}
-        for name, (shape, found) in expected.items():
-            if shape != found:
-                raise ValueError(f"{directory / name}: shape {found}, index.json implies {shape}")
-        return index
-
 
 @dataclass(frozen=True, kw_only=True)
 class DedupResult:
@@ -356,12 +185,10 @@ class DedupResult:
                                                        "candidate_pairs", "verified_pairs",
                                                        "removed_by_index")}
 
-
 def _exact_task(item: tuple[Sequence[str], np.ndarray, DedupConfig]) -> np.ndarray:
     """Which pairs [k, 2] of positions in `texts` have exact Jaccard >= threshold (bool [k])."""
     texts, pairs, cfg = item
     return exact_jaccards(*shingle_sets(texts, cfg), pairs) >= cfg.threshold - 1e-9
-
 
 def exact_verify(pairs: np.ndarray, texts: Sequence[str], cfg: DedupConfig, engine: Engine) -> np.ndarray:
     """The pairs [k, 2] of positions in `texts` whose exact Jaccard similarity of shingle sets
@@ -374,70 +201,18 @@ def exact_verify(pairs: np.ndarray, texts: Sequence[str], cfg: DedupConfig, engi
     similar = engine.map(_exact_task, items)
     return np.concatenate([np.zeros((0, 2), np.int64)] + [b[s] for b, s in zip(blocks, similar)])
 
-
-def _index_verify(pairs: np.ndarray, index: DedupIndex, run: _Run) -> np.ndarray:
-    """The pairs (index doc, input doc) with at least `threshold` of their signature values equal
-    (the MinHash estimate: the index keeps no shingles), read a block at a time."""
-    kept = [np.zeros((0, 2), np.int64)]
-    min_equal = math.ceil(run.cfg.threshold * run.cfg.num_perm - 1e-9)
-    for lo in range(0, len(pairs), _PAIRS_PER_BLOCK):
-        block = pairs[lo:lo + _PAIRS_PER_BLOCK]
-        inputs = block[:, 1] - run.m
-        chunks = inputs // run.cfg.chunk_docs
-        mine = np.empty((len(block), run.cfg.num_perm), np.uint32)
-        for chunk in np.unique(chunks).tolist():
-            at = chunks == chunk
-            mine[at] = spill.load(run.file("sig", chunk))[inputs[at] - chunk * run.cfg.chunk_docs]
-        kept.append(block[(index.signatures[block[:, 0]] == mine).sum(axis=1) >= min_equal])
-    return np.concatenate(kept)
-
-
 def _partition_bits(docs: int, cfg: DedupConfig) -> int:
     """Enough partitions of the bucket keys that each holds about `partition_mb` of rows."""
-    return spill.partition_bits(docs * cfg.bands * cfg.band_layouts * _ROW.itemsize, cfg.partition_mb)
-
+    return spill.partition_bits(docs * cfg.bands * cfg.band_layouts * ROW.itemsize, cfg.partition_mb)
 
 def _run_dir(work_dir: str, cfg: DedupConfig, index: DedupIndex | None, ids: Sequence[str]) -> str:
     """A folder under `work_dir` named by what the run computes (the settings, the index and
     the document ids), so files of an earlier attempt are reused only by the same run."""
     digest = hashlib.sha256(json.dumps([cfg.model_dump(), str(index.directory) if index else None,
                                         len(index) if index else 0]).encode())
-    for lo in range(0, len(ids), _BLOCK_ROWS):
-        digest.update("\n".join(ids[lo:lo + _BLOCK_ROWS]).encode())
+    for lo in range(0, len(ids), BLOCK_ROWS):
+        digest.update("\n".join(ids[lo:lo + BLOCK_ROWS]).encode())
     return f"{work_dir}/run-{digest.hexdigest()[:16]}"
-
-
-def _write_index(run: _Run, index: DedupIndex | None, ids: Sequence[str], excluded: np.ndarray,
-                 parts: list[list[spill.Piece]], engine: Engine, index_dir: Path) -> DedupIndex:
-    """The old index plus the input documents not `excluded`, in `index_dir` (index.json last):
-    ids and signatures copied a block at a time, the bucket shards written on the engine."""
-    index_dir.mkdir(parents=True, exist_ok=True)
-    m, n, cfg = run.m, len(ids), run.cfg
-    kept = np.ones(n, bool)
-    kept[excluded] = False
-    total = m + int(kept.sum())
-    width = max([1, index.ids.dtype.itemsize // 4 if index else 1]
-                + [max(map(len, ids[lo:lo + _BLOCK_ROWS])) for lo in range(0, n, _BLOCK_ROWS)])
-
-    def old_rows(array: np.ndarray) -> Iterator[np.ndarray]:
-        return (array[lo:lo + _BLOCK_ROWS] for lo in range(0, m, _BLOCK_ROWS))
-
-    chunks = list(enumerate(range(0, n, cfg.chunk_docs)))
-    new_ids = ([ids[start + i] for i in np.flatnonzero(kept[start:start + cfg.chunk_docs]).tolist()]
-               for _, start in chunks)
-    new_sigs = (spill.load(run.file("sig", c))[kept[start:start + cfg.chunk_docs]] for c, start in chunks)
-    spill.write_npy(index_dir / "ids.npy", np.dtype(f"<U{width}"), (total,),
-               itertools.chain(old_rows(index.ids) if index else (), new_ids))
-    spill.write_npy(index_dir / "signatures.npy", np.dtype(np.uint32), (total, cfg.num_perm),
-               itertools.chain(old_rows(index.signatures) if index else (), new_sigs))
-    shards = engine.map(_index_shard_task, [(p, pieces, excluded, run) for p, pieces in enumerate(parts)])
-    for p, shard in enumerate(shards):
-        fetch_file(shard, index_dir / f"buckets-{p:06d}.npy")
-    meta = {"format": INDEX_FORMAT, "docs": total, "bits": run.bits,
-            **{name: getattr(cfg, name) for name in _INDEX_FIELDS}}
-    (index_dir / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return DedupIndex.load(index_dir)
-
 
 def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
                index: DedupIndex | None = None, *, ids: Sequence[str] | None = None,
@@ -458,7 +233,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
     with contextlib.ExitStack() as stack:
         if work_dir is None:
             work_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="near-dedup-"))
-        run = _Run(work_dir=_run_dir(str(work_dir), cfg, index, ids), cfg=cfg,
+        run = Run(work_dir=_run_dir(str(work_dir), cfg, index, ids), cfg=cfg,
                    bits=_partition_bits(m + n, cfg), m=m)
         done = names_in(run.work_dir, create=True)
         chunks = [(texts[s:s + cfg.chunk_docs], c, s, f"sig-{c:06d}.npy" in done, run)
@@ -475,7 +250,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         candidates = _distinct(np.concatenate([np.zeros((0, 2), np.int64), *pairs]))
         del pairs
         in_index = candidates[:, 0] < m
-        verified = np.concatenate([_index_verify(candidates[in_index], index, run) if index is not None and m else
+        verified = np.concatenate([index_verify(candidates[in_index], index, run) if index is not None and m else
                                    np.zeros((0, 2), np.int64),
                                    exact_verify(candidates[~in_index] - m, texts, cfg, engine) + m])
         # components over the nodes of verified pairs only
@@ -488,7 +263,7 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         removed, survivors = nodes[removed_at] - m, roots[removed_at]
         survivor = [str(index.ids[r]) if index is not None and r < m else str(ids[r - m]) for r in survivors.tolist()]
         excluded = np.union1d(removed, np.flatnonzero(~active))  # words-less: nothing to match later
-        new_index = _write_index(run, index, ids, excluded, parts, engine, Path(index_dir)) \
+        new_index = write_index(run, index, ids, excluded, parts, engine, Path(index_dir)) \
             if index_dir is not None else None
     return DedupResult(
         n=n, removed=removed, survivor=survivor, members=nodes[is_input] - m,

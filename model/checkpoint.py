@@ -49,7 +49,9 @@ local root, e.g. Ray Train workers on private disks, sets their own). A work dir
 variable, keeps them on the local disk exactly as before.
 
 Each save returns `{"checkpoint_s": seconds, "checkpoint_bytes": bytes}` (writing and uploading;
-the bytes of every rank's files, the marker aside; known to rank 0) for the caller's metrics.
+the bytes of every rank's files, the marker aside; known to rank 0). The trainers log them in the
+checkpoint step's metrics row, written after the checkpoint; the row is saved in the marker too
+(`ROW_KEY`), and `restore_row` writes it on resume when a stop came between the two.
 Fault points (core/faults.py): `checkpoint-files:<step>` once every file is in place but before
 the marker, `checkpoint:<step>` once the checkpoint is complete.
 """
@@ -69,11 +71,13 @@ from typing import Any, Protocol
 from core.cache import BucketError, ObjectCache, ObjectDamaged, link_into, on_bucket
 from core.faults import fault_point
 from core.files import DiskSpaceError, describe_files, ensure_free_space, file_digest
+from core.stage import MetricsLog, read_metrics
 
 MARKER = "checkpoint.json"  # written last inside a checkpoint: its completion marker
 CHECKPOINTS_DIR = "checkpoints"
 FILES_KEY = "files"  # in the marker: relative path -> {"bytes", "sha256"}
 CHECKPOINT_STATS = ("checkpoint_s", "checkpoint_bytes", "checkpoints")  # what checkpoint_stats summarises
+ROW_KEY = "metrics_row"  # in a saved state: the metrics row of its step (`restore_row`)
 STORE_ENV = "GRISTMILL_CHECKPOINT_STORE"  # {"root": local folder, "url": its place on a bucket}
 log = logging.getLogger("gristmill.checkpoint")
 
@@ -161,6 +165,15 @@ def checkpoint_stats(saves: list[dict[str, float]]) -> dict[str, float]:
         return {}
     return {"checkpoint_s": sum(s["checkpoint_s"] for s in saves) / len(saves),
             "checkpoint_bytes": saves[-1]["checkpoint_bytes"], "checkpoints": len(saves)}
+
+
+def restore_row(metrics: MetricsLog, step: int, state: dict[str, Any]) -> None:
+    """After resuming from checkpoint `step`: its step's metrics row (`ROW_KEY` of the saved state),
+    when the run stopped after the checkpoint but before writing that row (the trainers write it
+    after the checkpoint, with the checkpoint's seconds and bytes)."""
+    row = state.get(ROW_KEY)
+    if row and not any(r.get("step") == step for r in read_metrics(metrics.path)):
+        metrics.log(step, **row)
 
 
 def read_marker(path: Path) -> dict[str, Any]:

@@ -10,8 +10,8 @@ rollback offset), and the whole state of model, optimizer and scheduler is check
 `checkpoint_every` steps as `checkpoints/step-%07d` of the work directory, on its disk or its
 artifact store's bucket (model/checkpoint.py: the marker with every file's digest written last, a
 damaged checkpoint skipped on resume; model/train_state.py: what a checkpoint holds, resume and
-rollback). Each checkpoint's seconds and bytes are logged (checkpoint_s, checkpoint_bytes) and
-summarised in the returned stats.
+rollback). Each checkpoint's seconds and bytes are logged in its step's row (checkpoint_s,
+checkpoint_bytes) and summarised in the returned stats.
 
 Faults: a non-finite loss or gradient norm, or a loss spike (above the rolling mean of the last
 `spike_window` losses by `spike_zscore` standard deviations), rolls training back to the last
@@ -41,7 +41,7 @@ from accelerate.state import AcceleratorState
 from core.launch import PRECISION_VAR
 from core.progress import PROGRESS_LINE, Reporter
 from core.stage import MetricsLog
-from model.checkpoint import checkpoint_stats, complete_checkpoints
+from model.checkpoint import ROW_KEY, checkpoint_stats, complete_checkpoints
 from model.config import LoopConfig
 from model.optim import make_optimizer
 from model.parallel import (
@@ -294,6 +294,12 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
                 with accelerator.autocast(), torch.compiler.set_stance("force_eager"):
                     state["eval"] = evaluate(parts.module)
                 row.update(state["eval"])
+            if _due(done, cfg.checkpoint_every, cfg.max_steps):
+                # The step's row rides in the checkpoint (a stop before its line is written leaves
+                # it to the resume) and gets the checkpoint's seconds and bytes.
+                saved = save_state(parts, work_dir, {**state, ROW_KEY: row}, cfg.keep_checkpoints)
+                saves.append(saved)
+                row.update(saved)
             if accelerator.is_main_process:
                 metrics.log(done, **row)
             progress.advance(1, loss=loss)
@@ -301,12 +307,6 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
                 log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f tok/s %.0f%s%s", done, cfg.max_steps, loss,
                          lr, grad_norm, row["tokens_per_s"], f" mfu {row['mfu']:.1%}" if "mfu" in row else "",
                          "".join(f" {k} {v:.4f}" for k, v in state["eval"].items()), extra={PROGRESS_LINE: True})
-            # Metrics are logged before the checkpoint, so a resume from `done` has all rows up to it.
-            if _due(done, cfg.checkpoint_every, cfg.max_steps):
-                saved = save_state(parts, work_dir, state, cfg.keep_checkpoints)
-                saves.append(saved)
-                if accelerator.is_main_process:
-                    metrics.log(done, **saved)
     elapsed = time.perf_counter() - t0
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     recent = state["recent_losses"]

@@ -23,10 +23,10 @@ the value loss also moves the trunk the policy reads; vf_coef weighs it. The hea
 Resume: every `checkpoint_every` steps (and after the last) the policy, value head (safetensors),
 optimizer and step go to `checkpoints/step-%07d` of `out_dir`, on its disk or its artifact store's
 bucket (model/checkpoint.py: marker with digests written last; a damaged one is skipped on
-resume); each one's seconds and bytes are logged (checkpoint_s, checkpoint_bytes). All randomness of a step
-(which prompts, the sampled tokens, the minibatch order) is drawn after seeding torch from (seed,
-step), so a resumed run repeats exactly what an uninterrupted one does without carrying RNG states
-across.
+resume); each one's seconds and bytes are logged in its step's row (checkpoint_s,
+checkpoint_bytes). All randomness of a step (which prompts, the sampled tokens, the minibatch
+order) is drawn after seeding torch from (seed, step), so a resumed run repeats exactly what an
+uninterrupted one does without carrying RNG states across.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import torch
 from core.chat import Message, prompt_ids
 from core.progress import Reporter
 from core.stage import MetricsLog
-from model.checkpoint import checkpoint_stats, read_marker, resume_point, save_checkpoint
+from model.checkpoint import ROW_KEY, checkpoint_stats, read_marker, restore_row, resume_point, save_checkpoint
 from model.config import PPOConfig
 from model.export import generation_config
 from model.ranks import ONE_PROCESS, Ranks
@@ -371,6 +371,7 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
     resumed_from = state["step"]
     if ranks.main:  # the one process that writes metrics.jsonl
         metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
+        restore_row(metrics, metrics_step_offset + resumed_from, state)
     saves: list[dict[str, float]] = []
     with Reporter("ppo", unit="step", enabled=ranks.main) as progress:
         progress.start(cfg.max_steps, done=resumed_from)
@@ -379,14 +380,12 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
             row = ppo_step(step, policy, value_head, reference, optimizer, tokenizer, prompts, reward_fn, cfg, ranks)
             state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
                      "kls": state["kls"] + [row["ppo/kl"]]}
+            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
+                saves.append(_save(out_dir, {**state, ROW_KEY: row}, modules, cfg.keep_checkpoints, ranks))
+                row = {**row, **saves[-1]}  # the row, saved with the checkpoint, is written after it
             if ranks.main:
                 metrics.log(metrics_step_offset + step + 1, **row)
             progress.advance(1, score=row["ppo/score"], kl=row["ppo/kl"])
-            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
-                saved = _save(out_dir, state, modules, cfg.keep_checkpoints, ranks)
-                saves.append(saved)
-                if ranks.main:
-                    metrics.log(metrics_step_offset + state["step"], **saved)
     recent = slice(-FINAL_WINDOW, None)
     return {"ppo_steps": state["step"], "ppo_resumed_from_step": resumed_from,
             "ppo_score_initial": state["scores"][0],

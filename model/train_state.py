@@ -32,6 +32,7 @@ from core.stage import MetricsLog
 from model.checkpoint import (
     latest_good_checkpoint,
     read_marker,
+    restore_row,
     resume_point,
     rewrite_marker,
     save_checkpoint,
@@ -152,6 +153,7 @@ def resume(parts: Parts, work_dir: Path, metrics: MetricsLog, cfg: LoopConfig, l
     state = load_state(parts, path, cfg)
     if accelerator.is_main_process:
         metrics.truncate_after(step)
+        restore_row(metrics, step, state)
     return state
 
 

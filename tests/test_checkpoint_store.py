@@ -122,7 +122,8 @@ def test_checkpoints_on_the_bucket_marker_last_and_another_node_resumes(tok, str
     with caplog.at_level(logging.INFO, logger="gristmill.train"):
         resumed = _fit(tok, work_b)
     assert "resuming from step 2" in caplog.text and resumed["resumed_from_step"] == 2
-    assert _losses(work_b) == {s: v for s, v in curve.items() if s > 2}  # exact, step for step
+    # exact, step for step; the row of step 2 comes with its checkpoint (this node's file had none)
+    assert _losses(work_b) == {s: v for s, v in curve.items() if s >= 2}
     assert {**_losses(work_a), **_losses(work_b)} == curve
     assert [s for s, _ in complete_checkpoints(work_b)] == [4, 6]
     assert not [k for k in _keys(url) if k.startswith("step-0000002/")]  # beyond keep: deleted
@@ -132,6 +133,23 @@ def test_checkpoints_on_the_bucket_marker_last_and_another_node_resumes(tok, str
     # checkpoints hold the same bytes wherever they live
     assert resumed["checkpoint_bytes"] == stats["checkpoint_bytes"] == sum(
         p.stat().st_size for p in (local / "checkpoints" / "step-0000006").iterdir() if p.name != "checkpoint.json")
+
+
+def test_a_stop_between_a_checkpoint_and_its_row_loses_no_row(tok, straight, tmp_path, monkeypatch):
+    """The checkpoint step's metrics row is written after the checkpoint (it carries its seconds and
+    bytes) and saved in it: a run stopped between the two gets the row back on resume."""
+    _, curve, _ = straight
+    monkeypatch.delenv("GRISTMILL_CHECKPOINT_STORE", raising=False)
+    armed = tmp_path / "armed"
+    armed.touch()
+    monkeypatch.setenv(FAULT_ENV, "checkpoint:4")
+    monkeypatch.setenv(FAULT_ONCE_ENV, str(armed))
+    with pytest.raises(InjectedFault):
+        _fit(tok, tmp_path / "run")
+    assert max(_losses(tmp_path / "run")) and 4 not in _losses(tmp_path / "run")
+    resumed = _fit(tok, tmp_path / "run")
+    assert resumed["resumed_from_step"] == 4 and _losses(tmp_path / "run") == curve
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, 7))
 
 
 def test_a_truncated_object_falls_back_to_the_checkpoint_before_it(tok, straight, bucket, tmp_path, monkeypatch,
@@ -151,7 +169,7 @@ def test_a_truncated_object_falls_back_to_the_checkpoint_before_it(tok, straight
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004/model.safetensors" in warnings[0]
     assert "has 100 bytes" in warnings[0]
-    assert resumed["resumed_from_step"] == 2 and _losses(other) == {s: v for s, v in curve.items() if s > 2}
+    assert resumed["resumed_from_step"] == 2 and _losses(other) == {s: v for s, v in curve.items() if s >= 2}
 
 
 def test_wiping_the_cache_between_runs_changes_nothing_but_time(tok, straight, bucket, tmp_path, monkeypatch):

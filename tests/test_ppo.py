@@ -202,7 +202,7 @@ def test_ppo_reaches_the_kl_regularised_optimum(bandit, tmp_path):
     assert stats["ppo_score_final"] > 0.6  # ~0.70 = pi*(rewarded arms)
     # at the optimum the KL is sum pi* log(pi*/pi_ref), ~0.47 nats here; the sampled estimate is noisy
     assert 0.2 < stats["ppo_kl_final"] < 0.8
-    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "checkpoint_s" not in r]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 25))
     assert rows[0]["ppo/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference on the first rollout
     assert {"ppo/score", "ppo/kl", "ppo/policy_loss", "ppo/value_loss", "ppo/clip_frac",
@@ -225,9 +225,9 @@ def _length_reward(prompts, responses):
 TIMED = ("ppo_checkpoint_s", "ppo_checkpoints")  # stats of this invocation's checkpoints
 
 
-def _steps(rows: list[dict]) -> list[dict]:
-    """The step rows of metrics.jsonl, without each checkpoint's row of seconds and bytes (timings)."""
-    return [r for r in rows if "checkpoint_s" not in r]
+def _untimed(rows: list[dict]) -> list[dict]:
+    """Metric rows without each checkpoint's seconds, which differ between two identical runs."""
+    return [{k: v for k, v in r.items() if k != "checkpoint_s"} for r in rows]
 
 
 def _train(tiny_model_dir, out, reward_fn=_length_reward, offset=0):
@@ -272,7 +272,7 @@ def test_killed_run_resumes_to_the_same_policy(tiny_model_dir, tmp_path):
     assert all(torch.equal(want[k], got[k]) for k in want)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
     assert any(not torch.equal(initial[k], got[k]) for k in initial)  # training did move it
-    rows, whole_rows = (_steps(read_metrics(run / "metrics.jsonl")) for run in (crashed, whole))
+    rows, whole_rows = (_untimed(read_metrics(run / "metrics.jsonl")) for run in (crashed, whole))
     assert rows[0] == {"step": 3, "rm/loss": 0.5}
     assert [r["step"] for r in rows[1:]] == [4, 5, 6, 7, 8]
     assert [{**r, "step": r["step"] - 3} for r in rows[1:]] == whole_rows
@@ -280,7 +280,7 @@ def test_killed_run_resumes_to_the_same_policy(tiny_model_dir, tmp_path):
 
     # a finished run called again changes nothing
     again, again_stats = _train(tiny_model_dir, crashed, offset=3)
-    assert again_stats["ppo_resumed_from_step"] == 5 and len(_steps(read_metrics(crashed / "metrics.jsonl"))) == 6
+    assert again_stats["ppo_resumed_from_step"] == 5 and len(read_metrics(crashed / "metrics.jsonl")) == 6
     assert all(torch.equal(got[k], v) for k, v in again.state_dict().items())
 
 

@@ -94,6 +94,7 @@ class Place(Protocol):
 
     def complete(self) -> list[tuple[int, Path]]: ...
     def latest_good(self, main: bool) -> tuple[int, Path] | None: ...
+    def at(self, step: int) -> Path: ...
     def clear_partial(self) -> None: ...
     def save(self, state: dict[str, Any], keep: int, write: WriteFn, expected_bytes: int, main: bool,
              barrier: Barrier) -> int: ...
@@ -130,7 +131,18 @@ def complete_checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
 def latest_good_checkpoint(work_dir: Path, main: bool = True) -> tuple[int, Path] | None:
     """The newest complete checkpoint that verifies, as a local directory; damaged newer ones are
     logged and, by the main process, deleted (every process reaches the same verdict on the same files)."""
-    return checkpoint_place(work_dir).latest_good(main)
+    return _agreed(checkpoint_place(work_dir), main)
+
+
+def _agreed(place: Place, main: bool) -> tuple[int, Path] | None:
+    """The newest good checkpoint as every process of the run sees it: the oldest of their answers.
+    They differ only when a node's cache holds the right bytes of an object that another node
+    finds truncated on the bucket; then all of them take the one before it."""
+    good = place.latest_good(main)
+    agreed = min(_gather(good[0] if good is not None else -1))
+    if agreed < 0:
+        return None
+    return good if good is not None and good[0] == agreed else (agreed, place.at(agreed))
 
 
 def resume_point(work_dir: Path, *, main: bool = True, barrier: Barrier = lambda: None) -> tuple[int, Path] | None:
@@ -141,7 +153,7 @@ def resume_point(work_dir: Path, *, main: bool = True, barrier: Barrier = lambda
     if main:
         place.clear_partial()
     barrier()
-    good = place.latest_good(main)
+    good = _agreed(place, main)
     barrier()
     return good
 
@@ -263,6 +275,15 @@ class LocalPlace:
                 shutil.rmtree(path, ignore_errors=True)
         return None
 
+    def at(self, step: int) -> Path:
+        """Complete checkpoint `step`, verified; OSError when it is not there or damaged."""
+        path = self.root / _step_name(step)
+        if not (path / MARKER).is_file():
+            raise OSError(f"checkpoint {path} is not complete")
+        if (reason := damage(path)) is not None:
+            raise OSError(f"checkpoint {path} is damaged ({reason})")
+        return path
+
     def clear_partial(self) -> None:
         for path in self.root.glob("*") if self.root.is_dir() else []:
             if path.is_dir() and not (path / MARKER).is_file():
@@ -311,6 +332,16 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: running
+        return True
+    return True
 
 
 def _gather(value: Any) -> list[Any]:
@@ -390,10 +421,18 @@ class BucketPlace:
                     self._delete(step)
         return None
 
+    def at(self, step: int) -> Path:
+        """Complete checkpoint `step` as a local view; ObjectDamaged when it is not there or damaged."""
+        if (marker := self._marker(step)) is None:
+            raise ObjectDamaged(f"{self._url(_step_name(step), MARKER)}: no such checkpoint marker")
+        return self._fetch(step, marker)
+
     def _fetch(self, step: int, marker: dict[str, Any]) -> Path:
         """A local view of the checkpoint: its files through the cache, hard-linked, and its marker."""
-        for old in self.local.glob(f"*.view-{os.getpid()}"):  # this process's earlier views
-            shutil.rmtree(old, ignore_errors=True)
+        for old in self.local.glob("*.view-*"):  # this process's earlier views, and those of dead ones
+            pid = old.name.rsplit("-", 1)[-1]
+            if not pid.isdigit() or int(pid) == os.getpid() or not _running(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
         view = self._view(step)
         for rel, record in marker.get(FILES_KEY, {}).items():
             entry = self.cache.fetch(self._url(_step_name(step), rel), record["bytes"], record["sha256"])

@@ -297,3 +297,26 @@ def test_downloaded_artifacts_live_in_the_bounded_cache(bucket, tmp_path, monkey
 
     shutil.rmtree(tmp_path / "node-cache")  # wiped: the local copies stay, and so do their answers
     assert other.load("tokenize", "0123456789ab") is not None and other.load("pretrain", "0123456789ab") is not None
+
+
+def test_every_rank_uploads_its_files_and_rank_0_the_marker_listing_all(bucket, tmp_path):
+    """Two gloo ranks on two "nodes" (roots and caches of their own): rank 1's files reach the
+    bucket from rank 1, the marker lists every rank's, and each rank resumes with all of them."""
+    import multiprocessing
+
+    from checkpoint_ranks import save_and_resume
+
+    from infra.launch import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results, port = context.Queue(), free_port()
+    procs = [context.Process(target=save_and_resume, args=(rank, port, str(tmp_path / f"node-{rank}"), bucket,
+                                                           results)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    got = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in procs)}
+    for proc in procs:
+        proc.join(30)
+    files = ["checkpoint.json", "model.safetensors", "rng-0.pt", "rng-1.pt"]
+    assert got[0] == [120, 2, files] and got[1][1:] == [2, files]
+    assert _keys(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints") == [f"step-0000002/{f}" for f in files]

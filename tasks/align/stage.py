@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 
 from core.stage import Engine, Manifest, StageResult
-from model.checkpoint import CHECKPOINTS_DIR
+from model.checkpoint import remove_checkpoints
 from tasks.align.config import METHODS, Config
 from tasks.align.method import AlignJob, TrainFn
 
@@ -63,5 +62,5 @@ def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> Stag
             export_model(trained, tokenizer, out_dir / "model")
         else:
             raise TypeError(f"method {config.method!r} returned a {type(trained).__name__}, not a transformers model")
-        shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)  # the committed artifact is the export
+        remove_checkpoints(out_dir)  # the committed artifact is the export (PPO's on a bucket included)
     return StageResult(stats={"method": config.method, **stats, **params}, artifacts=artifacts)

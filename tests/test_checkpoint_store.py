@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
 import uuid
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import model.presets
 from core import cache
 from core.cache import BucketError, ObjectCache, ObjectDamaged, on_bucket
 from core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault
@@ -208,6 +211,43 @@ def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_pat
         s3fs.S3FileSystem.clear_instance_cache()
     assert str(found.value).startswith(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints: ")
     assert "\n" not in str(found.value)
+
+
+def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_run_resumes(
+        tok, straight, bucket, tmp_path, monkeypatch):
+    """The endpoint stops answering after checkpoint 2: checkpoint 4's first call to the bucket fails
+    after its tries in one line naming the object; no marker of step 4 exists, and once the bucket answers
+    again the next run resumes from step 2 to the uninterrupted curve."""
+    import s3fs
+
+    from infra.launch import free_port
+
+    _, curve, _ = straight
+    monkeypatch.setattr(cache, "TRIES", 2)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    real = model.presets.build_model
+
+    def lose_the_bucket_after_step_2(step: int) -> dict:
+        if step == 3:  # step 4's batch: checkpoint 2 is on the bucket
+            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"  # nothing listens
+            s3fs.S3FileSystem.clear_instance_cache()
+        return _batch(step)
+
+    torch.manual_seed(0)
+    cfg = LoopConfig(max_steps=6, batch_size=4, checkpoint_every=2, log_every=100, keep_checkpoints=2)
+    try:
+        with pytest.raises(BucketError) as lost:
+            train(real(TINY, tok), lose_the_bucket_after_step_2, cfg, work, MetricsLog(work))
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert re.match(rf"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004\S*: [a-z ]+ failed: its host did "
+                    r"not answer in 2 tries", str(lost.value)) and "\n" not in str(lost.value)
+    assert "step-0000004/checkpoint.json" not in _keys(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints")
+    resumed = _fit(tok, work)
+    assert resumed["resumed_from_step"] == 2 and _losses(work) == curve
 
 
 def test_refused_credentials_are_one_line_and_not_retried():

@@ -306,7 +306,7 @@ def test_a_stage_killed_in_its_corpus_level_steps_redoes_only_their_unfinished_t
     runs, hash_ranges = (len(second.done[f"exact_dedup.{task}"]) for task in ("_run_task", "_partition_task"))
     assert runs >= 2 and second.done["exact_dedup._run_task"] == [True] * runs
     assert second.done["exact_dedup._partition_task"] == [True] + [False] * (hash_ranges - 1)
-    chunks, ranges = (len(resumed.done[f"dedup.{task}"]) for task in ("_chunk_task", "_partition_task"))
+    chunks, ranges = (len(resumed.done[f"near.{task}"]) for task in ("_chunk_task", "_partition_task"))
     assert resumed.done["exact_dedup._partition_task"] == [True] * hash_ranges and hash_ranges >= 2
     assert resumed.done["near._chunk_task"] == [True] * chunks and chunks >= 3
     assert resumed.done["near._partition_task"] == [True] * 5 + [False] * (ranges - 5)

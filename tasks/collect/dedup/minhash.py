@@ -1,5 +1,5 @@
 """MinHash signatures and LSH band keys of documents, vectorized with numpy (steps 1-4 of
-dedup.py's docstring): normalize, shingle, hash, take per-permutation minima, hash bands.
+near.py's docstring): normalize, shingle, hash, take per-permutation minima, hash bands.
 
 Hashes are deterministic 64-bit integer arithmetic (never Python's salted `hash()`), so a
 signature is the same in every process, on every machine, in every run.

@@ -264,6 +264,7 @@ _TEXT = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(_TEXT)
 @example("IS_ALPHA.")
+@example("a:) )")  # a special case (":))") met across a space
 def test_fuzzed_text_splits_as_datatrove(text):
     assert rules.split_words(text) == split_into_words(text)
     assert rules.sentence_count(text.strip()) == len(split_into_sentences(text.strip()))

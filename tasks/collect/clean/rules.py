@@ -20,6 +20,7 @@ counts those of its sentencizer (spaCy's own `predict`).
 """
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from functools import cached_property, lru_cache
@@ -49,6 +50,7 @@ MAX_CACHED_CHUNKS = 200_000
 # (e.g. "IS_ALPHA.") and datatrove then tokenizes the text without it: such (rare) texts are
 # left to datatrove's own splitters, so the words are the same.
 _BREAKS_SPACY = "IS_ALPHA"
+_LONGEST_SPECIAL_CASE = 16  # characters of a special case's head looked at (English's are shorter)
 _STOP_WORDS = frozenset(STOP_WORDS)
 _TERMINAL = tuple(TERMINAL_PUNCTUATION)
 _PARAGRAPHS = re.compile(r"\n{2,}")  # GopherRepetitionFilter's splitters
@@ -89,13 +91,15 @@ def split_words(text: str) -> list[str]:
     (whitespace) left out.
 
     spaCy splits the text at whitespace first and tokenizes each whitespace-free chunk on its
-    own (its special cases never span whitespace: their keys hold none but lone whitespace
-    characters), so the words are the tokens of `text.split()`'s chunks, in order. Each
-    distinct chunk is tokenized once per process; the unseen ones of a document in one call.
-    No word contains whitespace."""
+    own, so the words are the tokens of `text.split()`'s chunks, in order. Each distinct chunk is
+    tokenized once per process; the unseen ones of a document in one call. No word contains
+    whitespace. One exception: spaCy's matcher of special cases can meet a special case's pieces
+    on both sides of a space (":)" then ")" is ":))") and then splits the first chunk otherwise
+    ("a:) )" is a : ) ), "a:)" alone a :)); a text where two neighbouring chunks could be such
+    pieces is left to datatrove's own splitter."""
+    chunks = text.split()
     if _BREAKS_SPACY in text:
         return split_into_words(text)
-    chunks = text.split()
     distinct = list(dict.fromkeys(chunks))
     missing = [c for c in distinct if c not in _chunk_tokens]
     if missing:
@@ -103,16 +107,58 @@ def split_words(text: str) -> list[str]:
             _chunk_tokens.clear()
             missing = distinct
         _tokenize_chunks(missing)
+    if not _spans_agree(chunks):
+        return split_into_words(text)
     words: list[str] = []
     for chunk in chunks:
         words.extend(_chunk_tokens[chunk])
     return words
 
 
+@lru_cache(maxsize=1)
+def _special_case_pieces() -> dict[str, frozenset[str]]:
+    """The special cases spaCy's matcher puts together from several tokens (those its prefix,
+    suffix and infix rules split, such as ":))"), cut in two between any two of those tokens:
+    head -> the tails after it."""
+    from spacy.tokenizer import Tokenizer
+
+    spacy_tokenizer = _spacy().tokenizer
+    affixes_only = Tokenizer(spacy_tokenizer.vocab, prefix_search=spacy_tokenizer.prefix_search,
+                             suffix_search=spacy_tokenizer.suffix_search,
+                             infix_finditer=spacy_tokenizer.infix_finditer,
+                             token_match=spacy_tokenizer.token_match, url_match=spacy_tokenizer.url_match)
+    tails: dict[str, set[str]] = {}
+    for case in spacy_tokenizer.rules:
+        tokens = [token.text for token in affixes_only(case)]
+        for cut in range(1, len(tokens)):
+            tails.setdefault("".join(tokens[:cut]), set()).add("".join(tokens[cut:]))
+    return {head: frozenset(after) for head, after in tails.items()}
+
+
+def _spans_agree(chunks: list[str]) -> bool:
+    """Whether the cached tokens of the chunks around every boundary a special case could span
+    (a chunk ends with its head, the next begins its tail or is the start of it) are what spaCy
+    gives those chunks together; a window of a few chunks covers a case spread over several."""
+    pieces = _special_case_pieces()
+    for i, (left, right) in enumerate(itertools.pairwise(chunks)):
+        if any(right.startswith(tail) or tail.startswith(right)
+               for size in range(1, min(len(left), _LONGEST_SPECIAL_CASE) + 1)
+               for tail in pieces.get(left[-size:], ())):
+            window = chunks[max(i - 1, 0) : i + 4]
+            cached = [token for chunk in window for token in _chunk_tokens[chunk]]
+            if [token.text for token in _tokenize(" ".join(window)) if not token.is_space] != cached:
+                return False
+    return True
+
+
 def _tokenize_chunks(chunks: list[str]) -> None:
+    """Tokenize distinct chunks in one call, a newline between two: it is a token of its own
+    (skipped), so no special case is matched across two unrelated chunks."""
     pieces: list[list[str]] = [[] for _ in chunks]
     k, end = 0, len(chunks[0])  # chunk k spans [end - len(chunk), end) of the joined text
-    for token in _tokenize(" ".join(chunks)):
+    for token in _tokenize("\n".join(chunks)):
+        if token.is_space:
+            continue
         while token.idx >= end:
             k += 1
             end += 1 + len(chunks[k])

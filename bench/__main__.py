@@ -14,7 +14,8 @@ BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretr
               "evaluate": "bench.evaluate", "fidelity": "bench.fidelity", "memory": "bench.memory",
               "verify": "bench.verify", "recipe": "bench.recipe",
               "explain": "bench.explain", "progress": "bench.progress",
-              "scale": "bench.scale", "startup": "bench.startup", "store-fuzz": "bench.store_fuzz", "gpu": "bench.gpu"}
+              "scale": "bench.scale", "startup": "bench.startup", "store-fuzz": "bench.store_fuzz", "gpu": "bench.gpu",
+              "cluster": "bench.cluster"}
 
 
 def main() -> int:

@@ -97,12 +97,19 @@ def upload_outputs(store: ArtifactStore, partial: Path) -> list[str]:
 
 
 def download_outputs(store: ArtifactStore, partial: Path, files: list[str]) -> None:
-    """What `upload_outputs` put on the bucket, into the driver's `partial` folder (replacing what
-    is there: a rank 0 on this node wrote the same bytes), then off the bucket."""
+    """What `upload_outputs` put on the bucket, into the driver's `partial` folder, then off the
+    bucket. Each file replaces what is there by a rename, never in place: a rank 0 of an earlier
+    try on this node may have written it, and the stage's metrics follower reads it meanwhile."""
+    if not files:
+        return
     fs, remote = fsspec.core.url_to_fs(store.remote_location(partial))
-    for rel in files:
-        (partial / rel).parent.mkdir(parents=True, exist_ok=True)
-    fs.get([f"{remote}/{rel}" for rel in files], [str(partial / rel) for rel in files])
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=partial) as fetched:
+        for rel in files:
+            (Path(fetched) / rel).parent.mkdir(parents=True, exist_ok=True)
+        fs.get([f"{remote}/{rel}" for rel in files], [f"{fetched}/{rel}" for rel in files])
+        for rel in files:
+            (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(Path(fetched) / rel, partial / rel)
     fs.rm([f"{remote}/{rel}" for rel in files])
 
 

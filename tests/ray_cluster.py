@@ -94,11 +94,13 @@ class TwoRayNodes(dict):
     nodes' processes: the second node can be killed (its raylet, as a lost machine) and replaced by
     a fresh one, with an empty disk again, as Kubernetes replaces a pod."""
 
-    def __init__(self, root: Path, private: list[Path]):
+    def __init__(self, root: Path, private: list[Path], worker_ports: int = 21000):
         gcs, self.client = _free_ports(2)
         self.address = f"127.0.0.1:{gcs}"
         super().__init__({"RAY_ADDRESS": self.address, env.RAY_SINGLE_MACHINE: "0"})
         self.root, self.private = root, private
+        self.head_workers, self.second_workers = range(worker_ports, worker_ports + 100), \
+            range(worker_ports + 100, worker_ports + 200)
         self.environ = {**os.environ, **self, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
                         "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
         self.head: subprocess.Popen | None = None
@@ -111,7 +113,7 @@ class TwoRayNodes(dict):
         self.head = subprocess.Popen(
             [ray_cli, "start", "--head", "--port", self.address.rsplit(":", 1)[1],
              "--ray-client-server-port", str(self.client), "--include-dashboard", "false",
-             *_node_args(env.short_path(self.root / "head", 40), range(21000, 21100))],
+             *_node_args(env.short_path(self.root / "head", 40), self.head_workers)],
             env=head_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def start_second(self) -> None:
@@ -122,7 +124,7 @@ class TwoRayNodes(dict):
         with said.open("w") as err:
             self.second = subprocess.Popen(
                 _private([sys.executable, "-c", SECOND_NODE, "start", "--address", self.address,
-                          *_node_args(temp, range(21100, 21200))], self.private),
+                          *_node_args(temp, self.second_workers)], self.private),
                 env=self.environ, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         self.wait_for(2, said)
 
@@ -178,13 +180,14 @@ def _stop(node: subprocess.Popen | None) -> None:
 
 
 @contextlib.contextmanager
-def two_ray_nodes(root: Path, private: list[Path] | None = None) -> Iterator[TwoRayNodes]:
+def two_ray_nodes(root: Path, private: list[Path] | None = None, worker_ports: int = 21000) -> Iterator[TwoRayNodes]:
     """Start the head and a second node on a private disk (`private`: the directories it gets an
-    empty tmpfs over, `private_dirs(root)` by default); yields them, the environment a driver
-    joins them with. Each node is stopped by its session, the second first."""
+    empty tmpfs over, `private_dirs(root)` by default), their workers on 200 ports from
+    `worker_ports`; yields them, the environment a driver joins them with. Each node is stopped by
+    its session, the second first."""
     _check_unshare()
     root.mkdir(parents=True, exist_ok=True)
-    cluster = TwoRayNodes(root, private if private is not None else private_dirs(root))
+    cluster = TwoRayNodes(root, private if private is not None else private_dirs(root), worker_ports)
     try:
         cluster.start_head()
         cluster.start_second()

@@ -154,14 +154,20 @@ class Tracker:
         """While inside, send the rows a computing stage appends to its metrics.jsonl (`path`:
         rank 0's, whichever process writes it) to its run every FOLLOW_EVERY_S, so the MLflow UI
         shows the curves as it trains; the rest when it ends. A file cut short (a resume or a
-        rollback drops the steps it redoes) is followed from its new end."""
-        offset, stop = 0, threading.Event()
+        rollback drops the steps it redoes) is followed from its new end. A new file in its place
+        (rank 0's, from another node: flows/launch.py) is read from its start, for the steps after
+        the last one sent."""
+        offset, inode, last_step, stop = 0, None, -1, threading.Event()
 
         def send() -> None:
-            nonlocal offset
+            nonlocal offset, inode, last_step
             if not path.is_file():
                 return
             with path.open("rb") as handle:
+                replaced = inode is not None and os.fstat(handle.fileno()).st_ino != inode
+                inode = os.fstat(handle.fileno()).st_ino
+                if replaced:
+                    offset = 0
                 if handle.seek(0, os.SEEK_END) < offset:
                     offset = handle.tell()
                 handle.seek(offset)
@@ -169,6 +175,9 @@ class Tracker:
             if complete:
                 offset += len(complete) + 1
                 rows = [json.loads(line) for line in complete.splitlines() if line.strip()]
+                if replaced:
+                    rows = [row for row in rows if int(row["step"]) > last_step]
+                last_step = max([last_step, *(int(row["step"]) for row in rows)])
                 self._log_batches(run_id, metrics=_step_metrics(rows))
 
         def follow() -> None:

@@ -1,0 +1,142 @@
+"""Cluster benchmark: the tiny preset's pretrain on two Ray nodes (one worker each), the nodes
+sharing only a bucket against the same nodes sharing a disk, side by side:
+
+    python -m bench cluster [--repeats 3] [--steps 100] [--checkpoint-every 25]
+
+One cluster serves both sides: the head and a second node on this machine (tests/ray_cluster.py),
+the second in a mount namespace of its own with an empty tmpfs over the system temp dir.
+
+- `bucket`: GRISTMILL_HOME under the temp dir (so the second node has none of it), the artifacts
+  and the training checkpoints on a bucket (moto's S3 server on 127.0.0.1, GRISTMILL_STORE);
+- `shared`: GRISTMILL_HOME outside the temp dir (both nodes see it: a shared disk), the artifacts
+  and checkpoints there.
+
+Each repeat runs both sides (in turns, a different one first each round, so a noisy shared machine
+weighs on both alike) in a fresh home holding the same collect and tokenize artifacts, computed once
+beforehand. Per side: the median seconds of the pretrain stage (its manifest's meta.seconds: the
+Ray Train launch, training, checkpoints, and for `bucket` rank 0's outputs through the bucket) and
+the median of its mean seconds a checkpoint (the stage's `checkpoint_s` stat: writing, and for
+`bucket` uploading). The last line is one JSON object: wall_ratio (bucket / shared) and
+checkpoint_s per side.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "bench"
+# Other services a caller's environment may name: each run here uses its own embedded ones.
+SERVICE_VARS = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "PREFECT_HOME", "GRISTMILL_STORE")
+UPSTREAM = ("collect", "tokenize")
+
+
+def _env(home: Path, extra: dict[str, str]) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if k not in SERVICE_VARS}
+    return {**environ, "GRISTMILL_HOME": str(home), **extra}
+
+
+def _run(home: Path, args: list[str], extra: dict[str, str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *args], cwd=REPO,
+                          env=_env(home, extra), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"gristmill run {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def _committed(home: Path, stage: str) -> Path:
+    return next((home / "artifacts" / stage).glob("*/manifest.json")).parent
+
+
+@contextlib.contextmanager
+def _s3_server() -> Iterator[dict[str, str]]:
+    """moto's S3 server on 127.0.0.1 with the bucket BUCKET; yields the AWS variables that name it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from infra.launch import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], aws_access_key_id="bench",
+                     aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        yield aws
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def _cluster(root: Path) -> Iterator[dict[str, str]]:
+    """The test suite's two-node cluster, the second node on a private disk (the system temp dir)."""
+    from tests.ray_cluster import two_ray_nodes
+
+    with two_ray_nodes(root, worker_ports=22000) as cluster:  # beside a test suite's cluster (21000-21199)
+        yield dict(cluster)
+
+
+def _pretrain(seed: Path, home: Path, args: list[str], services: dict[str, str]) -> dict[str, float]:
+    """One run of the pretrain stage in the fresh `home` (the seed's upstream artifacts copied in):
+    its seconds and mean checkpoint seconds."""
+    for stage in UPSTREAM:
+        source = _committed(seed, stage)
+        shutil.copytree(source, home / "artifacts" / stage / source.name)
+    _run(home, args, services)
+    manifest = json.loads((_committed(home, "pretrain") / "manifest.json").read_text())
+    assert manifest["meta"]["launch"]["nodes"] == 2, manifest["meta"]["launch"]
+    return {"seconds": manifest["meta"]["seconds"],
+            "checkpoint_s": manifest["stats"].get("checkpoint_s", float("nan"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=100, help="pretrain.max_steps")
+    parser.add_argument("--checkpoint-every", type=int, default=25)
+    args = parser.parse_args(argv)
+    pretrain = [f"pretrain.max_steps={args.steps}", f"pretrain.checkpoint_every={args.checkpoint_every}",
+                "pretrain.launch.backend=ray", "pretrain.launch.processes=1", "pretrain.launch.nodes=2",
+                "--until", "pretrain"]
+    private_root = Path(tempfile.mkdtemp(prefix="gristmill-bench-cluster-"))  # the second node has none of it
+    shared_root = Path(tempfile.mkdtemp(prefix="gristmill-bench-cluster-", dir="/var/tmp"))  # both nodes see it
+    runs: dict[str, list[dict[str, float]]] = {"bucket": [], "shared": []}
+    try:
+        seed = shared_root / "seed"
+        _run(seed, ["--until", "tokenize"], {})  # on this machine's own Ray: the upstream both sides reuse
+        with _s3_server() as aws, _cluster(private_root / "ray") as cluster:
+            for round_ in range(args.repeats):
+                sides = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+                for side in sides:
+                    # the node's object cache too: on the second node's own disk, or on the shared one
+                    root = private_root if side == "bucket" else shared_root
+                    services = {**cluster, "GRISTMILL_CACHE": str(root / "cache")}
+                    if side == "bucket":
+                        services.update(aws, GRISTMILL_STORE=f"s3://{BUCKET}/round-{round_}")
+                    runs[side].append(_pretrain(seed, root / f"home-{round_}", pretrain, services))
+                    print(f"round {round_} {side}: {runs[side][-1]}", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(private_root, ignore_errors=True)
+        shutil.rmtree(shared_root, ignore_errors=True)
+    medians = {side: {key: statistics.median(r[key] for r in rows) for key in ("seconds", "checkpoint_s")}
+               for side, rows in runs.items()}
+    print(f"{'side':<8}{'median stage s':>15}{'median checkpoint s':>21}   per round")
+    for side, rows in runs.items():
+        print(f"{side:<8}{medians[side]['seconds']:>15.1f}{medians[side]['checkpoint_s']:>21.3f}   "
+              + ", ".join(f"{r['seconds']:.1f}/{r['checkpoint_s']:.3f}" for r in rows))
+    print(json.dumps({"benchmark": "cluster", "repeats": args.repeats, "steps": args.steps,
+                      "wall_ratio": round(medians["bucket"]["seconds"] / medians["shared"]["seconds"], 3),
+                      "stage_s": {side: round(m["seconds"], 1) for side, m in medians.items()},
+                      "checkpoint_s": {side: round(m["checkpoint_s"], 4) for side, m in medians.items()}}))
+    return 0

@@ -34,7 +34,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import socket
 import stat
 import tempfile
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from core.files import file_digest
+from core.sources import host_unreachable
 
 CACHE_ENV = "GRISTMILL_CACHE"
 MAX_GB_ENV = "GRISTMILL_CACHE_MAX_GB"
@@ -76,19 +76,8 @@ def max_bytes() -> int:
     return int(float(os.environ.get(MAX_GB_ENV) or DEFAULT_MAX_GB) * 2**30)
 
 
-def _causes(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
 def _unreachable(error: BaseException) -> bool:
-    """A host that does not answer (refused, reset, timed out, unresolvable), by any client's names."""
-    return any(isinstance(e, (ConnectionError, TimeoutError, socket.gaierror))
-               or "Connect" in type(e).__name__ or "Timeout" in type(e).__name__ for e in _causes(error))
+    return host_unreachable(error) is not None
 
 
 def on_bucket(url: str, what: str, call: Callable[[], T], *, missing_ok: bool = False) -> T:

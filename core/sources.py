@@ -77,7 +77,7 @@ def filesystem(path: str):
         raise ImportError(f"source {path!r}: {exc}") from None
 
 
-def _causes(error: BaseException) -> list[BaseException]:
+def error_chain(error: BaseException) -> list[BaseException]:
     """`error` and the errors it was raised from (fsspec's HTTP client turns a connection error
     into FileNotFoundError from it)."""
     chain: list[BaseException] = []
@@ -93,6 +93,11 @@ def _is_connection_error(error: BaseException) -> bool:
     name = type(error).__name__
     return (isinstance(error, (ConnectionError, TimeoutError, socket.gaierror))
             or "Connect" in name or "Timeout" in name)
+
+
+def host_unreachable(error: BaseException) -> BaseException | None:
+    """The error in `error`'s chain saying its host did not answer, if one does."""
+    return next((e for e in error_chain(error) if _is_connection_error(e)), None)
 
 
 def _endpoint_hint(source: str) -> str:
@@ -113,11 +118,11 @@ def _asking(source: str, call: Callable[[], T], missing: T) -> T:
         except (ValueError, ImportError):  # filesystem()'s own, naming the source already
             raise
         except Exception as error:  # clients raise their own types (botocore, aiohttp, ftplib)
-            causes = _causes(error)
+            causes = error_chain(error)
             if any(type(e).__name__ in CREDENTIAL_ERRORS for e in causes):
                 raise ValueError(f"source {source!r}: no credentials for its object store ({error}): "
                                  f"{CREDENTIALS_HINT}") from None
-            unreachable = next((e for e in causes if _is_connection_error(e)), None)
+            unreachable = host_unreachable(error)
             if unreachable is None and isinstance(error, FileNotFoundError):
                 return missing
             if unreachable is None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from importlib import metadata, util
 from pathlib import Path
 
+from core.cache import cache_root
 from core.files import locked
 from infra import env
 
@@ -38,9 +39,6 @@ MIGRATIONS = {
 }
 
 
-def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gristmill"
-    return Path(os.environ.get("GRISTMILL_CACHE") or default)
 
 
 def template_path(tool: str) -> Path:
@@ -49,7 +47,7 @@ def template_path(tool: str) -> Path:
     spec = util.find_spec(package)
     scripts = sorted(p.name for p in (Path(spec.origin).parent / folder).glob("*.py")) if spec and spec.origin else []
     digest = hashlib.sha256("\n".join(scripts).encode()).hexdigest()[:12]
-    return cache_dir() / "schemas" / f"{tool}-{metadata.version(package)}-{digest}.db"
+    return cache_root() / "schemas" / f"{tool}-{metadata.version(package)}-{digest}.db"
 
 
 def _migrate_prefect(work: Path) -> Path:

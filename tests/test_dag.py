@@ -133,7 +133,7 @@ def test_a_table_lists_each_stage_after_its_upstream_and_once():
 
 # Modules outside the stage packages that still spell stage names, and why.
 SPELLS_STAGE_NAMES = {
-    "infra/artifacts.py": "the corpus-version chain (collect_dir) sits below the table's layer",
+    "infra/store_records.py": "the corpus-version chain (collect_dir) sits below the table's layer",
     "flows/reports.py": "the table's publishers: importing the table back would close an import cycle",
     "flows/cli.py": "the `gristmill evaluate` command's name: a command of its own, not the stage",
     "flows/runs.py": "the tiny preset shortened for tests and benchmarks: overrides as a person types them",

@@ -95,7 +95,9 @@ def _one_of_two_ranks(rank: int, port: int, results) -> None:
     param = torch.nn.Parameter(torch.zeros(3))
     param.grad = torch.full((3,), float(rank + 1))
     ranks.average_gradients([param])
-    results.put((rank, ppo.whiten(x[mine], mask[mine], ranks=ranks), param.grad, ranks.average({"a": float(rank)})))
+    # Plain lists: a tensor crosses the queue as shared memory that may be gone once this process exits.
+    whitened = ppo.whiten(x[mine], mask[mine], ranks=ranks)
+    results.put((rank, whitened.tolist(), param.grad.tolist(), ranks.average({"a": float(rank)})))
     torch.distributed.destroy_process_group()
 
 
@@ -112,7 +114,8 @@ def test_two_ranks_whiten_and_average_as_one_process_over_the_whole_rollout():
     procs = [context.Process(target=_one_of_two_ranks, args=(rank, port, results)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
-    got = dict((rank, rest) for rank, *rest in (results.get(timeout=120) for _ in procs))
+    got = {rank: (torch.tensor(whitened), torch.tensor(grad), metrics)
+           for rank, whitened, grad, metrics in (results.get(timeout=120) for _ in procs)}
     for proc in procs:
         proc.join(30)
     torch.manual_seed(0)

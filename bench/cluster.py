@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -64,6 +65,7 @@ def _s3_server() -> Iterator[dict[str, str]]:
 
     from infra.launch import free_port
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not a line per request on the console
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

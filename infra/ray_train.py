@@ -212,8 +212,8 @@ def train(module: str, args: Sequence[str], *, processes: int, nodes: int, gpu: 
           mixed_precision: str | None = None, max_failures: int = 1, ship: Sequence[Path] = (),
           result: Path | None = None) -> None:
     """Run `module.main(args)` on processes x nodes Ray Train workers of the RAY_ADDRESS cluster;
-    raises the trainer's error when a worker fails `max_failures` + 1 times in a row. Rank 0's
-    `result` file is written at `result` here."""
+    raises the trainer's error once the group of workers has failed more than `max_failures`
+    times. Rank 0's `result` file is written at `result` here."""
     from infra.ray_engine import RayEngine, driver_env  # keeps Ray on loopback: imported before Ray
 
     # isort: split

@@ -34,9 +34,11 @@ def _objects(prefix: str) -> set[str]:
     return {item["Key"].removeprefix(prefix) for page in pages for item in page.get("Contents", [])}
 
 
-def _same_curves(ours: Path, theirs: Path, keys: tuple[str, ...]) -> None:
-    """The committed metrics of two runs of a stage: the same steps, each curve within 1e-4."""
-    mine, reference = read_metrics(ours / "metrics.jsonl"), read_metrics(theirs / "metrics.jsonl")
+def _same_curves(ours: Path, theirs: Path, keys: tuple[str, ...], since: int = 0) -> None:
+    """The committed metrics of two runs of a stage from step `since`: the same steps, each curve
+    within 1e-4."""
+    mine, reference = ([r for r in read_metrics(artifact / "metrics.jsonl") if r["step"] >= since]
+                       for artifact in (ours, theirs))
     assert [r["step"] for r in mine] == [r["step"] for r in reference]
     for key in keys:
         expected = [r[key] for r in reference if key in r]
@@ -92,10 +94,11 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
         assert f"{stage}/{name}/manifest.json" in on_bucket, stage
     assert not any(".partial/" in key or key.endswith(".lease") for key in on_bucket)  # nothing left behind
 
-    for stage in ("collect", "tokenize"):  # units on both nodes, the single-machine run's bytes
-        per_node = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]["units_per_node"]
-        assert all(len(nodes) == 2 and min(nodes.values()) > 0 for nodes in per_node.values()), (stage, per_node)
+    for stage in ("collect", "tokenize"):  # the cluster's work, the single-machine run's bytes
         assert manifest_files(committed_dir(home, stage)) == manifest_files(tiny_run.committed[stage]), stage
+    # collect's units on both nodes (tokenize has one unit in this preset: one shard)
+    per_node = json.loads((committed_dir(home, "collect") / "manifest.json").read_text())["stats"]["units_per_node"]
+    assert len(per_node["process_unit"]) == 2 and min(per_node["process_unit"].values()) > 0, per_node
     assert re.search(r"process_unit: \d+ units, per Ray node: \w+ [1-9]\d*, \w+ [1-9]\d*", out), out[-4000:]
 
     # pretrain's first workers, then its workers again, SFT's and align's: each group on two nodes,
@@ -106,8 +109,11 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
     assert len(after[0]) == 2 and len(first & after[0]) == 1, placed
     resumed = re.search(r"resuming from step (\d+)", out)
     assert resumed and int(resumed[1]) >= 20, out[-4000:]
-    for stage in ("pretrain", "sft"):
-        _same_curves(committed_dir(home, stage), tiny_run.committed[stage], CURVES[stage])
+    # pretraining from the step it resumed at: a rank 0 on a fresh disk has only the rows it wrote
+    # (the rows before the checkpoint stayed on the lost node's disk or the driver's)
+    _same_curves(committed_dir(home, "pretrain"), tiny_run.committed["pretrain"], CURVES["pretrain"],
+                 since=int(resumed[1]))
+    _same_curves(committed_dir(home, "sft"), tiny_run.committed["sft"], CURVES["sft"])
     # GRPO samples each rank's completions from that rank's generator: its curve depends on the
     # number of ranks (as under Accelerate), so align is checked for its key and its steps only
     align, single = (read_metrics(artifact / "metrics.jsonl")

@@ -1,4 +1,4 @@
-"""Training checkpoints on an object store (model/checkpoint.py's BucketPlace, on the `s3_server`
+"""Training checkpoints on an object store (model/checkpoint_bucket.py's BucketPlace, on the `s3_server`
 fixture's bucket) and this node's bounded object cache (core/cache.py).
 
 A work directory under the folder `GRISTMILL_CHECKPOINT_STORE` maps keeps its checkpoints on the

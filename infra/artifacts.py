@@ -1,4 +1,5 @@
-"""Content-addressed artifact store: the only code that knows the on-disk layout.
+"""Content-addressed artifact store: the only code that knows the on-disk layout (with
+infra/store_entries.py, which names each entry of it, and infra/store_records.py).
 
     <root>/<stage>/<stage>-<key>/            a committed output; manifest.json is written last
     <root>/<stage>/<stage>-<key>.partial/    work in progress, kept across crashes so a stage resumes
@@ -43,7 +44,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,6 +70,7 @@ from infra.integrity import (
     unlisted,
 )
 from infra.remote_store import RemoteStore
+from infra.store_entries import ASIDE, IN_CORPUS, IN_STAGE, KEY_LENGTH, Entry, EntryKind, kind_of, listing
 from infra.store_records import CORPUS, StoreRecords
 from model.checkpoint import store_env as checkpoint_store_env
 
@@ -77,7 +79,6 @@ __all__ = ["CONFIG", "CORPUS", "MANIFEST", "SMALL_FILE_BYTES", "ArtifactStore", 
 
 STORE_ENV = "GRISTMILL_STORE"  # where committed outputs live: a local path or s3://bucket/prefix
 CONFIG = "config.json"
-KEY_LENGTH = 12  # hex chars of sha256: 48 bits, ample for one project's artifacts
 # stage -> glob patterns of the files every output of it lists (what its downstream stages read)
 Contracts = Mapping[str, Sequence[str]]
 
@@ -99,31 +100,6 @@ class Damage:
     key: str
     path: Path
     files: dict[str, str]
-
-
-EntryKind = Literal["committed", "partial", "set aside", "download", "lock", "gates", "corpus", "unknown"]
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One entry under the store, named for what the layout says it is; for a committed output,
-    `problems` (rel path -> what is wrong) keep it from counting."""
-    kind: EntryKind
-    path: Path
-    stage: str = ""
-    key: str = ""
-    problems: dict[str, str] = field(default_factory=dict)
-
-
-_KEY = rf"(?P<key>[0-9a-f]{{{KEY_LENGTH}}})"
-_ASIDE = r".+\.corrupt-\d{8}T\d{6}(?:-\d+)?"  # set_aside's names, of anything set aside
-# What a name in the folder of stage {s} is: (kind, pattern, whether it is a folder; None: either).
-_IN_STAGE: tuple[tuple[EntryKind, str, bool | None], ...] = (
-    ("committed", r"{s}-{key}", True), ("partial", r"{s}-{key}\.partial", True),
-    ("set aside", _ASIDE, None), ("download", r"\.{s}-{key}\.download-.+", True),
-    ("lock", r"{s}-{key}\.lock", False), ("gates", r"{s}-{key}\.gates\.jsonl", False))
-_IN_CORPUS: tuple[tuple[EntryKind, str, bool | None], ...] = (
-    ("corpus", r"versions\.(jsonl|tmp)", False), ("lock", r"corpus-[\w.-]+\.lock", False), ("set aside", _ASIDE, None))
 
 
 class ArtifactStore(StoreRecords):
@@ -228,27 +204,27 @@ class ArtifactStore(StoreRecords):
         if stage is not None:
             return self._survey_stage(self.root / stage)
         entries: list[Entry] = []
-        for top in _listing(self.root):
+        for top in listing(self.root):
             kind = self._root_kind(top)
             if kind == "stage":
                 entries += self._survey_stage(top)
             elif kind == "corpus":
-                entries += [Entry(_kind_of(path, _IN_CORPUS, CORPUS)[0], path) for path in _listing(top)]
+                entries += [Entry(kind_of(path, IN_CORPUS, CORPUS)[0], path) for path in listing(top)]
             else:
                 entries.append(Entry(kind, top))
         return entries
 
     def _survey_stage(self, folder: Path) -> list[Entry]:
         entries = []
-        for path in _listing(folder):
-            kind, key = _kind_of(path, _IN_STAGE, folder.name)
+        for path in listing(folder):
+            kind, key = kind_of(path, IN_STAGE, folder.name)
             problems = self._check(path, folder.name, key, "sha256")[1] if kind == "committed" else {}
             entries.append(Entry(kind, path, folder.name, key, problems))
         return entries
 
     def _root_kind(self, path: Path) -> EntryKind | Literal["stage"]:
         """What a name right under `root` is: a stage's folder, the corpus versions, set aside or unknown."""
-        if re.fullmatch(_ASIDE, path.name):
+        if re.fullmatch(ASIDE, path.name):
             return "set aside"
         if not path.is_dir() or path.is_symlink():
             return "unknown"
@@ -259,10 +235,10 @@ class ArtifactStore(StoreRecords):
     def committed(self, stage: str | None = None) -> Iterator[tuple[str, str, Path]]:
         """(stage, key, directory) of every folder named as a committed output, of one stage or all,
         whatever its contents (`verify` says whether it counts)."""
-        folders = [self.root / stage] if stage else [p for p in _listing(self.root) if self._root_kind(p) == "stage"]
+        folders = [self.root / stage] if stage else [p for p in listing(self.root) if self._root_kind(p) == "stage"]
         for folder in folders:
-            for path in _listing(folder):
-                if (found := _kind_of(path, _IN_STAGE, folder.name))[0] == "committed":
+            for path in listing(folder):
+                if (found := kind_of(path, IN_STAGE, folder.name))[0] == "committed":
                     yield folder.name, found[1], path
 
     def manifests(self, stage: str | None = None) -> Iterator[dict[str, Any]]:
@@ -403,19 +379,3 @@ def home_store(home: Path, verify_on_reuse: VerifyMode = "size", contracts: Cont
     # variable) go to the bucket, beside their partial folder's place there (model/checkpoint.py)
     os.environ.update(checkpoint_store_env(env.artifacts_root(home), remote.url))
     return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=remote, contracts=contracts)
-
-
-def _listing(folder: Path) -> list[Path]:
-    """The entries of `folder`, sorted; none when it is not a folder."""
-    return sorted(folder.iterdir()) if folder.is_dir() else []
-
-
-def _kind_of(path: Path, names: tuple[tuple[EntryKind, str, bool | None], ...], stage: str) -> tuple[EntryKind, str]:
-    """(what the entry `path` is by the first of `names` its name matches, the key it carries)."""
-    folder = path.is_dir() and not path.is_symlink()
-    for kind, pattern, is_folder in names:
-        found = re.fullmatch(pattern.replace("{s}", re.escape(stage)).replace("{key}", _KEY), path.name)
-        if found and is_folder in (None, folder):
-            return kind, found.groupdict().get("key") or ""
-    return "unknown", ""
-

@@ -1,7 +1,7 @@
 """`gristmill up / status / down`: a standing Prefect server, MLflow tracking server and Ray head on
 this machine, bound to 127.0.0.1 unless `--host` says otherwise, all state under GRISTMILL_HOME.
 Exposed to the network, Prefect and MLflow must ask for credentials (basic auth, see
-`check_exposure`); on loopback they do when the same variables are set.
+infra/stack_auth.py); on loopback they do when the same variables are set.
 
     gristmill up                          # start what is not running; print URLs and exports
     eval "$(gristmill up --print-env)"    # the same, and point this shell's runs at them
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -40,6 +39,7 @@ from core.sources import bucket_exists
 from infra import env, processes
 from infra.artifacts import STORE_ENV
 from infra.schemas import seed_mlflow, seed_prefect
+from infra.stack_auth import MLFLOW_AUTH, PREFECT_AUTH, check_exposure, mlflow_auth
 
 LOOPBACK = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -53,13 +53,6 @@ RAY_WORKER_PORTS = range(10002, 20000)  # `ray start`'s default --min/--max-work
 STACK_LOCK = "stack.lock"  # in GRISTMILL_HOME: one `up`/`down` at a time
 STOP_GRACE_S = 10.0  # a service's time to exit on SIGTERM before it is killed
 NAMES = ("prefect", "mlflow", "ray")  # the order `up` starts and reports them in
-# Basic auth, on when these are set in `up`'s environment and required to expose a server:
-# Prefect checks every API call against "user:password" (clients send PREFECT_API_AUTH_STRING);
-# MLflow runs its basic-auth app, whose admin is created on first start with this password
-# (clients send MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD). Health URLs stay open.
-PREFECT_AUTH = "PREFECT_SERVER_API_AUTH_STRING"
-MLFLOW_AUTH = "MLFLOW_AUTH_ADMIN_PASSWORD"
-MLFLOW_SECRET = "MLFLOW_FLASK_SERVER_SECRET_KEY"  # signs the auth app's CSRF tokens
 MLFLOW_BUCKET_PREFIX = "mlflow-artifacts"  # MLflow's artifacts in GRISTMILL_STORE's bucket
 
 
@@ -147,39 +140,6 @@ def ray_temp_dir(home: Path) -> Path:
     return env.short_path(Path(home).resolve() / "ray", RAY_TEMP_MAX_CHARS)
 
 
-def check_exposure(host: str) -> None:
-    """A server reachable from the network must ask for credentials: refuse before anything starts."""
-    if env.is_loopback(host):
-        return
-    missing = [name for name in (PREFECT_AUTH, MLFLOW_AUTH) if not os.environ.get(name)]
-    if missing:
-        raise ValueError(f"--host {host} exposes Prefect and MLflow to the network: set "
-                         f"{' and '.join(missing)} first (basic auth; see docs/operations.md#exposing-the-servers)")
-
-
-def _mlflow_auth(home: Path) -> tuple[tuple[str, ...], dict[str, str]]:
-    """MLflow's basic-auth app, when its admin password is set: its users in a SQLite file under
-    the home, its settings file and CSRF key (made once, kept private) beside the service records."""
-    if not os.environ.get(MLFLOW_AUTH):
-        return (), {}
-    folder = services_dir(home)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = folder / "mlflow-auth.ini"
-    config.write_text(
-        "[mlflow]\ndefault_permission = READ\n"
-        f"database_uri = sqlite:///{home / 'mlflow-auth.db'}\n"
-        f"admin_username = {os.environ.get('MLFLOW_TRACKING_USERNAME', 'admin')}\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    secret = os.environ.get(MLFLOW_SECRET)
-    if not secret:
-        key_file = folder / "mlflow-secret-key"
-        if not key_file.exists():
-            key_file.touch(mode=0o600)
-            key_file.write_text(secrets.token_hex(32))
-        secret = key_file.read_text()
-    return ("--app-name", "basic-auth"), {"MLFLOW_AUTH_CONFIG_PATH": str(config), MLFLOW_SECRET: secret}
-
-
 def artifacts_destination(home: Path, requested: str | None = None) -> str:
     """Where `up`'s MLflow server keeps artifacts (logged models among them): `requested`; else,
     when GRISTMILL_STORE is an s3:// URL, the `mlflow-artifacts` prefix of its bucket, so a
@@ -222,7 +182,7 @@ def specs(home: Path, host: str = LOOPBACK, ports: Ports = Ports(), artifacts: s
              "DO_NOT_TRACK": "1", "PREFECT_UI_API_URL": f"{prefect_url}/api"})
     # Served artifacts: clients upload through the server, which stores them under the home (for
     # experiments it creates; the pipeline's experiment may already name a file: location there).
-    auth_args, auth_env = _mlflow_auth(home)
+    auth_args, auth_env = mlflow_auth(home, services_dir(home))
     mlflow = Spec(
         name="mlflow", url=mlflow_url, health_url=f"{mlflow_url}/health", host=reach,
         ports=(ports.mlflow,), export={"MLFLOW_TRACKING_URI": mlflow_url}, env={**base, **auth_env},

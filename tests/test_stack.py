@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from flows import cli
-from infra import processes, stack
+from infra import processes, stack, stack_auth
 from infra.processes import alive
 
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
@@ -129,7 +129,7 @@ def test_a_service_that_exits_is_reported_with_its_log_and_forgotten(tmp_path, m
 
 
 def test_services_keep_their_state_in_the_home_and_bind_where_told(tmp_path, monkeypatch):
-    for name in (stack.PREFECT_AUTH, stack.MLFLOW_AUTH, stack.MLFLOW_SECRET):
+    for name in (stack.PREFECT_AUTH, stack.MLFLOW_AUTH, stack_auth.MLFLOW_SECRET):
         monkeypatch.delenv(name, raising=False)
     local = {s.name: s for s in stack.specs(tmp_path)}
     assert "--app-name" not in local["mlflow"].argv  # no credentials set: no auth on loopback
@@ -146,7 +146,7 @@ def test_services_keep_their_state_in_the_home_and_bind_where_told(tmp_path, mon
     mlflow_argv, mlflow_env = exposed["mlflow"].argv, exposed["mlflow"].env
     assert mlflow_argv[mlflow_argv.index("--app-name") + 1] == "basic-auth"
     assert f"sqlite:///{tmp_path.resolve()}/mlflow-auth.db" in Path(mlflow_env["MLFLOW_AUTH_CONFIG_PATH"]).read_text()
-    assert len(mlflow_env[stack.MLFLOW_SECRET]) == 64  # made once, kept beside the records
+    assert len(mlflow_env[stack_auth.MLFLOW_SECRET]) == 64  # made once, kept beside the records
     assert (stack.services_dir(tmp_path) / "mlflow-secret-key").stat().st_mode & 0o777 == 0o600
     assert "--node-ip-address" not in exposed["ray"].argv  # Ray picks the node's network address
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in exposed["ray"].export

@@ -10,6 +10,8 @@ On the local disk:
 
     <work_dir>/checkpoints/step-0000050/   one complete checkpoint
         ...                                what the trainer wrote (safetensors weights, tensors, JSON)
+        metrics.jsonl                      the metrics rows written before it (a run resumed on
+                                           another node's disk gets them back: `restore_rows`)
         checkpoint.json                    the loop state and every file's size and sha256;
                                            written last: the completion marker
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,12 +61,13 @@ from model.checkpoint_local import LocalPlace
 # what the trainers, stages and tests import from here (`damage` and `read_marker` live with the marker)
 __all__ = ["CHECKPOINTS_DIR", "CHECKPOINT_STATS", "ROW_KEY", "STORE_ENV", "Place", "checkpoint_place",
            "checkpoint_stats", "clear_partial_checkpoints", "complete_checkpoints", "damage",
-           "latest_good_checkpoint", "read_marker", "remove_checkpoints", "restore_row", "resume_point",
+           "latest_good_checkpoint", "read_marker", "remove_checkpoints", "restore_rows", "resume_point",
            "rewrite_marker", "save_checkpoint", "store_env"]
 
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_STATS = ("checkpoint_s", "checkpoint_bytes", "checkpoints")  # what checkpoint_stats summarises
-ROW_KEY = "metrics_row"  # in a saved state: the metrics row of its step (`restore_row`)
+METRICS_COPY = "metrics.jsonl"  # in a checkpoint: the metrics rows written before it (`restore_rows`)
+ROW_KEY = "metrics_row"  # in a saved state: the metrics row of its step (`restore_rows`)
 STORE_ENV = "GRISTMILL_CHECKPOINT_STORE"  # {"root": local folder, "url": its place on a bucket}
 
 
@@ -137,14 +141,21 @@ def resume_point(work_dir: Path, *, main: bool = True, barrier: Barrier = lambda
 
 
 def save_checkpoint(work_dir: Path, state: dict[str, Any], keep: int, write: WriteFn, *,
-                    expected_bytes: int = 0, main: bool = True, barrier: Barrier = lambda: None) -> dict[str, float]:
+                    expected_bytes: int = 0, main: bool = True, barrier: Barrier = lambda: None,
+                    metrics: MetricsLog | None = None) -> dict[str, float]:
     """Write checkpoint `state["step"]`: `write(directory)` fills a local directory (in every
-    process of a distributed run; `barrier` syncs them), then the main process adds the marker with
-    every file's digest last and deletes all but the newest `keep` complete checkpoints. Needs free
-    space for the last checkpoint's size (or `expected_bytes` for the first); a write that fails
-    leaves the other checkpoints intact. Returns checkpoint_s and checkpoint_bytes."""
+    process of a distributed run; `barrier` syncs them), then the main process adds a copy of the
+    metrics written so far (`metrics`, for `restore_rows`) and the marker with every file's digest
+    last, and deletes all but the newest `keep` complete checkpoints. Needs free space for the last
+    checkpoint's size (or `expected_bytes` for the first); a write that fails leaves the other
+    checkpoints intact. Returns checkpoint_s and checkpoint_bytes."""
+    def write_with_metrics(directory: Path) -> None:
+        write(directory)
+        if main and metrics is not None and metrics.path.is_file():
+            shutil.copyfile(metrics.path, directory / METRICS_COPY)
+
     started = time.perf_counter()
-    written = checkpoint_place(work_dir).save(state, keep, write, expected_bytes, main, barrier)
+    written = checkpoint_place(work_dir).save(state, keep, write_with_metrics, expected_bytes, main, barrier)
     return {"checkpoint_s": round(time.perf_counter() - started, 4), "checkpoint_bytes": written}
 
 
@@ -157,10 +168,16 @@ def checkpoint_stats(saves: list[dict[str, float]]) -> dict[str, float]:
             "checkpoint_bytes": saves[-1]["checkpoint_bytes"], "checkpoints": len(saves)}
 
 
-def restore_row(metrics: MetricsLog, step: int, state: dict[str, Any]) -> None:
-    """After resuming from checkpoint `step`: its step's metrics row (`ROW_KEY` of the saved state),
-    when the run stopped after the checkpoint but before writing that row (the trainers write it
-    after the checkpoint, with the checkpoint's seconds and bytes)."""
+def restore_rows(metrics: MetricsLog, step: int, state: dict[str, Any], path: Path) -> None:
+    """After resuming from checkpoint `step` (at `path`): every metrics row up to it. Rows written
+    on another node's disk (a run resumed on a fresh node, its rank 0 elsewhere before) come from
+    the checkpoint's copy of the metrics (METRICS_COPY); the step's own row, written after the
+    checkpoint with its seconds and bytes, from the saved state (`ROW_KEY`) when the run stopped
+    before writing it."""
+    rows = [r for r in read_metrics(metrics.path) if r["step"] <= step]
+    saved = [r for r in read_metrics(Path(path) / METRICS_COPY) if r["step"] <= step]
+    if len(saved) > len(rows):
+        metrics.path.write_text("".join(json.dumps(r) + "\n" for r in saved))
     row = state.get(ROW_KEY)
     if row and not any(r.get("step") == step for r in read_metrics(metrics.path)):
         metrics.log(step, **row)

@@ -259,7 +259,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
     state = resume(parts, work_dir, metrics, cfg, log)
     resumed_from = state["step"]
     if cfg.max_rollbacks and not complete_checkpoints(work_dir):
-        save_state(parts, work_dir, state, cfg.keep_checkpoints)  # a rollback target
+        save_state(parts, work_dir, state, cfg.keep_checkpoints, metrics)  # a rollback target
     peak_tflops = device_peak_tflops(cfg.peak_tflops, accelerator.device)
     meter = Throughput(flops_per_token, peak_tflops, accelerator.num_processes)
     t0, tokens_now, first_step_s, saves = time.perf_counter(), 0, None, []
@@ -297,7 +297,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
             if _due(done, cfg.checkpoint_every, cfg.max_steps):
                 # The step's row rides in the checkpoint (a stop before its line is written leaves
                 # it to the resume) and gets the checkpoint's seconds and bytes.
-                saved = save_state(parts, work_dir, {**state, ROW_KEY: row}, cfg.keep_checkpoints)
+                saved = save_state(parts, work_dir, {**state, ROW_KEY: row}, cfg.keep_checkpoints, metrics)
                 saves.append(saved)
                 row.update(saved)
             if accelerator.is_main_process:

@@ -41,7 +41,7 @@ import torch
 from core.chat import Message, prompt_ids
 from core.progress import Reporter
 from core.stage import MetricsLog
-from model.checkpoint import ROW_KEY, checkpoint_stats, read_marker, restore_row, resume_point, save_checkpoint
+from model.checkpoint import ROW_KEY, checkpoint_stats, read_marker, restore_rows, resume_point, save_checkpoint
 from model.config import PPOConfig
 from model.export import generation_config
 from model.ranks import ONE_PROCESS, Ranks
@@ -302,7 +302,7 @@ def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, opti
 # ---------------------------------------------------------------- checkpoints and the loop
 
 def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int,
-          ranks: Ranks) -> dict[str, float]:
+          ranks: Ranks, metrics: MetricsLog) -> dict[str, float]:
     """Weights as safetensors (policy and value head), the optimizer's tensors with torch.save;
     written by the main process (every process holds the same). Returns checkpoint_s and _bytes."""
     from safetensors.torch import save_model
@@ -316,24 +316,24 @@ def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: i
 
     model_bytes = sum(p.numel() * p.element_size() for p in modules["policy"].parameters())
     return save_checkpoint(out_dir, state, keep, write, expected_bytes=3 * model_bytes, main=ranks.main,
-                           barrier=ranks.barrier)
+                           barrier=ranks.barrier, metrics=metrics)
 
 
-def _resume(out_dir: Path, modules: dict[str, Any], ranks: Ranks) -> dict[str, Any]:
+def _resume(out_dir: Path, modules: dict[str, Any], ranks: Ranks) -> tuple[dict[str, Any], Path | None]:
     """The newest checkpoint that verifies, loaded without unpickling: safetensors weights, and the
-    optimizer state with `weights_only=True` (by every process)."""
+    optimizer state with `weights_only=True` (by every process); its saved state and its folder."""
     from safetensors.torch import load_model
 
     good = resume_point(out_dir, main=ranks.main, barrier=ranks.barrier)
     if good is None:
-        return {"step": 0, "scores": [], "kls": []}
+        return {"step": 0, "scores": [], "kls": []}, None
     step, path = good
     device = next(modules["policy"].parameters()).device
     load_model(modules["policy"], str(path / "policy.safetensors"), device=str(device))
     load_model(modules["value_head"], str(path / "value_head.safetensors"), device=str(device))
     modules["optimizer"].load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
     log.info("resuming PPO from step %d (%s)", step, path)
-    return read_marker(path)
+    return read_marker(path), path
 
 
 def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Sequence[Message]],
@@ -367,11 +367,12 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-5,
                                   weight_decay=cfg.weight_decay)
     modules = {"policy": policy, "value_head": value_head, "optimizer": optimizer}
-    state = _resume(out_dir, modules, ranks)
+    state, resumed_at = _resume(out_dir, modules, ranks)
     resumed_from = state["step"]
     if ranks.main:  # the one process that writes metrics.jsonl
         metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
-        restore_row(metrics, metrics_step_offset + resumed_from, state)
+        if resumed_at is not None:
+            restore_rows(metrics, metrics_step_offset + resumed_from, state, resumed_at)
     saves: list[dict[str, float]] = []
     with Reporter("ppo", unit="step", enabled=ranks.main) as progress:
         progress.start(cfg.max_steps, done=resumed_from)
@@ -381,7 +382,7 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
             state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
                      "kls": state["kls"] + [row["ppo/kl"]]}
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
-                saves.append(_save(out_dir, {**state, ROW_KEY: row}, modules, cfg.keep_checkpoints, ranks))
+                saves.append(_save(out_dir, {**state, ROW_KEY: row}, modules, cfg.keep_checkpoints, ranks, metrics))
                 row = {**row, **saves[-1]}  # the row, saved with the checkpoint, is written after it
             if ranks.main:
                 metrics.log(metrics_step_offset + step + 1, **row)

@@ -32,7 +32,7 @@ from core.stage import MetricsLog
 from model.checkpoint import (
     latest_good_checkpoint,
     read_marker,
-    restore_row,
+    restore_rows,
     resume_point,
     rewrite_marker,
     save_checkpoint,
@@ -112,7 +112,8 @@ def load_state(parts: Parts, path: Path, cfg: LoopConfig) -> dict[str, Any]:
     return {**fresh_state(cfg), **marker}
 
 
-def save_state(parts: Parts, work_dir: Path, state: dict[str, Any], keep: int) -> dict[str, float]:
+def save_state(parts: Parts, work_dir: Path, state: dict[str, Any], keep: int,
+               metrics: MetricsLog) -> dict[str, float]:
     """Every rank takes part (the state is gathered); rank 0 writes weights, optimizer and scheduler,
     every rank its RNG states. Before the first step the optimizer has no state and none is
     written: asking torch for it would create it with an optimizer step. Returns checkpoint_s
@@ -135,7 +136,8 @@ def save_state(parts: Parts, work_dir: Path, state: dict[str, Any], keep: int) -
 
     # weights + AdamW's two moments, about 3x the model in float32
     saved = save_checkpoint(work_dir, state, keep, write, expected_bytes=3 * model_bytes,
-                            main=parts.accelerator.is_main_process, barrier=parts.accelerator.wait_for_everyone)
+                            main=parts.accelerator.is_main_process, barrier=parts.accelerator.wait_for_everyone,
+                            metrics=metrics)
     return {**saved, "checkpoint_s": round(time.perf_counter() - started, 4)}
 
 
@@ -153,7 +155,7 @@ def resume(parts: Parts, work_dir: Path, metrics: MetricsLog, cfg: LoopConfig, l
     state = load_state(parts, path, cfg)
     if accelerator.is_main_process:
         metrics.truncate_after(step)
-        restore_row(metrics, step, state)
+        restore_rows(metrics, step, state, path)
     return state
 
 

@@ -31,7 +31,7 @@ the undamaged store (step metrics aside, which carry tokens/s).
 An output deleted whole is not among the kinds: nothing is left to name, and a run computes it.
 It prints a table per kind and ends with one JSON line: {"trials", "detected", "undetected",
 "reused_by_size", "seconds", "runs", "identical"}. The trials are flows/store_fuzz.py's, which
-tests/test_store_fuzz.py runs in CI.
+tests/infra/test_store_fuzz.py runs in CI.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Store fuzzing at store level: random damage to a copy of a finished run's artifact store
 (flows/store_damage.py's KINDS, one trial each), and whether `gristmill verify` names it and reuse
 refuses what it touched, and nothing else. `python -m bench store-fuzz` runs these trials (and
-pipeline runs over the damaged stores); tests/test_store_fuzz.py runs them in CI."""
+pipeline runs over the damaged stores); tests/infra/test_store_fuzz.py runs them in CI."""
 from __future__ import annotations
 
 import os

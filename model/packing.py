@@ -6,7 +6,7 @@ whole. `collate_packed` gives each row `position_ids` that restart at 0 at every
 padding at a row's end its own run from 0. The model is then called with those `position_ids` and
 no `attention_mask`: transformers (>= 4.54; checked on 5.24 with sdpa and eager attention) reads
 each restart as a sequence boundary and builds a block-diagonal causal mask, so each example's
-logits equal those of the example run alone (tests/test_sft.py checks it). That detection is off
+logits equal those of the example run alone (tests/tasks/sft/test_sft.py checks it). That detection is off
 whenever a 2D attention mask or a KV cache is passed, hence `use_cache=False` (`model.loop.model_inputs`).
 Labels are already shifted within each example, so no label crosses from one example to the next.
 With no attention_mask, the loop's `tokens_seen` / `tokens_per_s` count a packed batch's padding too

@@ -1,4 +1,4 @@
-"""One rank of a two-process gloo run that checkpoints on a bucket (tests/test_checkpoint_store.py),
+"""One rank of a two-process gloo run that checkpoints on a bucket (tests/model/test_checkpoint_store.py),
 in a module of its own so that a spawned process imports only what it runs."""
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from corpus_helpers import crawl_server  # noqa: F401  the local Common Crawl server fixture
 from pipeline_helpers import FAST, STAGES, TinyRun, committed_dir, gristmill, plan_of
+from train_helpers import tokenize_dir  # noqa: F401  the tokenize output the training tests share
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

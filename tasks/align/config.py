@@ -8,7 +8,7 @@ the data files it reads (the stage's fingerprint digests them).
 
 Adding a method: its section class here and a field of the same name in `Config` (with the name
 in `method`'s choices), a module with `train(config, job)` (see method.py), and its entry in
-`METHODS`; tests/test_align.py checks that the registry and the fields agree.
+`METHODS`; tests/tasks/align/test_align.py checks that the registry and the fields agree.
 """
 from __future__ import annotations
 

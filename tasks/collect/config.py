@@ -43,7 +43,7 @@ class CleaningConfig(StageConfig):
 
     The defaults are the published thresholds, as datatrove 0.10's blocks default to them
     (LanguageFilter, GopherQualityFilter, GopherRepetitionFilter, FineWebQualityFilter,
-    C4QualityFilter: tests/test_cleaning.py compares each with the block's signature): the values
+    C4QualityFilter: tests/tasks/collect/test_cleaning.py compares each with the block's signature): the values
     for web crawls (configs/web.yaml). A preset for another corpus sets what differs (tiny.yaml:
     the demo's package docs)."""
 

@@ -10,7 +10,7 @@ prefixed with "c4_"/"fineweb_" for those blocks (datatrove's bare "empty" or
 `dropped_<reason>` counters. `cfg` is anything with the attributes named in the field maps
 below (a tasks.collect.config.CleaningConfig).
 
-The rules are rules.py's, which decide exactly as datatrove's blocks do (tests/test_rules.py)
+The rules are rules.py's, which decide exactly as datatrove's blocks do (tests/tasks/collect/test_rules.py)
 at a fraction of the cost. The blocks themselves stay reachable through `block_for`, built once
 per process and per threshold set, as the reference the tests and `python -m bench clean`
 compare against. C4's block also rewrites the text it keeps (only the lines its rules keep,

@@ -9,7 +9,7 @@ no two-letter code ("ceb", "als"); Norwegian Bokmål is "no".
 `accuracy_by_language` measures the model on a folder of labelled sentences
 (`<code>.txt`, one sentence per line); `python -m bench langid` prints it. `bundled_ft176` is
 datatrove's language ID on the same model file, for the comparisons of our cleaning chain with
-datatrove's (tests/test_cleaning.py, `python -m bench clean`).
+datatrove's (tests/tasks/collect/test_cleaning.py, `python -m bench clean`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ words, lines and n-grams are computed once and shared by every rule.
 
 Each rule decides exactly as datatrove 0.10's block of the same name (GopherQualityFilter,
 GopherRepetitionFilter, FineWebQualityFilter, C4QualityFilter) with the same thresholds, and
-returns datatrove's own reason (None: kept); tests/test_rules.py runs both on the shared pages and
+returns datatrove's own reason (None: kept); tests/tasks/collect/test_rules.py runs both on the shared pages and
 labelled edge cases. The constants and `find_duplicates` are datatrove's, imported, not copied.
 
 Why not call the blocks: profiled (cProfile, 300 of the shared pages, 4.3 kB on average) 85% of

@@ -1,5 +1,5 @@
 """Fuzzing the collect stage's readers and cleaning chain with damaged input files
-(`python -m bench.fuzz` runs `run_fuzz`; tests/test_fuzz.py runs single trials).
+(`python -m bench.fuzz` runs `run_fuzz`; tests/tasks/collect/test_fuzz.py runs single trials).
 
 A trial generates one to four input files, each from a fault kind in FAULTS (tasks/collect/read/damaged.py:
 random bytes, truncated or corrupted gzip and zstd, broken WARC headers, multi-MB lines, mixed and invalid
@@ -19,7 +19,7 @@ Determinism: each trial draws everything from `random.Random(f"{seed}:{trial}")`
 files it writes (gzip with mtime 0, zstd, Parquet/Arrow in memory) are byte-identical for a seed,
 so `run_fuzz` returns the same result for the same seed. Plain `random` rather than hypothesis:
 the benchmark must replay a seed exactly without hypothesis' example database or shrinking, and
-the fault generators are reused by tests/test_fuzz.py, where hypothesis draws the kind and the
+the fault generators are reused by tests/tasks/collect/test_fuzz.py, where hypothesis draws the kind and the
 seed (and shrinks the byte-level cases it generates itself).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The extracted pages of a data folder's WARC files and JSONL documents, as (text, url): what the
-cleaning chain's comparisons with datatrove read, in tests/test_cleaning.py and `python -m bench
+cleaning chain's comparisons with datatrove read, in tests/tasks/collect/test_cleaning.py and `python -m bench
 clean` alike (both on ../shared/data)."""
 from __future__ import annotations
 

@@ -1,0 +1,48 @@
+"""`python -m bench gpu` runs on a bare GPU image: here on the CPU, in a fresh venv holding only what
+such an image has (CPU torch 2.13 standing in for its torch, transformers 5.17) plus the wheels the
+check carries. An import of Prefect, Ray, MLflow or anything else off that list from the training
+path fails this test."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from core.gpu_image import CARRIED
+
+REPO = Path(__file__).resolve().parents[2]
+# The GPU image's packages (docs/development.md#the-gpu-check), at this machine's CPU torch.
+IMAGE = ["torch==2.13.0", "transformers==5.17.0", "accelerate==1.15.0", "tokenizers==0.23.3", "numpy",
+         "safetensors", "pyyaml", "psutil"]
+
+
+def _bare_venv(root: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    python = root / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    installer = ([uv, "pip", "install", "-q", "--python", str(python)] if uv
+                 else [python, "-m", "pip", "install", "-q"])
+    subprocess.run([*installer, *IMAGE, *CARRIED], check=True)
+    return python
+
+
+def test_the_gpu_check_runs_with_only_the_gpu_images_packages(tmp_path):
+    python = _bare_venv(tmp_path / "venv")
+    env = {"PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path),
+           "PYTHONPATH": str(REPO), "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
+    for service in ("prefect", "ray", "mlflow"):  # the venv really lacks the pipeline's services
+        assert subprocess.run([python, "-c", f"import {service}"], env=env, capture_output=True).returncode != 0
+    done = subprocess.run([python, "-m", "bench", "gpu", "--steps", "6", "--work", str(tmp_path / "work")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.stdout.strip(), done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["parts"] == dict.fromkeys(["data", "pretrain_adamw", "pretrain_muon", "sft", "evaluate"],
+                                            "pass"), done.stderr[-4000:]
+    assert done.returncode == 0
+    assert report["world_size"] == 2 and report["tokens_per_s_per_gpu"] > 0 and report["mfu"] is None  # a CPU
+    pretrained = json.loads((tmp_path / "work" / "pretrain-adamw" / "summary.json").read_text())
+    assert pretrained["world_size"] == 2 and (tmp_path / "work" / "sft" / "model" / "model.safetensors").is_file()

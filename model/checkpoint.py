@@ -38,9 +38,10 @@ local root, e.g. Ray Train workers on private disks, sets their own). A work dir
 variable, keeps them on the local disk exactly as before.
 
 Each save returns `{"checkpoint_s": seconds, "checkpoint_bytes": bytes}` (writing and uploading;
-the bytes of every rank's files, the marker aside; known to rank 0). The trainers log them in the
-checkpoint step's metrics row, written after the checkpoint; the row is saved in the marker too
-(`ROW_KEY`), and `restore_row` writes it on resume when a stop came between the two.
+the bytes of every rank's files, the marker and the metrics copy aside; known to rank 0). The
+trainers log them in the checkpoint step's metrics row, written after the checkpoint; the row is
+saved in the marker too (`ROW_KEY`), and `restore_rows` writes it on resume when a stop came
+between the two.
 Fault points (core/faults.py): `checkpoint-files:<step>` once every file is in place but before
 the marker, `checkpoint:<step>` once the checkpoint is complete.
 """
@@ -149,13 +150,17 @@ def save_checkpoint(work_dir: Path, state: dict[str, Any], keep: int, write: Wri
     last, and deletes all but the newest `keep` complete checkpoints. Needs free space for the last
     checkpoint's size (or `expected_bytes` for the first); a write that fails leaves the other
     checkpoints intact. Returns checkpoint_s and checkpoint_bytes."""
+    copied = [0]  # the metrics copy's bytes: not the trainer's state, and they vary with its timings
+
     def write_with_metrics(directory: Path) -> None:
         write(directory)
         if main and metrics is not None and metrics.path.is_file():
             shutil.copyfile(metrics.path, directory / METRICS_COPY)
+            copied[0] = (directory / METRICS_COPY).stat().st_size
 
     started = time.perf_counter()
     written = checkpoint_place(work_dir).save(state, keep, write_with_metrics, expected_bytes, main, barrier)
+    written -= copied[0]
     return {"checkpoint_s": round(time.perf_counter() - started, 4), "checkpoint_bytes": written}
 
 

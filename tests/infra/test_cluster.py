@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
 import zipfile
 from pathlib import Path
 
+import psutil
 import pytest
 from pipeline_helpers import REPO, STAGES, cli_env, committed_dir, manifest_files
 
@@ -136,3 +138,30 @@ def test_a_worker_given_a_path_only_the_driver_has_fails_in_one_line_naming_it(t
     assert re.fullmatch(rf"gristmill-launch failed: rank [01]: NotOnThisNode: {re.escape(str(listed))} is not on "
                         r"node \w{8}: only the driver has it .*", last), last
     assert re.search(r"\[rank[01]\]:tiny\.yaml", proc.stdout), proc.stdout[-3000:]  # the head's worker listed it
+
+
+def test_sigterm_to_the_driver_stops_the_workers_on_both_nodes_within_10_s(two_ray_nodes, tmp_path):
+    """A cancel (SIGTERM) to the Ray Train driver ends its Ray job: the driver and the workers on
+    both nodes, each sleeping in `timeit` as a stand-in for training, are gone within 10 s."""
+    log = tmp_path / "driver.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "infra.ray_train", "--processes", "1", "--nodes", "2",
+                                 "--max-failures", "0", "timeit", "-n", "1", "import time; time.sleep(600)"],
+                                cwd=REPO, env=cli_env(tmp_path / "home", two_ray_nodes), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        started = time.monotonic()
+        while len(pids := re.findall(r"\[rank\d\]:rank \d of 2 on node \w+ \(pid (\d+)\)", log.read_text())) < 2:
+            assert proc.poll() is None and time.monotonic() - started < 240, log.read_text()[-3000:]
+            time.sleep(0.5)
+        workers = [psutil.Process(int(pid)) for pid in pids]
+        proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        proc.wait(30)
+        assert time.monotonic() - stopped < 10, log.read_text()[-3000:]
+        while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+            assert time.monotonic() - stopped < 10, [w.pid for w in workers if w.is_running()]
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

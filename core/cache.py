@@ -119,6 +119,21 @@ class ObjectCache:
     def entry(self, sha256: str) -> Path:
         return self.dir / sha256[:2] / sha256
 
+    @contextlib.contextmanager
+    def _incoming(self, entry: Path) -> Iterator[Path]:
+        """A temporary name in the cache's folder for an object on its way in: renamed to `entry`
+        (under the cache's lock) when the block ends without an error, removed in any case."""
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=".incoming-", dir=self.dir)
+        os.close(handle)
+        incoming = Path(name)
+        try:
+            yield incoming
+            with self._locked():
+                os.replace(incoming, entry)
+        finally:
+            incoming.unlink(missing_ok=True)
+
     def fetch(self, url: str, size: int, sha256: str, *, evict: bool = True) -> Path:
         """The local copy of the object at `url`, whose record says it has `size` bytes of digest
         `sha256`: the cached entry when there is one, else downloaded, verified and put in place
@@ -128,21 +143,12 @@ class ObjectCache:
         if _size(entry) == size:
             _touch(entry)
             return entry
-        self.dir.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(prefix=".incoming-", dir=self.dir)
-        os.close(handle)
-        incoming = Path(name)
-        try:
+        with self._incoming(entry) as incoming:
             self._download(url, incoming)
             if (got := incoming.stat().st_size) != size:
                 raise ObjectDamaged(f"{url}: has {got} bytes, its record lists {size} (truncated or changed)")
             if file_digest(incoming) != sha256:
                 raise ObjectDamaged(f"{url}: its bytes do not match the sha256 its record lists")
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            with self._locked():
-                os.replace(incoming, entry)
-        finally:
-            incoming.unlink(missing_ok=True)
         if evict:
             self.evict(keep=entry)
         return entry
@@ -154,20 +160,12 @@ class ObjectCache:
         if entry.exists():
             _touch(entry)
             return entry
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(prefix=".incoming-", dir=self.dir)
-        os.close(handle)
-        incoming = Path(name)
-        try:
+        with self._incoming(entry) as incoming:
             incoming.unlink()
             try:
                 os.link(path, incoming)
             except OSError:  # another filesystem
                 shutil.copyfile(path, incoming)
-            with self._locked():
-                os.replace(incoming, entry)
-        finally:
-            incoming.unlink(missing_ok=True)
         self.evict(keep=entry)
         return entry
 

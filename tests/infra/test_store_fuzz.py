@@ -1,10 +1,10 @@
 """The store fuzzer (flows/store_fuzz.py) at store level, on a copy of the tiny run's store: 260
 seeded trials of random damage (20 of each kind), each named by `verify` and refused for reuse,
-nothing else reported, in under a minute. And the fuzzer can fail: with a check of the store
-switched off, the kinds of damage only that check sees go undetected."""
+nothing else reported (how long that takes is for `python -m bench store-fuzz` to measure). And
+the fuzzer can fail: with a check of the store switched off, the kinds of damage only that check
+sees go undetected."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -25,14 +25,11 @@ def finished_store(tiny_run, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_every_damage_is_named_by_verify_and_refused_for_reuse(finished_store, tmp_path):
-    started = time.perf_counter()
     results = run_trials(finished_store, tmp_path, TRIALS, seed=0)
-    seconds = time.perf_counter() - started
     assert [t.kind for t in results] == [*KINDS] * 20
     assert [(t.kind, t.what, t.spurious) for t in results if not t.detected] == []
     # the default reuse (size) passes only same-size changes of big files, which it does not hash
     assert all(t.refused_size or t.unhashed for t in results)
-    assert seconds < 60
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ import argparse
 import importlib
 import io
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -139,6 +140,7 @@ def _worker(config: dict[str, Any]) -> None:
             config["queue"].put((RESULT, (scratch / "result.json").read_text()))
     finally:
         sender.stop()
+        shutil.rmtree(scratch, ignore_errors=True)  # its log's lines are sent; nothing else is kept
 
 
 class _Relay(threading.Thread):

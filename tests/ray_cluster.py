@@ -67,11 +67,34 @@ def _alive_nodes(address: str, environ: dict[str, str]) -> int:
 def private_dirs(*also: Path) -> list[Path]:
     """The directories a driver-side run writes, outermost only: the system temp dir, `also` (the
     tests' temp root) and GRISTMILL_CACHE / GRISTMILL_HOME when set. The second node gets an empty
-    tmpfs over each."""
+    tmpfs over each, except over what every node of a real cluster has (the code, its Python, the
+    shared data: a checkout cloned under the temp dir, as CI's may be): a directory holding one of
+    those is hidden child by child instead (the children it has when the node starts)."""
     found = [Path(tempfile.gettempdir()), *also,
              *(Path(os.environ[var]) for var in ("GRISTMILL_CACHE", "GRISTMILL_HOME") if os.environ.get(var))]
-    resolved = sorted({path.resolve() for path in found}, key=lambda path: len(path.parts))
-    return [path for i, path in enumerate(resolved) if not any(path.is_relative_to(p) for p in resolved[:i])]
+    return _outermost([d for path in found for d in _hideable(path.resolve(), _KEPT)])
+
+
+# What stays visible to the second node: the repository, the Python it runs, the shared data.
+_REPO = Path(__file__).resolve().parents[1]
+_KEPT = tuple(path.resolve() for path in (
+    _REPO, Path(sys.prefix), Path(sys.base_prefix),
+    Path(os.environ.get("GRISTMILL_SHARED_DATA", _REPO.parent / "shared" / "data"))))
+
+
+def _hideable(path: Path, kept: tuple[Path, ...]) -> list[Path]:
+    """`path` itself, or (where it holds a kept path) those of its subdirectories that hold none."""
+    if any(path.is_relative_to(k) for k in kept):
+        return []
+    if not any(k.is_relative_to(path) for k in kept):
+        return [path]
+    children = sorted(child for child in path.iterdir() if child.is_dir() and not child.is_symlink())
+    return [d for child in children for d in _hideable(child, kept)]
+
+
+def _outermost(paths: list[Path]) -> list[Path]:
+    ordered = sorted(set(paths), key=lambda path: len(path.parts))
+    return [path for i, path in enumerate(ordered) if not any(path.is_relative_to(p) for p in ordered[:i])]
 
 
 def _check_unshare() -> None:

@@ -118,8 +118,16 @@ def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
                    committed={stage: committed_dir(home, stage) for stage in STAGES})
 
 
+@pytest.fixture
+def two_ray_nodes(ray_cluster):
+    """The session's two Ray nodes (`ray_cluster`), the second restored first where an earlier
+    test lost it."""
+    ray_cluster.restore_second()
+    return ray_cluster
+
+
 @pytest.fixture(scope="session")
-def two_ray_nodes(tmp_path_factory):
+def ray_cluster(tmp_path_factory):
     """A Ray head and a second node on this machine that share no disk (tests/ray_cluster.py: the
     second runs in its own mount namespace, an empty tmpfs over the tests' temp root, the system
     temp dir and GRISTMILL_CACHE), started once for every multi-node test: starting them takes

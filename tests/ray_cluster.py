@@ -57,11 +57,16 @@ def _node_args(temp_dir: Path, workers: range) -> list[str]:
             "--max-worker-port", str(workers.stop - 1), *pinned]
 
 
+ALIVE = "alive Ray nodes:"  # the count's own line: Ray may print warnings (a lagging heartbeat) after it
+
+
 def _alive_nodes(address: str, environ: dict[str, str]) -> int:
-    code = "import ray; ray.init(address=%r, log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
+    code = (f"import ray; ray.init(address=%r, log_to_driver=False); "
+            f"print({ALIVE!r}, sum(n['Alive'] for n in ray.nodes()), flush=True)")
     done = subprocess.run([sys.executable, "-c", code % address], env=environ, capture_output=True, text=True,
                           timeout=120)
-    return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+    counts = [line.removeprefix(ALIVE) for line in done.stdout.splitlines() if line.startswith(ALIVE)]
+    return int(counts[-1]) if done.returncode == 0 and counts else 0
 
 
 def private_dirs(*also: Path) -> list[Path]:
@@ -178,6 +183,19 @@ class TwoRayNodes(dict):
             time.sleep(1)
         self.stop_second()  # what is left of it
         self.start_second()
+
+    def second_is_up(self) -> bool:
+        """Whether the second node's `ray start` and its raylet still run."""
+        if self.second is None or self.second.poll() is not None:
+            return False
+        children = psutil.Process(self.second.pid).children(recursive=True)
+        return any(p.name() == "raylet" and p.status() != psutil.STATUS_ZOMBIE for p in children)
+
+    def restore_second(self) -> None:
+        """A fresh second node where the last one is gone (a test that lost it and failed), so
+        that one failure does not fail every test after it."""
+        if not self.second_is_up():
+            self.replace_second()
 
     def stop_second(self) -> None:
         _stop(self.second)

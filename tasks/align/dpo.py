@@ -6,6 +6,10 @@ On the held-out pairs, before and after training: the implicit-reward preference
 margin (reward = beta * log(policy / reference); 0 before training by construction) and the
 log-prob preference accuracy (how often the policy itself gives the chosen reply more
 probability), whose "before" is the SFT model's measured value.
+
+With `sft_weight` the NLL term is the mean over every chosen token of a step's global batch, so 1
+or N data-parallel processes train the same curve (`sft_share`); TRL's own term is the mean over
+a process's share of the pairs.
 """
 from __future__ import annotations
 
@@ -67,10 +71,50 @@ def preference_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float)
             "logp_margin": (policy[:, 0] - policy[:, 1]).mean().item()}
 
 
+def across_ranks(count: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(`count` summed over the ranks of the data-parallel process group, their number); `count`
+    and 1 outside one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return count, 1
+    total = count.clone()
+    dist.all_reduce(total)
+    return total, dist.get_world_size()
+
+
+def sft_share(inputs: dict[str, torch.Tensor]) -> float:
+    """This rank's factor on TRL's SFT term, which is the mean NLL over the chosen tokens of the
+    rank's own pairs (its batch is [chosen..., rejected...]) while data parallelism averages the
+    ranks' losses: times (its chosen tokens x ranks / every rank's chosen tokens) the average is the
+    mean over every chosen token of the step's global batch, as one process computes it. 1 in one
+    process."""
+    mine = inputs["completion_mask"][:, 1:].chunk(2, dim=0)[0].sum()
+    everywhere, ranks = across_ranks(mine)
+    return 1.0 if ranks == 1 or not everywhere else (mine * ranks / everywhere).item()
+
+
+def _trainer_class() -> type:
+    """TRL's DPOTrainer with its SFT term over the global batch (`sft_share`)."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    class GlobalBatchDPOTrainer(DPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            weights = self.loss_weights
+            if "sft" in self.loss_types:
+                share = sft_share(inputs)
+                self.loss_weights = [w * share if kind == "sft" else w for kind, w in zip(self.loss_types, weights)]
+            try:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            finally:
+                self.loss_weights = weights
+
+    return GlobalBatchDPOTrainer
+
+
 def build_trainer(config: DPOConfig, job: AlignJob, train: list[Pair], heldout: list[Pair]) -> Any:
     from datasets import Dataset
     from trl.trainer.dpo_config import DPOConfig as TrlDPOConfig  # ours is the stage section
-    from trl.trainer.dpo_trainer import DPOTrainer
 
     losses = {"sigmoid": 1.0, **({"sft": config.sft_weight} if config.sft_weight else {})}
     args = TrlDPOConfig(**trainer_args(config, job.out_dir / CHECKPOINTS_DIR, config.batch_size), beta=config.beta,
@@ -78,7 +122,7 @@ def build_trainer(config: DPOConfig, job: AlignJob, train: list[Pair], heldout: 
                          max_length=config.max_seq_len, truncation_mode="keep_start", dataset_num_proc=None)
     # The frozen SFT model is the reference; with LoRA, TRL switches the adapters off instead.
     reference = None if job.lora else copy.deepcopy(job.model).eval().requires_grad_(False)
-    return DPOTrainer(model=with_lora(job.model, job.lora, config.seed), ref_model=reference, args=args,
+    return _trainer_class()(model=with_lora(job.model, job.lora, config.seed), ref_model=reference, args=args,
                           processing_class=job.tokenizer, train_dataset=Dataset.from_list(to_trl_rows(train)),
                           eval_dataset=Dataset.from_list(to_trl_rows(heldout)))
 

@@ -301,6 +301,37 @@ def test_overlong_pairs_are_truncated_or_dropped_and_counted(tmp_path, tiny_mode
     assert 0 <= s["truncated_too_long"] <= 2 and s["truncated_too_long"] + s["pairs_heldout"] >= 2
 
 
+def test_the_sft_term_of_two_ranks_is_the_one_process_term(tmp_path, tiny_model_dir, monkeypatch):
+    """DPO with `sft_weight` on two data-parallel ranks, each holding half a step's pairs: the
+    average of their losses (what data parallelism averages, gradients included) is the loss one
+    process computes on the whole batch, as the ranks' SFT terms are weighted by their shares of the
+    batch's chosen tokens. TRL's own term (each rank's mean over its own chosen tokens) is not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tasks.align.dpo as dpo
+    from tasks.align.preferences import load_pairs, split_heldout
+
+    config = DPOConfig(**{**DPO, "sft_weight": 1.0})
+    pairs, _ = load_pairs(config.data, config.max_pairs, config.seed)
+    job = AlignJob(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                   tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), out_dir=tmp_path, lora=None)
+    trainer = dpo.build_trainer(config, job, *split_heldout(pairs, config.heldout_fraction, config.seed))
+    rows = [trainer.train_dataset[i] for i in range(config.batch_size)]
+    whole, *halves = (trainer.data_collator(part) for part in (rows, rows[:4], rows[4:]))
+    chosen = [half["completion_mask"][:, 1:].chunk(2)[0].sum() for half in halves]
+    assert chosen[0] != chosen[1]  # the halves hold different numbers of chosen tokens
+
+    def loss(batch: dict[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            return trainer.compute_loss(trainer.model, batch).item()
+
+    one = loss(whole)
+    monkeypatch.setattr(dpo, "across_ranks", lambda count: (sum(chosen), 2))
+    assert (loss(halves[0]) + loss(halves[1])) / 2 == pytest.approx(one, abs=1e-6)
+    monkeypatch.setattr(dpo, "across_ranks", lambda count: (count, 1))  # each rank's own mean, as TRL has it
+    assert (loss(halves[0]) + loss(halves[1])) / 2 != pytest.approx(one, abs=1e-5)  # 7e-5 off on this batch
+
+
 def test_dpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, tiny_model_dir):
     config = dpo_config(max_steps=4, lora={"rank": 4})
     s = run_align(config, sft_inputs(tmp_path, tiny_model_dir), tmp_path / "out").stats

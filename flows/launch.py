@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
         result = json.loads((scratch / "result.json").read_text())
     if via_bucket and store is not None:
         download_outputs(store, partial_dir, result["uploaded"])
+    # Rank 0 removed the checkpoints once the stage's outputs were exported; a rank beside it on
+    # another node, this one, keeps what it wrote of them here (its views of the bucket's
+    # checkpoints, its share of a Trainer checkpoint), and none of it belongs in the artifact.
+    shutil.rmtree(partial_dir / CHECKPOINTS_DIR, ignore_errors=True)
     return StageResult(stats=result["stats"], artifacts=result["artifacts"])
 
 

@@ -1,10 +1,12 @@
 """Training stages launched as several processes from the DAG (`<stage>.launch`, core/launch.py):
 Accelerate's launcher started and supervised by the stage (2 ranks over gloo), a rank killed and
 the stage resumed, the per-node command of a cluster without Ray (two machine ranks on this
-machine), and launches that cannot start refused at plan time."""
+machine), no checkpoint left in the folder a launched stage commits, and launches that cannot
+start refused at plan time."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import signal
@@ -163,6 +165,37 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     assert exported.stat().st_size == (tiny_run.committed["sft"] / "model" / "model.safetensors").stat().st_size
     log = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, "--until", "sft", services=prefect_server)
     assert "sft: reused" in log.stdout + log.stderr
+
+
+def test_a_launched_stage_keeps_no_checkpoint_a_rank_beside_the_driver_left(tmp_path, monkeypatch):
+    """Ray Train across nodes that share only the bucket (its launcher a stand-in here): rank 0
+    removes the checkpoints once the stage's outputs are exported, and a rank that ran on the
+    driver's node has left what it wrote of them in the stage's partial folder there (its share of
+    a Trainer checkpoint, a view of the bucket's). Once the launch has succeeded the folder the
+    stage commits holds none of it."""
+    import flows.launch
+    from flows.config import load_config
+    from flows.dag import open_store, plan
+
+    config = load_config(REPO / "configs" / "tiny.yaml", ["align.launch.backend=accelerate",
+                                                          "align.launch.processes=2"])
+    stage = plan(config, open_store(config, tmp_path / "home"), until="align")[-1]
+    partial = tmp_path / "align.partial"
+    left = [partial / "checkpoints" / "checkpoint-10" / "rng_state_1.pth",
+            partial / "checkpoints" / "step-0000020.view-4242" / "model.safetensors"]
+
+    def ranks(argv, *, on_line, env, cwd=None) -> None:
+        for path in [*left, partial / "model" / "model.safetensors"]:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"weights")
+        result = Path(argv[argv.index("--result") + 1])
+        result.write_text(json.dumps({"stats": {"steps": 10}, "artifacts": [], "uploaded": []}))
+
+    monkeypatch.setattr(flows.launch, "run_launcher", ranks)
+    result = flows.launch.launched(stage, config, partial, logging.getLogger("test"))
+    assert result.stats == {"steps": 10}
+    kept = [path.relative_to(partial).as_posix() for path in partial.rglob("*") if path.is_file()]
+    assert kept == ["model/model.safetensors"]
 
 
 def test_launches_that_cannot_start_are_refused_with_the_key_to_change():

@@ -3,7 +3,8 @@ fixture's second node has an empty private disk (tests/ray_cluster.py) and the a
 the `s3_server` fixture's bucket (GRISTMILL_STORE=s3://...). Whatever the stages need travels
 through the bucket or through Ray; a path only the driver has fails the worker given it in one
 line; a node lost mid-training is replaced and the stage resumes from the bucket's checkpoint. The
-single-machine run they are compared with is the shared `tiny_run`."""
+single-machine runs they are compared with are the shared `tiny_run` and, for align, runs on this
+machine from its stages with as many ranks as the cluster's where the curve depends on them."""
 from __future__ import annotations
 
 import json
@@ -17,16 +18,22 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pipeline_helpers import REPO, STAGES, cli_env, committed_dir, manifest_files
+from pipeline_helpers import REPO, STAGES, cli_env, committed_dir, gristmill, manifest_files
 
 from core.stage import read_metrics
 
 BUCKET = "crawl"
-# pretrain, SFT and align (GRPO) as Ray Train workers, one on each node; collect and tokenize's
-# Ray workers and evaluate (no Ray backend) as they always run on RAY_ADDRESS's cluster
+# pretrain, SFT and align as Ray Train workers, one on each node; collect and tokenize's Ray
+# workers and evaluate (no Ray backend) as they always run on RAY_ADDRESS's cluster
 ON_TWO_NODES = [f"{stage}.launch.{key}={value}" for stage in ("pretrain", "sft", "align")
                 for key, value in (("backend", "ray"), ("processes", 1), ("nodes", 2))]
-CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss")}
+CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss"), "grpo": ("loss", "reward"),
+          "dpo": ("loss",)}
+DPO = ["align.method=dpo", "align.dpo.max_steps=10"]
+# GRPO samples each rank's completions with its own seed (TRL: seed + process index): the same
+# curve takes the same number of ranks, here two Accelerate processes on this machine
+TWO_RANKS_HERE = ["align.launch.backend=accelerate", "align.launch.processes=2"]
+UNTIL_SFT = ("collect", "tokenize", "pretrain", "sft")
 
 
 def _objects(prefix: str) -> set[str]:
@@ -38,13 +45,26 @@ def _objects(prefix: str) -> set[str]:
 
 def _same_curves(ours: Path, theirs: Path, keys: tuple[str, ...], since: int = 0) -> None:
     """The committed metrics of two runs of a stage from step `since`: the same steps, each curve
-    within 1e-4."""
+    within 1e-4 (its largest difference printed)."""
     mine, reference = ([r for r in read_metrics(artifact / "metrics.jsonl") if r["step"] >= since]
                        for artifact in (ours, theirs))
     assert [r["step"] for r in mine] == [r["step"] for r in reference]
     for key in keys:
-        expected = [r[key] for r in reference if key in r]
-        assert expected and [r[key] for r in mine if key in r] == pytest.approx(expected, abs=1e-4), (ours, key)
+        expected, got = ([r[key] for r in rows if key in r] for rows in (reference, mine))
+        assert expected and got == pytest.approx(expected, abs=1e-4), (ours, key)
+        largest = max(abs(a - b) for a, b in zip(got, expected))
+        print(f"{ours.name} {key}: {len(got)} steps, largest difference {largest:.2g}")
+
+
+def _align(home: Path, method: str) -> Path:
+    """The committed align artifact of `method` in `home` (which may hold one of each method)."""
+    manifests = (home / "artifacts" / "align").glob("*/manifest.json")
+    return next(m.parent for m in manifests if json.loads(m.read_text())["config"]["method"] == method)
+
+
+def _ranks_on_nodes(out: str) -> list[str]:
+    """The node of each Ray Train worker the run's output `out` announces, in order."""
+    return [node for _, node in re.findall(r"\[rank(\d)\]:rank \1 of 2 on node (\w+)", out)]
 
 
 def _checkpoint_steps(prefix: str) -> list[int]:
@@ -58,14 +78,18 @@ def _checkpoint_steps(prefix: str) -> list[int]:
 @pytest.mark.slow
 def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_and_commits_the_single_machine_run(
         tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path):
-    """`gristmill run configs/tiny.yaml` with the store on the bucket and pretrain, SFT and align on
-    Ray Train across the two nodes. Once pretraining's first checkpoint is on the bucket, kill -9 of
-    the second node's raylet (the machine is lost) and a fresh second node with an empty disk in its
-    place, as Kubernetes replaces a pod: Ray Train starts the workers again (launch.max_failures 1),
-    they resume from the bucket's checkpoint, and the run goes on. Every stage commits on the bucket
-    under the single-machine run's key; collect's and tokenize's units ran on both nodes and wrote
-    that run's bytes; each training stage had a rank on each node (their lines reach the run's
-    output with the rank in front); pretraining's and SFT's curves are that run's within 1e-4."""
+    """`gristmill run configs/tiny.yaml` with the store on the bucket and pretrain, SFT and align
+    (GRPO) on Ray Train across the two nodes. Once pretraining's first checkpoint is on the bucket,
+    kill -9 of the second node's raylet (the machine is lost) and a fresh second node with an empty
+    disk in its place, as Kubernetes replaces a pod: Ray Train starts the workers again
+    (launch.max_failures 1), they resume from the bucket's checkpoint, and the run goes on. Every
+    stage commits on the bucket under the single-machine run's key; collect's and tokenize's units
+    ran on both nodes and wrote that run's bytes; each training stage had a rank on each node (their
+    lines reach the run's output with the rank in front); pretraining's and SFT's curves are that
+    run's within 1e-4, GRPO's (loss, reward) that of align on this machine with two Accelerate
+    processes. Then align again with DPO on Ray Train across both nodes: the stages before it are
+    reused from the bucket, and it commits there the artifact (key, loss curve within 1e-4) of DPO
+    on this machine in one process."""
     home = tmp_path / "home"
     services = {**two_ray_nodes, **prefect_server, **s3_server, "GRISTMILL_STORE": f"s3://{BUCKET}/cluster"}
     output = tmp_path / "run.log"
@@ -94,18 +118,20 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
         name = tiny_run.committed[stage].name
         assert committed_dir(home, stage).name == name  # the launch is not part of the key
         assert f"{stage}/{name}/manifest.json" in on_bucket, stage
-    assert not any(".partial/" in key or key.endswith(".lease") for key in on_bucket)  # nothing left behind
+    # nothing left behind, and no artifact holds checkpoints (a rank beside the driver left some there)
+    assert not any(".partial/" in key or key.endswith(".lease") or "/checkpoints/" in key for key in on_bucket)
 
     for stage in ("collect", "tokenize"):  # the cluster's work, the single-machine run's bytes
         assert manifest_files(committed_dir(home, stage)) == manifest_files(tiny_run.committed[stage]), stage
-    # collect's units on both nodes (tokenize has one unit in this preset: one shard)
-    per_node = json.loads((committed_dir(home, "collect") / "manifest.json").read_text())["stats"]["units_per_node"]
-    assert len(per_node["process_unit"]) == 2 and min(per_node["process_unit"].values()) > 0, per_node
-    assert re.search(r"process_unit: \d+ units, per Ray node: \w+ [1-9]\d*, \w+ [1-9]\d*", out), out[-4000:]
+    # collect's units and tokenize's (one a docs shard: two in this preset) on both nodes
+    for stage, unit in (("collect", "process_unit"), ("tokenize", "encode_shard")):
+        per_node = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]["units_per_node"]
+        assert len(per_node[unit]) == 2 and min(per_node[unit].values()) > 0, (stage, per_node)
+        assert re.search(rf"{unit}: \d+ units, per Ray node: \w+ [1-9]\d*, \w+ [1-9]\d*", out), out[-4000:]
 
     # pretrain's first workers, then its workers again, SFT's and align's: each group on two nodes,
     # the head and the lost node first, the head and the lost node's replacement after
-    placed = [node for _, node in re.findall(r"\[rank(\d)\]:rank \1 of 2 on node (\w+)", out)]
+    placed = _ranks_on_nodes(out)
     first, *after = [set(placed[i:i + 2]) for i in range(0, len(placed), 2)]
     assert len(placed) == 8 and len(first) == 2 and all(group == after[0] for group in after), placed
     assert len(after[0]) == 2 and len(first & after[0]) == 1, placed
@@ -115,12 +141,33 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
     # checkpoint (on the lost node's disk or the driver's) from the checkpoint's copy
     _same_curves(committed_dir(home, "pretrain"), tiny_run.committed["pretrain"], CURVES["pretrain"])
     _same_curves(committed_dir(home, "sft"), tiny_run.committed["sft"], CURVES["sft"])
-    # GRPO samples each rank's completions from that rank's generator: its curve depends on the
-    # number of ranks (as under Accelerate), so align is checked for its key and its steps only
-    align, single = (read_metrics(artifact / "metrics.jsonl")
-                     for artifact in (committed_dir(home, "align"), tiny_run.committed["align"]))
-    assert [r["step"] for r in align] == [r["step"] for r in single]
 
+    # align on this machine from the shared run's stages: GRPO with two ranks, DPO in one process
+    here = tiny_run.home_with(tmp_path / "here", UNTIL_SFT)
+    for launch in (TWO_RANKS_HERE, DPO):
+        gristmill(here, "run", "configs/tiny.yaml", *tiny_run.overrides, *launch, "--until", "align",
+                  services=prefect_server)
+    assert _align(here, "grpo").name == tiny_run.committed["align"].name  # the launch is not part of the key
+    _same_curves(_align(home, "grpo"), _align(here, "grpo"), CURVES["grpo"])
+
+    # DPO on the two nodes, the stages before it from the bucket
+    started = time.monotonic()
+    dpo = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *ON_TWO_NODES, *DPO, "--until", "align",
+                    services=services)
+    print(f"DPO on two nodes: {time.monotonic() - started:.0f} s")
+    said = dpo.stdout + dpo.stderr
+    assert all(f"{stage}: reused" in said for stage in UNTIL_SFT), said[-4000:]
+    placed = _ranks_on_nodes(said)
+    assert len(placed) == len(set(placed)) == 2, placed
+    aligned = _align(home, "dpo")
+    assert aligned.name == _align(here, "dpo").name
+    committed = _objects(f"cluster/align/{aligned.name}/")  # on the bucket, with no checkpoint in it
+    assert "manifest.json" in committed and not any(key.startswith("checkpoints/") for key in committed), committed
+    assert not _objects(f"cluster/align/{aligned.name}.partial/")
+    launch = json.loads((aligned / "manifest.json").read_text())["meta"]["launch"]
+    assert launch == {"backend": "ray", "processes": 1, "nodes": 2, "world_size": 2}, launch
+    # its SFT term is the mean over the global batch's chosen tokens (tasks/align/dpo.py): one rank's curve
+    _same_curves(aligned, _align(here, "dpo"), CURVES["dpo"])
 
 
 

@@ -1,7 +1,7 @@
-"""Runs of the pipeline in the background, each at a lower CPU priority (`nice`): on 2 cores the
-tests leave about a third of the cycles idle, and these runs take them; a test that needs one
-waits for what is left of it. The session's two whole runs start as soon as the tests that need
-them are collected (conftest.py):
+"""The session's two whole runs of the pipeline, started in the background as soon as the tests
+that need them are collected (conftest.py), each at a lower CPU priority (`nice`): on 2 cores the
+other tests leave about a third of the cycles idle, and these runs take them. A test that needs
+one waits for what is left of it.
 
 - The shared tiny run (`tiny_run`): the tiny preset shortened (flows/runs.py SHORT), every stage,
   in a fresh home; the end-to-end tests read it or start from copies of its artifacts.
@@ -44,15 +44,13 @@ def tiny_overrides(shared_data: Path) -> tuple[list[str], str]:
 
 
 class BackgroundRuns:
-    """`gristmill ARGS` for each of `commands` in turn, in a thread, in one fresh home (`home`,
-    which the caller may fill before `start`), with the external services `services` (cli_env);
-    each one's stdout and stderr kept apart, as `subprocess.run` keeps them."""
+    """`gristmill ARGS` for each of `commands` in turn, in a thread, in one fresh home; each one's
+    stdout and stderr kept apart, as `subprocess.run` keeps them."""
 
-    def __init__(self, name: str, commands: list[list[str]], niceness: int,
-                 services: dict[str, str] | None = None):
+    def __init__(self, name: str, commands: list[list[str]], niceness: int):
         self.root = Path(tempfile.mkdtemp(prefix=f"gristmill-{name}-"))
         self.home = self.root / "home"
-        self.commands, self.niceness, self.services = commands, niceness, services
+        self.commands, self.niceness = commands, niceness
         self.done: list[subprocess.CompletedProcess] = []
         self.failure: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-run", daemon=True)
@@ -70,7 +68,7 @@ class BackgroundRuns:
             out, err = self.root / f"{i}.out", self.root / f"{i}.err"
             with out.open("w") as stdout, err.open("w") as stderr:
                 self._proc = subprocess.Popen(["nice", "-n", str(self.niceness), sys.executable, "-m", "flows.cli",
-                                               *args], cwd=REPO, env=cli_env(self.home, self.services), stdout=stdout,
+                                               *args], cwd=REPO, env=cli_env(self.home), stdout=stdout,
                                               stderr=stderr, text=True, start_new_session=True)
                 code = self._proc.wait()
             self.done.append(subprocess.CompletedProcess(args, code, out.read_text(), err.read_text()))

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from background_runs import PRESET_NICENESS, TWO_PROCESSES, BackgroundRuns
 from pipeline_helpers import REPO, STAGES, cli_env, committed_dir, gristmill, manifest_files
 
 from core.stage import read_metrics
@@ -32,7 +31,8 @@ CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss"), "gr
           "dpo": ("loss",)}
 DPO = ["align.method=dpo", "align.dpo.max_steps=10"]
 # GRPO samples each rank's completions with its own seed (TRL: seed + process index): the same
-# curve takes the same number of ranks, here two Accelerate processes on this machine (TWO_PROCESSES)
+# curve takes the same number of ranks, here two Accelerate processes on this machine
+TWO_RANKS_HERE = ["align.launch.backend=accelerate", "align.launch.processes=2"]
 UNTIL_SFT = ("collect", "tokenize", "pretrain", "sft")
 
 
@@ -90,22 +90,9 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
     processes. Then align again with DPO on Ray Train across both nodes: the stages before it are
     reused from the bucket, and it commits there the artifact (key, loss curve within 1e-4) of DPO
     on this machine in one process."""
-    # align on this machine from the shared run's stages (GRPO with two ranks, DPO in one process),
-    # niced in the background while the cluster's run waits for its nodes
-    here = BackgroundRuns("here", [["run", "configs/tiny.yaml", *tiny_run.overrides, *launch, "--until", "align"]
-                                   for launch in (TWO_PROCESSES, DPO)], PRESET_NICENESS, services=prefect_server)
-    tiny_run.home_with(here.home, UNTIL_SFT)
-    try:
-        _on_two_nodes(tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path, here)
-    finally:
-        here.stop()
-
-
-def _on_two_nodes(tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path: Path, here: BackgroundRuns) -> None:
     home = tmp_path / "home"
     services = {**two_ray_nodes, **prefect_server, **s3_server, "GRISTMILL_STORE": f"s3://{BUCKET}/cluster"}
     output = tmp_path / "run.log"
-    here.start()
     started = time.monotonic()
     with output.open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
@@ -155,9 +142,13 @@ def _on_two_nodes(tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path: 
     _same_curves(committed_dir(home, "pretrain"), tiny_run.committed["pretrain"], CURVES["pretrain"])
     _same_curves(committed_dir(home, "sft"), tiny_run.committed["sft"], CURVES["sft"])
 
-    here.wait()
-    assert _align(here.home, "grpo").name == tiny_run.committed["align"].name  # the launch is not part of the key
-    _same_curves(_align(home, "grpo"), _align(here.home, "grpo"), CURVES["grpo"])
+    # align on this machine from the shared run's stages: GRPO with two ranks, DPO in one process
+    here = tiny_run.home_with(tmp_path / "here", UNTIL_SFT)
+    for launch in (TWO_RANKS_HERE, DPO):
+        gristmill(here, "run", "configs/tiny.yaml", *tiny_run.overrides, *launch, "--until", "align",
+                  services=prefect_server)
+    assert _align(here, "grpo").name == tiny_run.committed["align"].name  # the launch is not part of the key
+    _same_curves(_align(home, "grpo"), _align(here, "grpo"), CURVES["grpo"])
 
     # DPO on the two nodes, the stages before it from the bucket
     started = time.monotonic()
@@ -169,14 +160,15 @@ def _on_two_nodes(tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path: 
     placed = _ranks_on_nodes(said)
     assert len(placed) == len(set(placed)) == 2, placed
     aligned = _align(home, "dpo")
-    assert aligned.name == _align(here.home, "dpo").name
+    assert aligned.name == _align(here, "dpo").name
     committed = _objects(f"cluster/align/{aligned.name}/")  # on the bucket, with no checkpoint in it
     assert "manifest.json" in committed and not any(key.startswith("checkpoints/") for key in committed), committed
     assert not _objects(f"cluster/align/{aligned.name}.partial/")
     launch = json.loads((aligned / "manifest.json").read_text())["meta"]["launch"]
     assert launch == {"backend": "ray", "processes": 1, "nodes": 2, "world_size": 2}, launch
     # its SFT term is the mean over the global batch's chosen tokens (tasks/align/dpo.py): one rank's curve
-    _same_curves(aligned, _align(here.home, "dpo"), CURVES["dpo"])
+    _same_curves(aligned, _align(here, "dpo"), CURVES["dpo"])
+
 
 
 def test_a_worker_given_a_path_only_the_driver_has_fails_in_one_line_naming_it(two_ray_nodes, tmp_path):

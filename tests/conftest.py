@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from background_runs import BackgroundRuns, preset_runs, tiny_overrides, tiny_runs
 from corpus_helpers import crawl_server  # noqa: F401  the local Common Crawl server fixture
-from pipeline_helpers import STAGES, TinyRun, committed_dir, planned
+from pipeline_helpers import FAST, STAGES, TinyRun, committed_dir, gristmill, plan_of
+from preset_run import PresetRun
 from train_helpers import tokenize_dir  # noqa: F401  the tokenize output the training tests share
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,8 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Session fixtures that run the pipeline or start shared services: a module using one runs after
 # the modules that use none (pytest_collection_modifyitems).
 HEAVY_FIXTURES = {"tiny_run", "two_ray_nodes", "served", "prefect_server", "preset_run"}
-# The whole runs started in the background at collection (tests/background_runs.py), by fixture.
-BACKGROUND = pytest.StashKey[dict[str, BackgroundRuns]]()
+PRESET_RUN = pytest.StashKey[PresetRun]()
 
 
 def _module(item: pytest.Item) -> str:
@@ -37,44 +36,31 @@ def _module(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules in three groups, each in collection order: those whose tests start nothing shared
     (they fail in seconds where they fail), then those that run the pipeline or share a started
-    service, then those that read the tiny preset's own run (`preset_run`), the longest. The
-    session's whole runs that some collected test needs start now, in the background."""
+    service, then those that read the tiny preset's own run (`preset_run`), which starts now in the
+    background (tests/preset_run.py) and has the whole session to finish."""
     heavy = {_module(item) for item in items
              if item.get_closest_marker("slow") or HEAVY_FIXTURES & set(item.fixturenames)}
     preset = {_module(item) for item in items if "preset_run" in item.fixturenames}
     items.sort(key=lambda item: (_module(item) in preset, _module(item) in heavy))
-    if config.option.collectonly or not _shared_data_dir().is_dir():  # the fixtures skip or fail
-        return
-    needed = {name for item in items for name in BACKGROUND_RUNS if name in item.fixturenames}
-    config.stash[BACKGROUND] = {name: BACKGROUND_RUNS[name]().start() for name in sorted(needed, reverse=True)}
+    if preset and not config.option.collectonly:
+        config.stash[PRESET_RUN] = run = PresetRun()
+        run.start()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    for runs in session.config.stash.get(BACKGROUND, {}).values():
-        runs.stop()
-
-
-def _background(request: pytest.FixtureRequest, name: str) -> BackgroundRuns:
-    """The background runs the fixture `name` reads, once finished (started now if they were not)."""
-    started = request.config.stash.setdefault(BACKGROUND, {})
-    if name not in started:
-        started[name] = BACKGROUND_RUNS[name]().start()
-    started[name].wait()
-    return started[name]
+    if run := session.config.stash.get(PRESET_RUN, None):
+        run.stop()
 
 
 @pytest.fixture(scope="session")
-def preset_run(request, shared_data) -> Path:
+def preset_run(request) -> Path:
     """The home of the tiny preset's own run, each align method from its SFT model
-    (tests/background_runs.py), once it has finished."""
-    return _background(request, "preset_run").home
+    (tests/preset_run.py), once it has finished."""
+    return request.config.stash[PRESET_RUN].wait()
 
 
 def _shared_data_dir() -> Path:
     return Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
-
-
-BACKGROUND_RUNS = {"tiny_run": lambda: tiny_runs(_shared_data_dir()), "preset_run": preset_runs}
 
 
 @pytest.fixture(scope="module")
@@ -151,16 +137,21 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(request, shared_data) -> TinyRun:
+def tiny_run(tmp_path_factory, shared_data) -> TinyRun:
     """The tiny pipeline, run once through the real CLI (Prefect's ephemeral API, MLflow on SQLite,
-    a local Ray) in a fresh GRISTMILL_HOME, shared by every end-to-end test; started in the
-    background at collection (tests/background_runs.py)."""
-    runs = _background(request, "tiny_run")
-    dry_run, proc = runs.done
-    assert planned(dry_run.stdout) == {s: "run" for s in STAGES}
-    overrides, reference_vocab = tiny_overrides(shared_data)
-    return TinyRun(home=runs.home, proc=proc, overrides=overrides, reference_vocab=reference_vocab,
-                   committed={stage: committed_dir(runs.home, stage) for stage in STAGES})
+    a local Ray) in a fresh GRISTMILL_HOME, shared by every end-to-end test."""
+    # Compression is reported next to GPT-2's vocabulary when its rank file is at hand.
+    reference_vocab = f"tokenize.reference_vocab={shared_data / 'tokenizer' / 'gpt2.tiktoken'}"
+    # two real benchmarks, 20 items each: scores, contamination and the report card end to end
+    eval_dir = shared_data / "eval"
+    benchmarks = (f"evaluate.tasks=[{eval_dir / 'hellaswag' / 'hellaswag_val_part1.jsonl'},"
+                  f"{eval_dir / 'arc_easy' / 'arc_easy_part1.jsonl'}]")
+    overrides = [*FAST, reference_vocab, benchmarks, "evaluate.limit=20"]
+    home = tmp_path_factory.mktemp("e2e") / "home"
+    assert plan_of(home, overrides) == {s: "run" for s in STAGES}
+    proc = gristmill(home, "run", "configs/tiny.yaml", *overrides)
+    return TinyRun(home=home, proc=proc, overrides=overrides, reference_vocab=reference_vocab,
+                   committed={stage: committed_dir(home, stage) for stage in STAGES})
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from flows.runs import SHORT as FAST
 
 # What end-to-end tests import from here: flows/runs.py's helpers, shared with the benchmarks, and these.
 __all__ = ["FAST", "REPO", "STAGES", "TinyRun", "checkpoint_steps", "cli_env", "committed_dir", "committed_files",
-           "gristmill", "manifest_files", "plan_of", "planned"]
+           "gristmill", "manifest_files", "plan_of"]
 
 
 def gristmill(home: Path, *args: str, timeout: int = 1200,
@@ -28,13 +28,8 @@ def gristmill(home: Path, *args: str, timeout: int = 1200,
 
 def plan_of(home: Path, overrides: list[str], *more: str, services: dict[str, str] | None = None) -> dict[str, str]:
     """stage -> 'reuse' | 'run', as printed by --dry-run."""
-    dry_run = gristmill(home, "run", "configs/tiny.yaml", *overrides, *more, "--dry-run", services=services)
-    return planned(dry_run.stdout)
-
-
-def planned(dry_run_stdout: str) -> dict[str, str]:
-    """stage -> 'reuse' | 'run', from what --dry-run printed."""
-    rows = [line.split() for line in dry_run_stdout.split("# plan", 1)[1].splitlines()[1:] if line.strip()]
+    out = gristmill(home, "run", "configs/tiny.yaml", *overrides, *more, "--dry-run", services=services).stdout
+    rows = [line.split() for line in out.split("# plan", 1)[1].splitlines()[1:] if line.strip()]
     return {row[0]: row[2] for row in rows}
 
 

@@ -219,7 +219,7 @@ def test_final_model_loads_with_auto_classes_and_chats(tiny_run):
 @pytest.fixture(scope="module")
 def tiny_preset_methods(preset_run):
     """The tiny preset as shipped (full pretraining and SFT), aligned with each method, every
-    method data-parallel on 2 Accelerate processes (tests/background_runs.py). Returns method -> the
+    method data-parallel on 2 Accelerate processes (tests/preset_run.py). Returns method -> the
     align stage's stats, and the SFT stats."""
     manifests = {stage: [json.loads(p.read_text()) for p in (preset_run / "artifacts" / stage).glob("*/manifest.json")]
                  for stage in ("sft", "align")}

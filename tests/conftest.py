@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from corpus_helpers import crawl_server  # noqa: F401  the local Common Crawl server fixture
 from pipeline_helpers import FAST, STAGES, TinyRun, committed_dir, gristmill, plan_of
-from preset_run import PresetRun
 from train_helpers import tokenize_dir  # noqa: F401  the tokenize output the training tests share
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,41 +21,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GRISTMILL_CACHE", tempfile.mkdtemp(prefix="gristmill-test-cache-"))
 
 REPO = Path(__file__).resolve().parents[1]
-# Session fixtures that run the pipeline or start shared services: a module using one runs after
-# the modules that use none (pytest_collection_modifyitems).
-HEAVY_FIXTURES = {"tiny_run", "two_ray_nodes", "served", "prefect_server", "preset_run"}
-PRESET_RUN = pytest.StashKey[PresetRun]()
-
-
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
-@pytest.hookimpl(trylast=True)  # after -k / -m deselected what will not run
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules in three groups, each in collection order: those whose tests start nothing shared
-    (they fail in seconds where they fail), then those that run the pipeline or share a started
-    service, then those that read the tiny preset's own run (`preset_run`), which starts now in the
-    background (tests/preset_run.py) and has the whole session to finish."""
-    heavy = {_module(item) for item in items
-             if item.get_closest_marker("slow") or HEAVY_FIXTURES & set(item.fixturenames)}
-    preset = {_module(item) for item in items if "preset_run" in item.fixturenames}
-    items.sort(key=lambda item: (_module(item) in preset, _module(item) in heavy))
-    if preset and not config.option.collectonly:
-        config.stash[PRESET_RUN] = run = PresetRun()
-        run.start()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if run := session.config.stash.get(PRESET_RUN, None):
-        run.stop()
-
-
-@pytest.fixture(scope="session")
-def preset_run(request) -> Path:
-    """The home of the tiny preset's own run, each align method from its SFT model
-    (tests/preset_run.py), once it has finished."""
-    return request.config.stash[PRESET_RUN].wait()
 
 
 def _shared_data_dir() -> Path:

@@ -217,14 +217,20 @@ def test_final_model_loads_with_auto_classes_and_chats(tiny_run):
 # ---------------------------------------------------------------- the alignment claims, tiny preset
 
 @pytest.fixture(scope="module")
-def tiny_preset_methods(preset_run):
-    """The tiny preset as shipped (full pretraining and SFT), aligned with each method, every
-    method data-parallel on 2 Accelerate processes (tests/preset_run.py). Returns method -> the
-    align stage's stats, and the SFT stats."""
-    manifests = {stage: [json.loads(p.read_text()) for p in (preset_run / "artifacts" / stage).glob("*/manifest.json")]
+def tiny_preset_methods(tiny_run, prefect_server):
+    """The tiny preset as shipped (full pretraining and SFT), aligned with each method; collect and
+    tokenize are reused from the first run. Every method trains data-parallel, 2 processes under
+    Accelerate (the launch is not part of the key, and the claims must hold under it; inline align
+    is the shared run's). Returns method -> the align stage's stats, and the SFT stats."""
+    home, reference_vocab = tiny_run.home, tiny_run.reference_vocab
+    two = ["align.launch.backend=accelerate", "align.launch.processes=2"]
+    for method, launch in (("grpo", two), ("dpo", two), ("ppo", two)):
+        gristmill(home, "run", "configs/tiny.yaml", reference_vocab, f"align.method={method}", *launch,
+                  "--until", "align", timeout=1800, services=prefect_server)
+    manifests = {stage: [json.loads(p.read_text()) for p in (home / "artifacts" / stage).glob("*/manifest.json")]
                  for stage in ("sft", "align")}
-    (sft,) = manifests["sft"]
-    assert sft["config"]["max_steps"] == load_config(REPO / "configs" / "tiny.yaml").sft.max_steps
+    preset_steps = load_config(REPO / "configs" / "tiny.yaml").sft.max_steps  # not the shared run's
+    sft = next(m for m in manifests["sft"] if m["config"]["max_steps"] == preset_steps)
     aligned = [m for m in manifests["align"] if m["upstream"]["sft"] == sft["key"]]
     assert {m["config"]["method"]: m["meta"]["launch"]["world_size"] for m in aligned} == \
         {"grpo": 2, "dpo": 2, "ppo": 2}

@@ -60,7 +60,9 @@ def _run(args: argparse.Namespace) -> int:
                  "approve_gates": args.approve_gates}
     if args.in_process:
         from flows import supervised
+        from infra.interrupt import catch_sigint
 
+        catch_sigint()
         return supervised.run(**arguments)
     return _supervised("run", arguments, RESUME_NOTE)
 

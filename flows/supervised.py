@@ -150,10 +150,12 @@ COMMANDS = {"run": run, "serve": serve, "refresh": refresh}
 
 def main(argv: list[str]) -> int:
     """`COMMAND 'ARGUMENTS AS JSON'`, as flows/cli.py starts it."""
+    from infra.interrupt import catch_sigint
     from infra.supervisor import die_with_supervisor
 
     command, arguments = argv
     die_with_supervisor()
+    catch_sigint()  # the supervisor relays Ctrl-C as SIGINT
     return COMMANDS[command](**json.loads(arguments))
 
 

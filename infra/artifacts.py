@@ -69,6 +69,7 @@ from infra.integrity import (
     seal_of,
     unlisted,
 )
+from infra.interrupt import stop_if_interrupted
 from infra.remote_store import RemoteStore
 from infra.store_entries import ASIDE, IN_CORPUS, IN_STAGE, KEY_LENGTH, Entry, EntryKind, kind_of, listing
 from infra.store_records import CORPUS, StoreRecords
@@ -341,6 +342,7 @@ class ArtifactStore(StoreRecords):
         files = {rel: info for rel, info in describe_files(partial, exclude="").items() if rel != MANIFEST}
         record = Manifest(stage=stage, key=key, path=self.final_dir(stage, key), files=files, **fields).to_json()
         tmp.write_text(manifest_text({**record, SEAL: seal_of(record)}))
+        stop_if_interrupted(f"committing {stage}-{key}")  # the output stays partial, to resume from
         os.replace(tmp, partial / MANIFEST)
         fault_point(f"commit:{stage}")
         return self._publish(stage, key, partial)

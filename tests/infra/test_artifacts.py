@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
+import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 
 from infra.artifacts import MANIFEST, ArtifactStore, stage_key
+from infra.interrupt import catch_sigint
 
 
 def _fields(**stats):
@@ -74,6 +79,37 @@ def test_crash_before_manifest_is_not_complete_and_partial_work_survives(tmp_pat
 
     store.materialize("pretrain", "k2", resume)
     assert seen == [b"step-5"]
+
+
+def test_a_ctrl_c_python_swallows_in_a_weakref_callback_still_stops_the_commit(tmp_path, monkeypatch):
+    """The KeyboardInterrupt of a SIGINT that lands in a weakref callback is printed and dropped by
+    Python; the stage must not commit as if no one had asked it to stop."""
+    store = ArtifactStore(tmp_path)
+
+    class Collected:
+        pass
+
+    def compute(partial: Path):
+        (partial / "shard.bin").write_bytes(b"tokens")
+        doomed = Collected()
+        # kept alive by the assignment; its callback runs (and sends SIGINT) when `doomed` goes
+        callback = weakref.ref(doomed, lambda _: os.kill(os.getpid(), signal.SIGINT))
+        del doomed
+        assert callback() is None
+        return _fields()
+
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: swallowed.append(info.exc_type))
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        catch_sigint()
+        with pytest.raises(KeyboardInterrupt, match="before committing tokenize-k9"):
+            store.materialize("tokenize", "k9", compute)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert swallowed == [KeyboardInterrupt]  # Python did swallow the first one
+    assert store.load("tokenize", "k9") is None
+    assert (store.partial_dir("tokenize", "k9") / "shard.bin").read_bytes() == b"tokens"
 
 
 def test_directory_without_valid_manifest_is_incomplete(tmp_path):

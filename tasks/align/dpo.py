@@ -22,6 +22,7 @@ import torch
 
 from core.stage import MetricsLog
 from model.checkpoint import CHECKPOINTS_DIR
+from model.ranks import Ranks
 from tasks.align.config import DPOConfig
 from tasks.align.method import AlignJob
 from tasks.align.preferences import Pair, load_pairs, split_heldout
@@ -71,18 +72,6 @@ def preference_stats(policy: torch.Tensor, reference: torch.Tensor, beta: float)
             "logp_margin": (policy[:, 0] - policy[:, 1]).mean().item()}
 
 
-def across_ranks(count: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(`count` summed over the ranks of the data-parallel process group, their number); `count`
-    and 1 outside one."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return count, 1
-    total = count.clone()
-    dist.all_reduce(total)
-    return total, dist.get_world_size()
-
-
 def sft_share(inputs: dict[str, torch.Tensor]) -> float:
     """This rank's factor on TRL's SFT term, which is the mean NLL over the chosen tokens of the
     rank's own pairs (its batch is [chosen..., rejected...]) while data parallelism averages the
@@ -90,8 +79,11 @@ def sft_share(inputs: dict[str, torch.Tensor]) -> float:
     mean over every chosen token of the step's global batch, as one process computes it. 1 in one
     process."""
     mine = inputs["completion_mask"][:, 1:].chunk(2, dim=0)[0].sum()
-    everywhere, ranks = across_ranks(mine)
-    return 1.0 if ranks == 1 or not everywhere else (mine * ranks / everywhere).item()
+    ranks = Ranks.of_launch(mine.device)
+    if ranks.world == 1:
+        return 1.0
+    (everywhere,) = ranks.total(mine)
+    return (mine * ranks.world / everywhere).item() if everywhere else 1.0
 
 
 def _trainer_class() -> type:

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError
 
 import tasks.align.stage as align
 from core.stage import StageConfig, read_metrics
+from model.ranks import Ranks
 from tasks.align.config import DPOConfig, GRPOConfig, fingerprint
 from tasks.align.method import AlignJob
 from tasks.align.preferences import (
@@ -325,10 +326,15 @@ def test_the_sft_term_of_two_ranks_is_the_one_process_term(tmp_path, tiny_model_
         with torch.no_grad():
             return trainer.compute_loss(trainer.model, batch).item()
 
+    class TwoRanks(Ranks):  # what the all-reduce of two ranks, each holding a half, sums
+        def total(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return (sum(chosen).float(),)
+
     one = loss(whole)
-    monkeypatch.setattr(dpo, "across_ranks", lambda count: (sum(chosen), 2))
+    monkeypatch.setattr(Ranks, "of_launch", classmethod(lambda cls, device: TwoRanks(0, 2)))
     assert (loss(halves[0]) + loss(halves[1])) / 2 == pytest.approx(one, abs=1e-6)
-    monkeypatch.setattr(dpo, "across_ranks", lambda count: (count, 1))  # each rank's own mean, as TRL has it
+    # each rank's own mean, as TRL has it
+    monkeypatch.setattr(Ranks, "of_launch", classmethod(lambda cls, device: Ranks(0, 1)))
     assert (loss(halves[0]) + loss(halves[1])) / 2 != pytest.approx(one, abs=1e-5)  # 7e-5 off on this batch
 
 

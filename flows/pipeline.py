@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
@@ -21,7 +21,7 @@ from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
-from core.stage import METRICS_FILE, Engine, Manifest, SerialEngine
+from core.stage import METRICS_FILE, Manifest, SerialEngine
 from flows.config import PipelineConfig, with_overrides
 from flows.dag import PlannedStage, launch_problems_of, manifest_fields, open_store, plan, run_planned
 from flows.explain import explain
@@ -35,9 +35,13 @@ from flows.report_card import Section, registry_section
 from flows.stages import COLLECT, EVALUATE
 from infra import env
 from infra.artifacts import ArtifactStore
+from infra.interrupt import stop_if_interrupted
 from infra.memory import PeakRSS
 from infra.tracking import is_server
 from infra.tracking.runs import Tracker
+
+if TYPE_CHECKING:
+    from infra.ray_engine import RayEngine
 
 GPU_LIMIT = "gpu"  # the Prefect global concurrency limit GPU stages take a slot of
 RECORD_THREADS = 3  # reused stages recorded at once (each mostly waits on the tracking server)
@@ -51,11 +55,15 @@ class Runtime:
     """The edges a run talks to: artifact store and tracker, and the run's config (built once per flow run). With
     `background`, a reused stage's MLflow run is recorded on a thread while the flow moves on to
     the next stage (each record waits on the tracking server; a fully reused run overlaps them);
-    `join` waits for them all and raises the first failure."""
+    `join` waits for them all and raises the first failure. `ray_stages`: the stages of the run
+    that compute on Ray, in order; each but the last leaves its local Ray to the next
+    (infra/ray_engine.py), and `release_ray` stops one that none took over."""
 
     def __init__(self, store: ArtifactStore, tracker: Tracker, parent_run_id: str, config: PipelineConfig,
-                 background: bool = False):
+                 background: bool = False, ray_stages: Sequence[str] = ()):
         self.config = config  # what a launched stage's ranks plan from
+        self.ray_stages = list(ray_stages)
+        self._ray_left_running = False
         self.store = store
         self.tracker = tracker
         self.parent_run_id = parent_run_id
@@ -87,13 +95,28 @@ class Runtime:
         for future in records.values():
             future.result()
 
+    def keeps_ray_after(self, name: str) -> bool:
+        """Whether stage `name` leaves its local Ray running: a later stage of this run computes on Ray."""
+        keep = name in self.ray_stages[:-1]
+        self._ray_left_running |= keep
+        return keep
+
+    def release_ray(self) -> None:
+        """Stop a local Ray a stage left running for a later one that did not take it over (that
+        stage was reused after all, or the run stops)."""
+        if self._ray_left_running:
+            from infra.ray_engine import release_local
+
+            release_local()
+            self._ray_left_running = False
+
     def abandon(self) -> None:
         """The run is failing or stopping: drop the records not started, wait for none."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _engine(stage: PlannedStage, store: ArtifactStore) -> Engine:
+def _engine(stage: PlannedStage, store: ArtifactStore) -> SerialEngine | RayEngine:
     if not stage.spec.uses_ray:
         return SerialEngine()
     from infra.ray_engine import (
@@ -129,8 +152,10 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
                 engine = _engine(stage, runtime.store)
                 try:
                     result = run_planned(stage, upstream, partial_dir, engine=engine)
-                finally:
-                    getattr(engine, "shutdown", lambda: None)()
+                except BaseException:
+                    _stop(engine, keep_ray=False)
+                    raise
+                _stop(engine, keep_ray=runtime.keeps_ray_after(name))
                 # where a Ray engine's work units ran: {map: {node id: units}}, a multi-node run's record
                 if units_per_node := getattr(engine, "units_per_node", None):
                     result.stats["units_per_node"] = units_per_node
@@ -143,6 +168,12 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
             **({"launch": launch.record()} if launch is not None else {})})
 
     return compute
+
+
+def _stop(engine: SerialEngine | RayEngine, keep_ray: bool) -> None:
+    """Stop a Ray engine's actors, and its local Ray unless `keep_ray` (a later stage takes it over)."""
+    if not isinstance(engine, SerialEngine):
+        engine.shutdown(keep_local=keep_ray)
 
 
 def _say_why(name: str, key: str, why: list[str] | None) -> None:
@@ -220,6 +251,9 @@ def run_stage(stage: PlannedStage, upstream: dict[str, Manifest], runtime: Runti
     Whether it was reused or computed is what the store did (`runtime.outcomes`), not the plan."""
     logger = get_run_logger()
     name, tracker = stage.spec.name, runtime.tracker
+    stop_if_interrupted(f"stage {name}")
+    if not stage.spec.uses_ray:  # a local Ray kept for a later Ray stage is not held through other work
+        runtime.release_ray()
     if (existing := runtime.store.load(name, stage.key)) is not None:
         logger.info("%s: reused %s (computed by MLflow run %s)", name, existing.path,
                     existing.meta.get("mlflow_run_id"))
@@ -301,7 +335,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
                              description="The MLflow parent run: params, stage runs, metrics, lineage")
     # Against a tracking server, reused stages are recorded side by side; an SQLite store takes
     # one writer at a time, and threads would only queue on its lock (measured slower).
-    runtime = Runtime(store, tracker, parent, config, background=is_server(tracker.uri))
+    runtime = Runtime(store, tracker, parent, config, background=is_server(tracker.uri),
+                      ray_stages=[s.spec.name for s in planned if s.spec.uses_ray and not s.complete])
     manifests: dict[str, Manifest] = {}
     decision: Decision | None = None
     gates: GateDecision | None = None
@@ -346,6 +381,8 @@ def pipeline(config: PipelineConfig = PipelineConfig(), until: str | None = None
         runtime.abandon()
         tracker.end(parent, ok=False)
         raise
+    finally:
+        runtime.release_ray()
     tripped = gates if gates is not None and gates.outcome != "passed" else None
     summary = _summary(planned, manifests, runtime.outcomes) + (f"\n\n{tripped.markdown()}" if tripped else "") + \
         (f"\n\n{decision.markdown()}" if decision else "")

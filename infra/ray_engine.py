@@ -12,7 +12,10 @@ stage's manifest stats by the flow layer.
 A worker that dies (OOM, a kill) is restarted and its call retried: the mapped functions are
 pure, so a retry gives the same result. A local Ray listens on 127.0.0.1 only (its head also
 runs Ray's API server, `dashboard.py`, even without the dashboard: it serves Ray's state API,
-not the web UI, and it too binds 127.0.0.1). A local Ray keeps its session folder (logs, sockets)
+not the web UI, and it too binds 127.0.0.1). A stage followed by another data stage of the same
+run leaves its local Ray running (`shutdown(keep_local=True)`) and the next stage's engine takes it
+over, so a run starts Ray once for collect and tokenize; `release_local` stops one that no stage
+took over. A local Ray keeps its session folder (logs, sockets)
 in a temp root of its own, not in the shared /tmp/ray: a new folder inside the supervisor's scratch
 folder (infra/supervisor.py) when there is one, which the supervisor removes however the run
 stops, else in the system temp folder. `shutdown` removes it, so runs do not pile them up.
@@ -52,6 +55,8 @@ def driver_env() -> dict[str, str]:
 # Ray's sockets live at <temp root>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store, up to
 # 64 characters below the root, and a Unix socket's path may not exceed 107.
 TEMP_ROOT_MAX_CHARS = 40
+# The temp root of the local Ray a stage left running for the next stage of its run (None: none is).
+_kept_root: Path | None = None
 
 
 @ray.remote
@@ -88,9 +93,15 @@ class RayEngine:
         self.units_per_node: dict[str, Counter[str]] = {}
 
     def start(self) -> None:
-        """Join the cluster named by RAY_ADDRESS, or start a local Ray; idempotent."""
+        """Join the cluster named by RAY_ADDRESS, take over the local Ray the previous stage left
+        running, or start a local Ray; idempotent."""
+        global _kept_root
         address = os.environ.get("RAY_ADDRESS")
+        if _kept_root is not None and ray.cluster_resources().get("CPU", 0) < self.num_workers:
+            release_local()  # started for fewer workers than this stage's: start one that fits
         if ray.is_initialized():
+            if _kept_root is not None:  # now this engine's to stop or pass on
+                self._temp_root, self._started_here, _kept_root = _kept_root, True, None
             return
         if address:
             ray.init(address=address, log_to_driver=False, runtime_env=self.runtime_env or {"env_vars": driver_env()})
@@ -104,7 +115,7 @@ class RayEngine:
             return []
         if len(items) == 1 and not self._actors and not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
             # One call has nothing to run beside it: starting a local Ray for it (docs/benchmarks.md;
-            # e.g. the tiny preset's one tokenize shard) costs more than the call.
+            # e.g. a small corpus's one tokenize shard) costs more than the call.
             return SerialEngine().map(fn, items)
         self.start()
         if not self._actors:
@@ -124,16 +135,28 @@ class RayEngine:
                  ", ".join(f"{node[:8]} {n}" for node, n in sorted(nodes.items())))
         return results
 
-    def shutdown(self) -> None:
-        """Stop the actors, and the local Ray instance this engine started (a joined cluster is
-        left running)."""
+    def shutdown(self, keep_local: bool = False) -> None:
+        """Stop the actors, and the local Ray instance this engine started or took over, unless
+        `keep_local`: then the next engine to start takes it over (a joined cluster is left running)."""
+        global _kept_root
         if ray.is_initialized():  # another engine may have stopped the Ray it joined
             for actor in self._actors:
                 ray.kill(actor)
         self._actors = []
         if self._started_here:
-            shutdown_local(self._temp_root)
+            if keep_local:
+                _kept_root = self._temp_root
+            else:
+                shutdown_local(self._temp_root)
             self._started_here, self._temp_root = False, None
+
+
+def release_local() -> None:
+    """Stop the local Ray a stage left running for a next one that did not take it over."""
+    global _kept_root
+    if _kept_root is not None:
+        root, _kept_root = _kept_root, None
+        shutdown_local(root)
 
 
 def start_workers(count: int) -> list:

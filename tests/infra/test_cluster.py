@@ -83,8 +83,8 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
     kill -9 of the second node's raylet (the machine is lost) and a fresh second node with an empty
     disk in its place, as Kubernetes replaces a pod: Ray Train starts the workers again
     (launch.max_failures 1), they resume from the bucket's checkpoint, and the run goes on. Every
-    stage commits on the bucket under the single-machine run's key; collect's units ran on both
-    nodes, and collect and tokenize wrote that run's bytes; each training stage had a rank on each node (their
+    stage commits on the bucket under the single-machine run's key; collect's and tokenize's units
+    ran on both nodes and wrote that run's bytes; each training stage had a rank on each node (their
     lines reach the run's output with the rank in front); pretraining's and SFT's curves are that
     run's within 1e-4, GRPO's (loss, reward) that of align on this machine with two Accelerate
     processes. Then align again with DPO on Ray Train across both nodes: the stages before it are
@@ -123,8 +123,8 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
 
     for stage in ("collect", "tokenize"):  # the cluster's work, the single-machine run's bytes
         assert manifest_files(committed_dir(home, stage)) == manifest_files(tiny_run.committed[stage]), stage
-    # collect's units on both nodes (tokenize has one unit in this preset: one docs shard)
-    for stage, unit in (("collect", "process_unit"),):
+    # collect's units and tokenize's (one a docs shard: two in this preset) on both nodes
+    for stage, unit in (("collect", "process_unit"), ("tokenize", "encode_shard")):
         per_node = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]["units_per_node"]
         assert len(per_node[unit]) == 2 and min(per_node[unit].values()) > 0, (stage, per_node)
         assert re.search(rf"{unit}: \d+ units, per Ray node: \w+ [1-9]\d*, \w+ [1-9]\d*", out), out[-4000:]

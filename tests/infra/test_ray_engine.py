@@ -49,11 +49,15 @@ def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_remov
     assert not root.exists()
 
 
-def test_a_local_ray_listens_on_loopback_only():
+def test_a_local_ray_listens_on_loopback_only_and_a_run_starts_it_once_for_its_data_stages():
     """Every socket Ray's processes listen on (GCS, raylet, agents, workers, its API server) is
-    on 127.0.0.1: without the single-machine switch they listen on every interface."""
+    on 127.0.0.1: without the single-machine switch they listen on every interface. A stage that
+    leaves its local Ray to the next (collect, then tokenize) hands over that instance, and the
+    next stage's engine stops it; `release_local` stops one that no stage took over."""
     import psutil
+    import ray
 
+    from infra import ray_engine
     from infra.processes import process_tree
 
     engine = RayEngine(num_workers=2)
@@ -66,10 +70,22 @@ def test_a_local_ray_listens_on_loopback_only():
                               if c.status == psutil.CONN_LISTEN}
             except psutil.Error:  # exited meanwhile
                 continue
+        root, session = engine._temp_root, ray.get_runtime_context().get_node_id()
     finally:
-        engine.shutdown()
+        engine.shutdown(keep_local=True)
     assert len({name for *_, name in listening}) >= 3, listening  # gcs_server, raylet, workers...
     assert {ip for ip, *_ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+
+    assert ray.is_initialized() and root is not None and root.exists()
+    following = RayEngine(num_workers=2)
+    try:
+        assert following.map(abs, [-3, -4]) == [3, 4]
+        assert ray.get_runtime_context().get_node_id() == session and following._temp_root == root
+    finally:
+        following.shutdown(keep_local=True)
+    ray_engine.release_local()  # the run ends with no later stage to take it over
+    assert not ray.is_initialized() and not root.exists()
+    ray_engine.release_local()  # nothing left: a no-op
 
 
 def test_a_single_call_runs_here_without_starting_ray(monkeypatch):

@@ -26,11 +26,17 @@ OFFLINE_AND_QUIET = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "TOKENIZERS_PARALLELISM": "false",  # tokenizers' own threads fight forked workers
+    # gristmill records to MLflow itself (infra/tracking/); without this, TRL imports MLflow in every
+    # alignment rank for a Trainer callback it never uses (docs/benchmarks.md, start-up).
+    "DISABLE_MLFLOW_INTEGRATION": "TRUE",
     # Ray >= 2.5x turns token auth on by default; a local single-user cluster does not need it.
     "RAY_AUTH_MODE": "disabled",
     # The embedded Prefect API starts a server subprocess; on a busy 2-core machine it can need
     # more than the default 20 s to come up.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    # `gristmill serve` picks up a run started from the UI within 2 s, not Prefect's default 10 s
+    # (one query of the Prefect server each time).
+    "PREFECT_RUNNER_POLL_FREQUENCY": "2",
     # Route the stages' `gristmill.*` loggers into Prefect's run logs (and so into the UI).
     "PREFECT_LOGGING_EXTRA_LOGGERS": "gristmill",
 }

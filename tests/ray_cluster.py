@@ -129,8 +129,12 @@ class TwoRayNodes(dict):
         self.root, self.private = root, private
         self.head_workers, self.second_workers = range(worker_ports, worker_ports + 100), \
             range(worker_ports + 100, worker_ports + 200)
+        # The head's GCS marks a node dead after 3 missed health checks a second apart (Ray's
+        # defaults, 5 missed 3 s apart, left a lost node counted alive for about 17 s, and Ray
+        # Train's restart waited as long); a node must be unresponsive for 3 s or more.
         self.environ = {**os.environ, **self, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-                        "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+                        "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+                        "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
         self.head: subprocess.Popen | None = None
         self.second: subprocess.Popen | None = None
         self.started = 0  # second nodes started: each gets a temp dir of its own

@@ -62,8 +62,8 @@ def _run(args: argparse.Namespace) -> int:
         from flows import supervised
         from infra.interrupt import catch_sigint
 
-        catch_sigint()
-        return supervised.run(**arguments)
+        with catch_sigint():
+            return supervised.run(**arguments)
     return _supervised("run", arguments, RESUME_NOTE)
 
 

@@ -155,8 +155,8 @@ def main(argv: list[str]) -> int:
 
     command, arguments = argv
     die_with_supervisor()
-    catch_sigint()  # the supervisor relays Ctrl-C as SIGINT
-    return COMMANDS[command](**json.loads(arguments))
+    with catch_sigint():  # the supervisor relays Ctrl-C as SIGINT
+        return COMMANDS[command](**json.loads(arguments))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ resumes from it.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 
 _interrupted = threading.Event()
 
@@ -21,15 +23,20 @@ def _on_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def catch_sigint() -> None:
-    """In the main thread of the process that runs the pipeline: SIGINT raises KeyboardInterrupt, as
-    by default, and is remembered."""
-    _interrupted.clear()
-    signal.signal(signal.SIGINT, _on_sigint)
+@contextlib.contextmanager
+def catch_sigint() -> Iterator[None]:
+    """In the main thread of the process that runs the pipeline, around the run: SIGINT raises
+    KeyboardInterrupt, as by default, and is remembered until the block ends."""
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _interrupted.clear()
 
 
 def stop_if_interrupted(what: str) -> None:
-    """Raise KeyboardInterrupt if SIGINT arrived since `catch_sigint` (even where its first
+    """Raise KeyboardInterrupt if SIGINT arrived inside `catch_sigint` (even where its first
     KeyboardInterrupt was swallowed); `what` is the step it stops."""
     if _interrupted.is_set():
         raise KeyboardInterrupt(f"interrupted by SIGINT before {what}")

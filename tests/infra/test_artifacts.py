@@ -101,15 +101,14 @@ def test_a_ctrl_c_python_swallows_in_a_weakref_callback_still_stops_the_commit(t
     swallowed = []
     monkeypatch.setattr(sys, "unraisablehook", lambda info: swallowed.append(info.exc_type))
     previous = signal.getsignal(signal.SIGINT)
-    try:
-        catch_sigint()
-        with pytest.raises(KeyboardInterrupt, match="before committing tokenize-k9"):
-            store.materialize("tokenize", "k9", compute)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with catch_sigint(), pytest.raises(KeyboardInterrupt, match="before committing tokenize-k9"):
+        store.materialize("tokenize", "k9", compute)
     assert swallowed == [KeyboardInterrupt]  # Python did swallow the first one
     assert store.load("tokenize", "k9") is None
     assert (store.partial_dir("tokenize", "k9") / "shard.bin").read_bytes() == b"tokens"
+    # outside the block, SIGINT is handled as before and nothing remembers it
+    assert signal.getsignal(signal.SIGINT) is previous
+    store.materialize("tokenize", "k9", lambda partial: _fields())
 
 
 def test_directory_without_valid_manifest_is_incomplete(tmp_path):

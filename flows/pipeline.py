@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -63,7 +64,6 @@ class Runtime:
                  background: bool = False, ray_stages: Sequence[str] = ()):
         self.config = config  # what a launched stage's ranks plan from
         self.ray_stages = list(ray_stages)
-        self._ray_left_running = False
         self.store = store
         self.tracker = tracker
         self.parent_run_id = parent_run_id
@@ -97,18 +97,15 @@ class Runtime:
 
     def keeps_ray_after(self, name: str) -> bool:
         """Whether stage `name` leaves its local Ray running: a later stage of this run computes on Ray."""
-        keep = name in self.ray_stages[:-1]
-        self._ray_left_running |= keep
-        return keep
+        return name in self.ray_stages[:-1]
 
-    def release_ray(self) -> None:
+    @staticmethod
+    def release_ray() -> None:
         """Stop a local Ray a stage left running for a later one that did not take it over (that
         stage was reused after all, or the run stops)."""
-        if self._ray_left_running:
-            from infra.ray_engine import release_local
-
-            release_local()
-            self._ray_left_running = False
+        ray_engine = sys.modules.get("infra.ray_engine")  # none was kept unless a stage ran on Ray
+        if ray_engine is not None:
+            ray_engine.release_local()
 
     def abandon(self) -> None:
         """The run is failing or stopping: drop the records not started, wait for none."""

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from bench.chaos_faults import ANY_STAGE, FAULTS
 from bench.chaos_suite import Suite, Trial
-from flows.runs import SHORT, STAGES
+from gristmill.flows.runs import SHORT, STAGES
 
 # The trials' runs and homes are in bench/chaos_suite.py, the faults in bench/chaos_faults.py; this
 # module plans the trials, runs them and reports (its docstring is --help's text).

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 
 from bench.chaos_suite import Run, Suite, Trial, _free_port, _said, _tail, _wait_for
-from flows.runs import STAGES, committed_dir
-from infra.processes import alive, kill_all, process_tree
+from gristmill.flows.runs import STAGES, committed_dir
+from gristmill.infra.processes import alive, kill_all, process_tree
 
 # -- the faults ------------------------------------------------------------------------------------
 
@@ -58,7 +58,7 @@ def sigint(suite: Suite, name: str, stage: str) -> Trial:
 
 
 def fuzz(suite: Suite, name: str, stage: str) -> Trial:
-    from tasks.collect.read.fuzz import run_fuzz
+    from gristmill.tasks.collect.read.fuzz import run_fuzz
 
     logging.getLogger("gristmill").setLevel(logging.ERROR)  # each quarantined file says so
     result = run_fuzz(25, suite.rng.randrange(1 << 30), suite.work / name)
@@ -180,7 +180,7 @@ def mlflow_down(suite: Suite, name: str, stage: str) -> Trial:
         trial = suite.finish("mlflow_down", stage, home, f"exit {rc}, said {said[:100]!r}"
                              + (" (the run had ended before the server stopped)" if early else ""),
                              ok=clear, env=env)
-        from infra.tracking.runs import stage_runs
+        from gristmill.infra.tracking.runs import stage_runs
 
         runs = stage_runs(env["MLFLOW_TRACKING_URI"], stage)
         logged = any(r.info.status == "FINISHED" and r.data.metrics for r in runs)

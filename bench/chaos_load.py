@@ -34,9 +34,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flows.load_trial import overrides_of, summary_statuses, tally
-from flows.runs import REPO, STAGES, cli_env
-from infra.processes import interrupt
+from gristmill.flows.load_trial import overrides_of, summary_statuses, tally
+from gristmill.flows.runs import REPO, STAGES, cli_env
+from gristmill.infra.processes import interrupt
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 POLL_S = 2.0
@@ -53,7 +53,7 @@ def _manifests(home: Path) -> dict[tuple[str, str], dict[str, str]]:
 
 def _records(home: Path) -> list[dict[str, Any]]:
     """Every MLflow stage run of the home's tracking server, with its pipeline run's flow run."""
-    from infra.tracking.runs import Tracker
+    from gristmill.infra.tracking.runs import Tracker
 
     tracker = Tracker(home)
     parents = {r.info.run_id: r.data.tags.get("prefect.flow_run_id") for r in tracker.client.search_runs(
@@ -113,7 +113,7 @@ def _start_and_wait(api_url: str, serve: subprocess.Popen, overrides: list[list[
 
 def run_load(runs: int, base_overrides: list[str], work: Path, timeout_s: float = 5400) -> dict[str, Any]:
     """The load trial in `work` (a fresh home under it); returns the tally, with wall_s."""
-    from infra import stack
+    from gristmill.infra import stack
 
     home = work / "home"
     home.mkdir(parents=True)
@@ -127,7 +127,7 @@ def run_load(runs: int, base_overrides: list[str], work: Path, timeout_s: float 
         env = {**cli_env(home, exports), "PREFECT_RUNNER_PROCESS_LIMIT": str(runs),
                "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
         with (work / "serve.log").open("w") as log:
-            serve = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "configs/tiny.yaml",
+            serve = subprocess.Popen([sys.executable, "-m", "gristmill", "serve", "configs/tiny.yaml",
                                       *base_overrides], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         run_states, summaries, wall = _start_and_wait(exports["PREFECT_API_URL"], serve, plan, timeout_s)
         os.environ["MLFLOW_TRACKING_URI"] = exports["MLFLOW_TRACKING_URI"]

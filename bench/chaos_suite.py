@@ -19,8 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from flows.runs import REPO, STAGES, cli_env, committed_dir, committed_files
-from infra.processes import process_tree
+from gristmill.flows.runs import REPO, STAGES, cli_env, committed_dir, committed_files
+from gristmill.infra.processes import process_tree
 
 
 @dataclass(kw_only=True)
@@ -43,7 +43,7 @@ class Run:
         environment = cli_env(home, {**({} if embedded else bench.services), **(env or {})})
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *bench.overrides,
+                [sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *bench.overrides,
                  "--until", until], cwd=REPO, env=environment, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
 

@@ -40,10 +40,10 @@ def _seeded(align: Any, method: str, seed: int) -> Any:
 
 
 def _sft_manifest(overrides: list[str]) -> Any:
-    from flows.config import load_config
-    from flows.dag import plan
-    from infra import env
-    from infra.artifacts import home_store
+    from gristmill.flows.config import load_config
+    from gristmill.flows.dag import plan
+    from gristmill.infra import env
+    from gristmill.infra.artifacts import home_store
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", overrides)
     store = home_store(env.gristmill_home())
@@ -65,9 +65,9 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from core.stage import SerialEngine
-    from infra import env
-    from tasks.align.stage import run
+    from gristmill.core.stage import SerialEngine
+    from gristmill.infra import env
+    from gristmill.tasks.align.stage import run
 
     env.configure()
     torch.set_num_threads(2)

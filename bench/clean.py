@@ -53,10 +53,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import tasks.collect.stage as collect
-from tasks.collect.clean.cleaning import CleanOutcome, clean_documents
-from tasks.collect.clean.langid import bundled_ft176
-from tasks.collect.read.pages import Page, shared_pages
+import gristmill.tasks.collect.stage as collect
+from gristmill.tasks.collect.clean.cleaning import CleanOutcome, clean_documents
+from gristmill.tasks.collect.clean.langid import bundled_ft176
+from gristmill.tasks.collect.read.pages import Page, shared_pages
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -76,7 +76,7 @@ def chunked(docs: list[Page], n_chunks: int) -> list[list[Page]]:
 
 
 def run_ours(chunks: list[list[Page]], cfg: collect.Config) -> list[CleanOutcome]:
-    from core.stage import SerialEngine
+    from gristmill.core.stage import SerialEngine
 
     return [o for part in SerialEngine().map(partial(clean_documents, cfg=cfg), chunks)
             for o in part]
@@ -96,7 +96,7 @@ def datatrove_filters(cfg: collect.Config) -> list[Any]:
     )
     from datatrove.pipeline.formatters import PIIFormatter
 
-    import tasks.collect.clean.filters as text_filters
+    import gristmill.tasks.collect.clean.filters as text_filters
 
     def kwargs(kind: str) -> dict[str, Any]:
         return text_filters.block_kwargs(kind, cfg)
@@ -155,7 +155,7 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
 def compare_verdicts(docs: list[Page], ours: list[CleanOutcome], datatrove_kept: set[str],
                      n_unique: int) -> dict[str, int]:
     """Print and count the distinct documents the two chains judge differently."""
-    from tasks.collect.clean.langid import load_model
+    from gristmill.tasks.collect.clean.langid import load_model
 
     n_unique = min(n_unique, len(ours))
     differ = [i for i in range(n_unique) if ours[i].kept != (str(i) in datatrove_kept)]
@@ -182,8 +182,8 @@ class Measurements:
 def measure(docs: list[Page], n_unique: int, cfg: collect.Config, n_chunks: int, repeats: int,
             scratch: Path) -> Measurements:
     """Warm every method up, then time each once per repeat, interleaved."""
-    from infra.ray_engine import RayEngine
-    from tasks.collect.clean.rules import clear_caches
+    from gristmill.infra.ray_engine import RayEngine
+    from gristmill.tasks.collect.clean.rules import clear_caches
 
     m = Measurements()
     chunks, warm = chunked(docs, n_chunks), chunked(docs[:n_unique], 2)
@@ -223,7 +223,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=8, help="work units per map (all methods)")
     args = parser.parse_args(argv)
-    from infra.env import OFFLINE_AND_QUIET
+    from gristmill.infra.env import OFFLINE_AND_QUIET
 
     for name, value in OFFLINE_AND_QUIET.items():  # read by ray at import
         os.environ.setdefault(name, value)

@@ -47,7 +47,7 @@ def _env(home: Path, extra: dict[str, str]) -> dict[str, str]:
 
 
 def _run(home: Path, args: list[str], extra: dict[str, str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *args], cwd=REPO,
                           env=_env(home, extra), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"gristmill run {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -63,7 +63,7 @@ def _s3_server() -> Iterator[dict[str, str]]:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from infra.launch import free_port
+    from gristmill.infra.launch import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not a line per request on the console
     port = free_port()

@@ -58,8 +58,8 @@ def _read_jsonl(path: Path) -> list[str]:
 
 
 def run_ours(path: Path, cfg) -> np.ndarray:
-    from core.stage import SerialEngine
-    from tasks.collect.dedup.near import near_dedup
+    from gristmill.core.stage import SerialEngine
+    from gristmill.tasks.collect.dedup.near import near_dedup
 
     return near_dedup(_read_jsonl(path), cfg, SerialEngine()).cluster
 
@@ -67,7 +67,7 @@ def run_ours(path: Path, cfg) -> np.ndarray:
 def run_datasketch(path: Path, cfg) -> np.ndarray:
     from datasketch import MinHash, MinHashLSH
 
-    from tasks.collect.dedup.minhash import normalize
+    from gristmill.tasks.collect.dedup.minhash import normalize
 
     k = cfg.shingle_words
     shingle_sets = []
@@ -175,7 +175,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, root: Path):
     """{method: (median seconds or None, precision, recall)}, datatrove's per-step seconds."""
-    from tasks.collect.dedup.neardup_set import precision_recall
+    from gristmill.tasks.collect.dedup.neardup_set import precision_recall
 
     data, warm = root / "data" / "docs.jsonl", root / "warm" / "docs.jsonl"
     for path, docs in ((data, texts), (warm, texts[:WARMUP_DOCS])):
@@ -199,8 +199,8 @@ def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, r
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    from tasks.collect.dedup.config import DedupConfig
-    from tasks.collect.dedup.neardup_set import build_labelled_set, pair_jaccards
+    from gristmill.tasks.collect.dedup.config import DedupConfig
+    from gristmill.tasks.collect.dedup.neardup_set import build_labelled_set, pair_jaccards
 
     cfg = DedupConfig(**{k: getattr(args, k) for k in ("bands", "rows", "band_layouts", "threshold")
                          if getattr(args, k) is not None})

@@ -36,10 +36,10 @@ def build_model(out: Path, data: Path) -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    from model.export import export_model
-    from model.presets import ModelConfig
-    from model.presets import build_model as build
-    from tasks.tokenize.stage import save_tokenizer, train_tokenizer
+    from gristmill.model.export import export_model
+    from gristmill.model.presets import ModelConfig
+    from gristmill.model.presets import build_model as build
+    from gristmill.tasks.tokenize.stage import save_tokenizer, train_tokenizer
 
     text = (data / "corpus" / "tinyshakespeare.txt").read_text()
     save_tokenizer(train_tokenizer([text[i:i + 2000] for i in range(0, 400_000, 2000)], vocab_size=4096), out)
@@ -88,8 +88,8 @@ def main(argv: list[str]) -> int:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from tasks.evaluate.engine import EvalOptions, evaluate_task, load_model
-    from tasks.evaluate.formats import load_task
+    from gristmill.tasks.evaluate.engine import EvalOptions, evaluate_task, load_model
+    from gristmill.tasks.evaluate.formats import load_task
 
     model_dir = args.model or build_model(Path(tempfile.mkdtemp(prefix="bench-eval-")), args.data)
     model, tokenizer = load_model(model_dir, args.device)

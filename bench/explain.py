@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _fill(root: Path, runs: int) -> None:
     """The manifests `runs` runs would have committed (no files: planning reads manifests only)."""
-    from flows.config import load_config
-    from flows.dag import plan
-    from infra.artifacts import ArtifactStore
+    from gristmill.flows.config import load_config
+    from gristmill.flows.dag import plan
+    from gristmill.infra.artifacts import ArtifactStore
 
     store = ArtifactStore(root)
     for run in range(runs):
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "GRISTMILL_HOME": home}
         os.environ["GRISTMILL_HOME"] = home
         _fill(Path(home) / "artifacts", args.runs)
-        command = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "pretrain.lr=0.0042", "--dry-run"]
+        command = [sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", "pretrain.lr=0.0042", "--dry-run"]
         times: dict[str, list[float]] = {"dry_run_s": [], "explain_s": []}
         for _ in range(args.repeats):
             times["dry_run_s"].append(_seconds(command, env))

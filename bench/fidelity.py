@@ -111,9 +111,9 @@ def main(argv: list[str]) -> int:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from tasks.evaluate.engine import EvalOptions, evaluate_task, load_model
-    from tasks.evaluate.formats import load_task, piqa_labels_path, read_records
-    from tasks.evaluate.lm_eval_tasks.standard import convert, write_task
+    from gristmill.tasks.evaluate.engine import EvalOptions, evaluate_task, load_model
+    from gristmill.tasks.evaluate.formats import load_task, piqa_labels_path, read_records
+    from gristmill.tasks.evaluate.lm_eval_tasks.standard import convert, write_task
 
     model_dir, trained = args.model, ""
     if model_dir is None:

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tasks.collect.read.fuzz import run_fuzz
+from gristmill.tasks.collect.read.fuzz import run_fuzz
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ The parts, each reported as passed or failed:
   data            a byte-level BPE tokenizer (the tokenize stage's trainer) and token shards, from
                   this repository's sources and those of Python's standard library
   pretrain_adamw  `accelerate launch` (infra/launch.py, as a training stage launches it) of the
-                  pretrain stage's `run` (`python -m tasks.pretrain`), one process per GPU, with
+                  pretrain stage's `run` (`python -m gristmill.tasks.pretrain`), one process per GPU, with
                   configs/gpu.yaml's pretraining: the ~125M Llama, bf16, per-block compile, fused
                   AdamW, FSDP2, tokens_per_step split into micro-batches of its batch_size
   pretrain_muon   the same with Muon
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from core.gpu_image import CARRIED
+from gristmill.core.gpu_image import CARRIED
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl"
@@ -86,8 +86,8 @@ def _library_text(megabytes: float) -> list[str]:
 def make_tokenize_dir(out: Path, vocab_size: int, megabytes: float) -> Path:
     """A tokenize-stage output (tokenizer/ and tokens/ with meta.json) from library text; every
     20th document is val."""
-    from core.chat import DOC_SEPARATOR
-    from tasks.tokenize.stage import pack_documents, save_tokenizer, token_dtype, train_tokenizer
+    from gristmill.core.chat import DOC_SEPARATOR
+    from gristmill.tasks.tokenize.stage import pack_documents, save_tokenizer, token_dtype, train_tokenizer
 
     docs = _library_text(megabytes)
     splits = {"train": [d for i, d in enumerate(docs) if i % 20], "val": docs[::20]}
@@ -121,10 +121,10 @@ def pretrain_config(cuda: bool, steps: int, optimizer: str) -> dict:
 def launch_pretrain(tokenize_dir: Path, out: Path, config: dict, processes: int, cuda: bool) -> dict:
     """The pretrain stage's ranks under `accelerate launch`, as the pipeline launches a stage; returns
     the stage's stats (summary.json) with the step reports' median tokens/s and MFU after the first."""
-    from core.launch import LaunchConfig
-    from infra.launch import accelerate_argv, run_launcher
+    from gristmill.core.launch import LaunchConfig
+    from gristmill.infra.launch import accelerate_argv, run_launcher
 
-    worker = ["-m", "tasks.pretrain", str(tokenize_dir), str(out), "--config", json.dumps(config)]
+    worker = ["-m", "gristmill.tasks.pretrain", str(tokenize_dir), str(out), "--config", json.dumps(config)]
     argv = accelerate_argv(LaunchConfig(backend="accelerate", processes=processes), worker, cuda=cuda)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if not cuda:
@@ -141,9 +141,9 @@ def launch_pretrain(tokenize_dir: Path, out: Path, config: dict, processes: int,
 
 def run_sft(pretrain_dir: Path, tokenize_dir: Path, out: Path, cuda: bool) -> dict:
     """A few steps of the SFT stage (its bundled arithmetic conversations) on the pretrained model."""
-    from core.stage import Manifest, SerialEngine
-    from tasks.sft.config import Config
-    from tasks.sft.stage import run
+    from gristmill.core.stage import Manifest, SerialEngine
+    from gristmill.tasks.sft.config import Config
+    from gristmill.tasks.sft.stage import run
 
     config = Config(max_steps=10, batch_size=8, max_seq_len=128, eval_every=0, checkpoint_every=10**9,
                     device="cuda" if cuda else "cpu", max_examples=400)
@@ -155,8 +155,8 @@ def run_evaluate(model_dir: Path, tokenize_dir: Path, work: Path, cuda: bool) ->
     """The evaluate stage's perplexity and arithmetic accuracy of one model."""
     from transformers import AutoTokenizer
 
-    from tasks.evaluate.config import Config
-    from tasks.evaluate.stage import evaluate_model, scored_text
+    from gristmill.tasks.evaluate.config import Config
+    from gristmill.tasks.evaluate.stage import evaluate_model, scored_text
 
     config = Config(seq_len=128, max_eval_tokens=32_768 if cuda else 8_192, arith_problems=20 if cuda else 5)
     scored = len(scored_text(tokenize_dir, config, AutoTokenizer.from_pretrained(tokenize_dir / "tokenizer")))

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data", type=Path,
                         default=REPO.parent / "shared" / "data" / "multilingual" / "lingua_sentences")
     args = parser.parse_args(argv)
-    from tasks.collect.clean.langid import accuracy_by_language, load_model, overall_accuracy
+    from gristmill.tasks.collect.clean.langid import accuracy_by_language, load_model, overall_accuracy
 
     load_model()  # time the predictions, not the one-off load
     start = time.perf_counter()

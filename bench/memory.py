@@ -11,7 +11,7 @@ real package documentation, distinct from every other document (exact dedup keep
 about a third of its shingles with its two parents (near dedup, at Jaccard 0.55, keeps most of
 them; the table says how many it removed).
 
-Each run is a fresh process (`--child`) that runs `tasks.collect.stage.run` as the pipeline does:
+Each run is a fresh process (`--child`) that runs `gristmill.tasks.collect.stage.run` as the pipeline does:
 on RayEngine(--workers) inside infra.memory.PeakRSS, whose figure the pipeline records as the
 stage's `peak_rss_mb` (this process and every process it started: the local Ray's services and
 workers). Driver growth, what the stage's own process holds for the corpus: `driver_rss` is the
@@ -40,15 +40,15 @@ MB = 1024 * 1024
 
 
 def _tiny_collect():
-    from flows.config import load_config
+    from gristmill.flows.config import load_config
 
     return load_config(REPO / "configs" / "tiny.yaml").collect
 
 
 def demo_texts() -> list[tuple[str, str]]:
     """(url, extracted text) of every demo document, in the demo crawl's order."""
-    from tasks.collect.read import demo_crawl
-    from tasks.collect.read.readers import RawDoc, extract_text
+    from gristmill.tasks.collect.read import demo_crawl
+    from gristmill.tasks.collect.read.readers import RawDoc, extract_text
 
     docs = []
     for record in demo_crawl.iter_records(demo_crawl.list_packages()):
@@ -93,9 +93,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One collect run as the pipeline runs it; its figures."""
     import tracemalloc
 
-    import tasks.collect.stage as collect
-    from infra.memory import PeakRSS
-    from infra.ray_engine import RayEngine
+    import gristmill.tasks.collect.stage as collect
+    from gristmill.infra.memory import PeakRSS
+    from gristmill.infra.ray_engine import RayEngine
 
     config = collect.Config.model_validate({**_tiny_collect().model_dump(), "sources": spec["sources"],
                                             "num_workers": spec["workers"]})

@@ -9,14 +9,14 @@ from typing import Any
 
 from prefect import flow
 
-from core.stage import StageConfig, StageResult
-from flows.config import PipelineConfig
-from flows.dag import PlannedStage
-from flows.pipeline import Runtime, run_stage
-from flows.stages import StageSpec
-from infra import env
-from infra.artifacts import home_store
-from infra.tracking.runs import Tracker
+from gristmill.core.stage import StageConfig, StageResult
+from gristmill.flows.config import PipelineConfig
+from gristmill.flows.dag import PlannedStage
+from gristmill.flows.pipeline import Runtime, run_stage
+from gristmill.flows.stages import StageSpec
+from gristmill.infra import env
+from gristmill.infra.artifacts import home_store
+from gristmill.infra.tracking.runs import Tracker
 
 VERSION = 1
 _SALT = uuid.uuid4().hex  # fresh keys per benchmark process, identical within it (so reuse hits)

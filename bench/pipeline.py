@@ -38,14 +38,14 @@ def _cli_seconds(home: Path, args: list[str], exports: dict[str, str] | None = N
     env = {**os.environ, "GRISTMILL_HOME": str(home), "GRISTMILL_CACHE": str(home / "cache"),
            **(exports or {})}
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *args],
+    subprocess.run([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *args],
                    cwd=REPO, env=env, check=True, capture_output=True)
     return time.perf_counter() - started
 
 
 def _with_server(home: Path, args: list[str], repeats: int) -> list[float]:
     """Fully reused runs against a standing stack in `home` (on free ports), after a warm-up."""
-    from infra import stack
+    from gristmill.infra import stack
 
     states = stack.up(home, ports=stack.Ports.free())
     try:
@@ -73,10 +73,10 @@ def pipeline_times(repeats: int, overrides: list[str]) -> dict[str, list[float]]
 
 SERVICES_START = """
 import json, sys, time
-import flows.entry  # configures the process
-from infra import env
+import gristmill.flows.entry  # configures the process
+from gristmill.infra import env
 started = time.perf_counter()
-from infra.services import start_embedded_services
+from gristmill.infra.services import start_embedded_services
 start_embedded_services(env.gristmill_home())
 print(json.dumps(time.perf_counter() - started))
 """
@@ -103,7 +103,7 @@ def noop_overhead(n_stages: int) -> dict[str, float]:
     """Seconds per stage: direct call, through the flow computing, through the flow reusing."""
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["GRISTMILL_HOME"] = str(Path(tmp) / "home")
-        import flows.entry  # noqa: F401  configures this process for that home, before Prefect
+        import gristmill.flows.entry  # noqa: F401  configures this process for that home, before Prefect
         from bench import noop_flow
 
         direct = noop_flow.direct_seconds(n_stages)

@@ -1,4 +1,4 @@
-"""Training-loop throughput: our `model.loop.train` against a minimal plain-PyTorch loop.
+"""Training-loop throughput: our `gristmill.model.loop.train` against a minimal plain-PyTorch loop.
 
     python -m bench pretrain [--preset tiny] [--seq-len 256] [--batch-size 8] [--steps 30] [--repeats 3]
                              [--threads 2] [--device cpu|cuda] [--compile] [--optimizer adamw|muon]
@@ -44,18 +44,18 @@ from pathlib import Path
 
 import torch
 
-from core.stage import MetricsLog
-from model.loop import (
+from gristmill.core.stage import MetricsLog
+from gristmill.model.loop import (
     LoopConfig,
     causal_lm_loss,
     make_optimizer,
     resolve_device,
     train,
 )
-from model.plan import flops_per_token
-from model.presets import PRESETS, build_model
-from model.schedule import lr_multiplier
-from model.throughput import device_peak_tflops
+from gristmill.model.plan import flops_per_token
+from gristmill.model.presets import PRESETS, build_model
+from gristmill.model.schedule import lr_multiplier
+from gristmill.model.throughput import device_peak_tflops
 
 
 class _Vocab:
@@ -169,8 +169,8 @@ def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) ->
 def _launched(mode: str, processes: int, argv: list[str], args: argparse.Namespace) -> float:
     """Global tokens/s of `mode` launched as `processes` processes: ours as a training stage
     launches it, the plain loop under torchrun."""
-    from core.launch import LaunchConfig
-    from infra.launch import accelerate_argv
+    from gristmill.core.launch import LaunchConfig
+    from gristmill.infra.launch import accelerate_argv
 
     worker = ["-m", "bench", "pretrain", *argv, "--rank-of", mode]
     if mode == "ours":

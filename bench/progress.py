@@ -5,7 +5,7 @@
 Inputs, built once: the tiny preset's model (configs/tiny.yaml `pretrain.model`, randomly
 initialised: its weights do not change what a step costs), a byte-level BPE of the preset's
 vocabulary size trained in-process on real text (`--corpus`, default ../shared/data/corpus), and
-that text's token streams for `pretrain_mix`. The SFT stage (`tasks.sft.stage.run` with the tiny
+that text's token streams for `pretrain_mix`. The SFT stage (`gristmill.tasks.sft.stage.run` with the tiny
 preset's `sft` section, `--steps` steps, by default the preset's) runs as the pipeline runs it: in a
 Prefect task of a flow, against a real (temporary) Prefect server, inside the stage's progress
 scope (flows/progress.py):
@@ -44,11 +44,11 @@ def _inputs(root: Path, corpus: Path, vocab_size: int, model_config: dict) -> di
     import numpy as np
     import torch
 
-    from core.chat import DOC_SEPARATOR
-    from core.stage import Manifest
-    from model.export import export_model
-    from model.presets import ModelConfig, build_model
-    from tasks.tokenize.stage import train_tokenizer
+    from gristmill.core.chat import DOC_SEPARATOR
+    from gristmill.core.stage import Manifest
+    from gristmill.model.export import export_model
+    from gristmill.model.presets import ModelConfig, build_model
+    from gristmill.tasks.tokenize.stage import train_tokenizer
 
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in sorted(corpus.rglob("*.txt"))]
     if not texts:
@@ -108,7 +108,7 @@ class _CallTimer:
 
     @contextlib.contextmanager
     def wrapping(self) -> Iterator[None]:
-        from core.progress import Reporter
+        from gristmill.core.progress import Reporter
 
         originals = {name: getattr(Reporter, name) for name in ("start", "advance", "close")}
 
@@ -143,18 +143,18 @@ def main(argv: list[str]) -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="gristmill-bench-progress-"))
     os.environ["GRISTMILL_HOME"] = str(scratch / "home")  # before anything reads it
-    from infra import env
+    from gristmill.infra import env
 
     env.configure()  # offline and quiet, as every entry point configures its process (flows/entry.py)
     import torch
     from prefect import flow, task
     from prefect.testing.utilities import prefect_test_harness
 
-    import tasks.sft.stage as sft
-    from core import progress
-    from core.stage import SerialEngine
-    from flows.config import load_config
-    from flows.progress import stage_progress
+    import gristmill.tasks.sft.stage as sft
+    from gristmill.core import progress
+    from gristmill.core.stage import SerialEngine
+    from gristmill.flows.config import load_config
+    from gristmill.flows.progress import stage_progress
 
     torch.set_num_threads(args.threads)
     chosen = [f"sft.max_steps={args.steps}"] if args.steps else []

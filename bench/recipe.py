@@ -4,12 +4,12 @@
                            [--steps 150 300 600 1200] [--val-windows 160] [--target-bpb 1.891] [--out DIR]
 
 TOKENIZE_DIR is a tokenize artifact (`gristmill run configs/tiny.yaml --until tokenize`). Each run
-is `python -m tasks.pretrain TOKENIZE_DIR OUT --config JSON`, one at a time: first each change in
+is `python -m gristmill.tasks.pretrain TOKENIZE_DIR OUT --config JSON`, one at a time: first each change in
 `CHANGES` on top of `RECIPE` (the best recipe measured, docs/benchmarks.md) over the tiny preset's
 `pretrain:` section (configs/tiny.yaml), once per seed of `--seeds` (default 0), with each change's
 val_bpb minus the recipe's per seed, then the recipe at each of `--steps`, seed 0
 (the FLOP curve; the cosine schedule spans each run's own length).
-Pretraining FLOPs are the manifest's (`model.plan.flops_per_token` × tokens). `--target-bpb` is
+Pretraining FLOPs are the manifest's (`gristmill.model.plan.flops_per_token` × tokens). `--target-bpb` is
 the figure to cross, e.g. the evaluate stage's `compression_xz_given_train_bpb` on the same split;
 the crossing is interpolated (or extrapolated, and said so) linearly in log FLOPs between the two
 nearest budgets. The last line is one JSON object.
@@ -30,8 +30,8 @@ from typing import Any
 
 import yaml
 
-from model.config import ModelConfig
-from model.plan import flops_per_token
+from gristmill.model.config import ModelConfig
+from gristmill.model.plan import flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 # The best recipe measured, as overrides of the preset's pretrain section.
@@ -69,7 +69,7 @@ def with_change(cfg: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
 def pretrain(tokenize_dir: Path, cfg: dict[str, Any], out: Path) -> dict[str, Any]:
     """One pretraining run in a child process; its summary plus FLOPs and wall seconds."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tasks.pretrain", str(tokenize_dir), str(out), "--config",
+    subprocess.run([sys.executable, "-m", "gristmill.tasks.pretrain", str(tokenize_dir), str(out), "--config",
                     json.dumps(cfg)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                    stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start

@@ -28,7 +28,7 @@ and a record without text, each WARC file an image response.
              `worker_peak_rss_mb`), which miss a spike between samples, so this benchmark samples
              the process tree every 0.2 s too: each process's VmHWM (the kernel's
              RSS high-water mark, so a peak between samples is not missed, only growth in a
-             process's last 0.2 s) for the driver (`python -m flows.supervised`, the child of
+             process's last 0.2 s) for the driver (`python -m gristmill.flows.supervised`, the child of
              `gristmill run` that runs the flow and the stage) and each Ray worker
              (`ray::_Worker` processes), and the sum of RSS over the tree; and the workers'
              CPU seconds (user + system, as last sampled: `worker_cpu_s`). Disk written: bytes

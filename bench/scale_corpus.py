@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.runs import REPO
+from gristmill.flows.runs import REPO
 
 SHARED = REPO.parent / "shared" / "data"
 DOCS_PER_FILE = 500
@@ -49,8 +49,8 @@ class Corpus:
 
 def english_paragraphs(shared: Path) -> list[str]:
     """neardup_set's paragraphs that fastText reads as English (p >= 0.8), distinct, in order."""
-    from tasks.collect.clean.langid import load_model
-    from tasks.collect.dedup.neardup_set import source_paragraphs
+    from gristmill.tasks.collect.clean.langid import load_model
+    from gristmill.tasks.collect.dedup.neardup_set import source_paragraphs
 
     model = load_model()
     out = []
@@ -106,8 +106,8 @@ def junk_document(kind: str, composer: Composer, sentences: dict[str, list[str]]
 def build_texts(n_docs: int, seed: int, shared: Path) -> tuple[list[str], set[tuple[int, int]],
                                                                 dict[int, str]]:
     """(texts in corpus order, planted pairs, junk kinds by index)."""
-    from tasks.collect.dedup.neardup_set import make_copy
-    from tasks.collect.stage import text_hash
+    from gristmill.tasks.collect.dedup.neardup_set import make_copy
+    from gristmill.tasks.collect.stage import text_hash
 
     rng = random.Random(seed)
     composer = Composer(english_paragraphs(shared), rng)

@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 
 from bench.scale_corpus import Corpus
-from flows.runs import REPO, cli_env, committed_dir
+from gristmill.flows.runs import REPO, cli_env, committed_dir
 
 REVIEW_ALL = 10**9  # collect.review_samples for the labelled run: every drop with its reason
 SAMPLE_S = 0.2
@@ -72,7 +72,7 @@ class TreePeaks:
                     cmdline = " ".join(proc.cmdline())
                     if "ray::_Worker" in cmdline:
                         self.workers.add(proc.pid)
-                    elif "flows.supervised" in cmdline:
+                    elif "gristmill.flows.supervised" in cmdline:
                         self.driver = proc.pid
         self.tree_peak = max(self.tree_peak, total)
 
@@ -129,7 +129,7 @@ def _labels(corpus: Corpus, clusters: dict[Any, list[str]]) -> np.ndarray:
 def near_dup_quality(corpus: Corpus, labels: np.ndarray, reached: set[str]) -> dict[str, Any]:
     """Pairwise precision and recall on the planted pairs whose documents both reached near
     dedup (URLs in `reached`)."""
-    from tasks.collect.dedup.neardup_set import precision_recall
+    from gristmill.tasks.collect.dedup.neardup_set import precision_recall
 
     at = {corpus.index()[u] for u in reached}
     truth = {(a, b) for a, b in corpus.truth if a in at and b in at}
@@ -144,7 +144,7 @@ def run_ours(corpus: Corpus, workers: int, home: Path, labelled: bool = False) -
     overrides = [f"collect.sources={json.dumps(corpus.sources)}", f"collect.num_workers={workers}"]
     if labelled:
         overrides.append(f"collect.review_samples={REVIEW_ALL}")
-    cmd = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides,
+    cmd = [sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *overrides,
            "--until", "collect"]
     home.mkdir(parents=True)
     seconds, peaks = run_tree(cmd, home.parent / f"{home.name}.log", cli_env(home))
@@ -249,7 +249,7 @@ def units_child(spec: dict[str, Any]) -> dict[str, float]:
     own `process_unit` over CEILING_UNITS WARC and JSONL units of the corpus each, after a first
     unit that loads the models."""
     from bench.memory import _tiny_collect
-    from tasks.collect.stage import plan_units, process_unit, unit_result_path
+    from gristmill.tasks.collect.stage import plan_units, process_unit, unit_result_path
 
     cfg = _tiny_collect().model_copy(update={"sources": spec["sources"]})
     out = Path(spec["work"])

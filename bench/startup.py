@@ -33,16 +33,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from flows.runs import REPO, SHORT
+from gristmill.flows.runs import REPO, SHORT
 
 
 def _seconds(checkout: Path, home: Path, cache: Path, args: list[str]) -> float:
-    """Wall seconds of `python -m flows.cli run configs/tiny.yaml ARGS` run from `checkout`."""
+    """Wall seconds of `python -m gristmill run configs/tiny.yaml ARGS` run from `checkout`."""
     environ = {**os.environ, "GRISTMILL_HOME": str(home), "GRISTMILL_CACHE": str(cache)}
     for name in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "PREFECT_HOME"):
         environ.pop(name, None)
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *args],
+    proc = subprocess.run([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *args],
                           cwd=checkout, env=environ, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if proc.returncode != 0:

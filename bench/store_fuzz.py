@@ -48,9 +48,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from flows.runs import REPO, SHORT, STAGES, cli_env, committed_dir, manifest_files
-from flows.store_damage import KINDS
-from flows.store_fuzz import Trial, run_trials
+from gristmill.flows.runs import REPO, SHORT, STAGES, cli_env, committed_dir, manifest_files
+from gristmill.flows.store_damage import KINDS
+from gristmill.flows.store_fuzz import Trial, run_trials
 
 
 def _copy_home(root: Path, home: Path) -> None:
@@ -91,7 +91,7 @@ def _outputs(home: Path) -> dict[str, Path]:
 
 
 def _gristmill(home: Path, overrides: list[str], *more: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides, *more],
+    return subprocess.run([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *overrides, *more],
                           cwd=REPO, env=cli_env(home), capture_output=True, text=True)
 
 

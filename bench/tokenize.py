@@ -81,7 +81,7 @@ def write_collect(docs: list[str], root: Path) -> list[Path]:
 
 
 def time_raw(tokenizer_json: Path, docs: list[str], method: str = "encode_batch") -> None:
-    from tasks.tokenize.stage import open_encoder
+    from gristmill.tasks.tokenize.stage import open_encoder
 
     encode = getattr(open_encoder(tokenizer_json), method)
     for i in range(0, len(docs), BATCH_DOCS):
@@ -89,8 +89,8 @@ def time_raw(tokenizer_json: Path, docs: list[str], method: str = "encode_batch"
 
 
 def time_stage(tokenizer_json: Path, collect_paths: list[Path], work: Path) -> None:
-    import tasks.tokenize.stage as tokenize
-    from core.stage import SerialEngine
+    import gristmill.tasks.tokenize.stage as tokenize
+    from gristmill.core.stage import SerialEngine
 
     config = tokenize.Config(encode_batch_docs=BATCH_DOCS, val_fraction=0.05)
     parts, tokens = work / "parts", work / "tokens"
@@ -119,7 +119,7 @@ def time_datatrove(tokenizer_json: Path, collect_dir: Path, work: Path) -> None:
 def median_seconds(methods: dict[str, Callable[[Path], None]], scratch: Path,
                    repeats: int) -> dict[str, float]:
     """Median seconds of each method; every repeat runs all methods once, in turn."""
-    from tasks.tokenize.stage import _cached_encoder
+    from gristmill.tasks.tokenize.stage import _cached_encoder
 
     times: dict[str, list[float]] = {name: [] for name in methods}
     for r in range(repeats):
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     # Read by the tokenizers library when it first runs in parallel: set before any encoding.
     os.environ.update(TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS=str(args.threads))
-    from tasks.tokenize.stage import save_tokenizer, train_tokenizer
+    from gristmill.tasks.tokenize.stage import save_tokenizer, train_tokenizer
 
     docs = build_docs(args.corpus, int(args.mb * 1e6))
     text_mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6

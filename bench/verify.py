@@ -27,7 +27,7 @@ from bench.tokenize import REPO, build_docs
 
 
 def _store(root: Path, mb: int, files: int) -> tuple[list[Path], int]:
-    from infra.artifacts import ArtifactStore
+    from gristmill.infra.artifacts import ArtifactStore
 
     text = "".join(build_docs(REPO.parent / "shared" / "data" / "corpus", 4_000_000)).encode()
     each = mb * 1_000_000 // files
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    from infra.artifacts import ArtifactStore
+    from gristmill.infra.artifacts import ArtifactStore
 
     with tempfile.TemporaryDirectory(prefix="bench-verify-") as tmp:
         root = Path(tmp)

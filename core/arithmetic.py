@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Literal
 
-from core.chat import Message
+from gristmill.core.chat import Message
 
 Split = Literal["train", "test"]
 TEST_PERCENT = 20  # share of all possible problems reserved for evaluation

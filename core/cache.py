@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from core.files import file_digest
-from core.sources import host_unreachable
+from gristmill.core.files import file_digest
+from gristmill.core.sources import host_unreachable
 
 CACHE_ENV = "GRISTMILL_CACHE"
 MAX_GB_ENV = "GRISTMILL_CACHE_MAX_GB"

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.files import JsonLinesError, iter_jsonl
-from core.sources import source_files
+from gristmill.core.files import JsonLinesError, iter_jsonl
+from gristmill.core.sources import source_files
 
 DROP_REASON = "benchmark_contamination"  # a crawled document's drop reason in the collect funnel
 EVAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")

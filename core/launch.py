@@ -23,7 +23,7 @@ from typing import Literal
 import yaml
 from pydantic import Field
 
-from core.stage import StageConfig
+from gristmill.core.stage import StageConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PRECISION_VAR = "ACCELERATE_MIXED_PRECISION"  # how a launcher hands its mixed precision to the ranks

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from core.files import file_digest
+from gristmill.core.files import file_digest
 
 DEMO_PREFIX = "demo:"
 CC_PREFIX = "cc:"

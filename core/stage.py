@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from core.progress import Reporter
+from gristmill.core.progress import Reporter
 
 # Step-wise metrics a stage appends as JSON lines ({"step": int, "<name>": float, ...}); the
 # tracking layer replays them into the stage's MLflow run.

@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from core.stage import StageConfig
+from gristmill.core.stage import StageConfig
 
 
 class TrainConfig(StageConfig):

@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra import env
+from gristmill.infra import env
 
 if TYPE_CHECKING:
-    from flows.dag import PlannedStage
+    from gristmill.flows.dag import PlannedStage
 
 # What `run` prints when a signal stopped it.
 RESUME_NOTE = "finished stages and checkpoints are kept, run the same command again to resume"
@@ -43,13 +43,13 @@ def _fail(message: object) -> int:
 
 # --- commands ---------------------------------------------------------------------------------
 # `run`, `serve` and `refresh` run supervised (infra/supervisor.py): their work is done by the
-# child `python -m flows.supervised`, which checks the config itself, so this process imports
+# child `python -m gristmill.flows.supervised`, which checks the config itself, so this process imports
 # nothing the child would import again.
 
 def _supervised(command: str, arguments: dict, stopped_note: str = "") -> int:
-    from infra.supervisor import supervise
+    from gristmill.infra.supervisor import supervise
 
-    return supervise([sys.executable, "-m", "flows.supervised", command, json.dumps(arguments)],
+    return supervise([sys.executable, "-m", "gristmill.flows.supervised", command, json.dumps(arguments)],
                      stopped_note=stopped_note)
 
 
@@ -59,8 +59,8 @@ def _run(args: argparse.Namespace) -> int:
     arguments = {"config": str(args.config), "overrides": args.overrides, "until": args.until,
                  "approve_gates": args.approve_gates}
     if args.in_process:
-        from flows import supervised
-        from infra.interrupt import catch_sigint
+        from gristmill.flows import supervised
+        from gristmill.infra.interrupt import catch_sigint
 
         with catch_sigint():
             return supervised.run(**arguments)
@@ -71,9 +71,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     """The resolved config and, per stage, whether it would be reused or run: planning only."""
     import yaml
 
-    from flows.config import ConfigError, load_config
-    from flows.dag import launch_problems_of, open_store, plan, writing_problem
-    from flows.launch import per_node_command
+    from gristmill.flows.config import ConfigError, load_config
+    from gristmill.flows.dag import launch_problems_of, open_store, plan, writing_problem
+    from gristmill.flows.launch import per_node_command
 
     artifacts = env.artifacts_root(env.home_path())
     try:
@@ -92,7 +92,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     for stage in planned:
         print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
     if args.explain:
-        from flows.explain import explain, format_reasons
+        from gristmill.flows.explain import explain, format_reasons
 
         print("\n# why each stage that runs does: what differs from the nearest artifact in the store")
         print(format_reasons(explain(planned, store)), end="")
@@ -111,8 +111,8 @@ def _demo_corpus_note(planned: list[PlannedStage]) -> str | None:
     """What the collect stage's demo source reads, as its key digests it: the same on every machine
     with the pinned distributions (tasks/collect/read/demo_crawl.py). Printed before the plan, whose rows
     scripts read up to the end."""
-    from flows.stages import COLLECT
-    from tasks.collect.read import demo_crawl
+    from gristmill.flows.stages import COLLECT
+    from gristmill.tasks.collect.read import demo_crawl
 
     collect = next((stage.config for stage in planned if stage.spec.name == COLLECT.name), None)
     if not isinstance(collect, COLLECT.config) or demo_crawl.DEMO_SOURCE not in collect.sources:
@@ -131,7 +131,7 @@ def _refresh(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from flows import history
+    from gristmill.flows import history
 
     try:
         md, html, _ = history.report(env.gristmill_home(), args.run)
@@ -143,7 +143,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flows import history
+    from gristmill.flows import history
 
     try:
         print(history.compare(env.gristmill_home(), args.run_a, args.run_b), end="")
@@ -153,9 +153,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from flows.stages import STAGE_NAMES, contracts
-    from flows.verify import verify
-    from infra.artifacts import home_store
+    from gristmill.flows.stages import STAGE_NAMES, contracts
+    from gristmill.flows.verify import verify
+    from gristmill.infra.artifacts import home_store
 
     if args.stage is not None and args.stage not in STAGE_NAMES:
         return _fail(f"--stage {args.stage!r} is not a stage; choose one of {', '.join(STAGE_NAMES)}")
@@ -166,8 +166,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from model.plan import format_plan, plan
-    from model.presets import preset
+    from gristmill.model.plan import format_plan, plan
+    from gristmill.model.presets import preset
 
     given = {"vocab_size": args.vocab_size, "tokens": args.tokens, "gpu_hours": args.gpu_hours,
              "price_per_gpu_hour": args.price_per_gpu_hour, "mfu": args.mfu,
@@ -181,7 +181,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from tasks.evaluate.engine import EvalOptions, evaluate_files, format_table
+    from gristmill.tasks.evaluate.engine import EvalOptions, evaluate_files, format_table
 
     if (args.limit is not None and args.limit < 1) or args.batch_size < 1 or args.samples < 0:
         return _fail("--limit and --batch-size must be >= 1, --samples >= 0")
@@ -208,7 +208,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from infra import stack
+    from gristmill.infra import stack
 
     home = env.gristmill_home()
     ports = stack.Ports(**{name: getattr(args, f"{name}_port") for name in vars(stack.Ports())})
@@ -227,7 +227,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from infra import stack
+    from gristmill.infra import stack
 
     states = stack.status(env.gristmill_home())
     print(stack.format_states(states))
@@ -235,7 +235,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from infra import stack
+    from gristmill.infra import stack
 
     print(stack.format_states(stack.down(env.gristmill_home())))
     return 0
@@ -351,7 +351,7 @@ def _add_evaluate(commands) -> None:
 
 
 def _add_stack(commands) -> None:
-    from infra.stack import Ports
+    from gristmill.infra.stack import Ports
 
     up = _command(commands, _up, "up", "start a Prefect server, an MLflow server and a Ray head "
                                        "(docs/operations.md#servers-gristmill-up)")
@@ -386,14 +386,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console() -> int:
-    """The `gristmill` console script (and `python -m flows.cli`): the process is configured
+    """The `gristmill` console script (and `python -m gristmill`): the process is configured
     first (flows/entry.py), then the command line runs. `main` alone leaves the environment as
     it is (a test calls it in its own process). `verify` and `run --dry-run` only read a home and
     import nothing that needs configuring: they run as they are, so a home that does not exist
     (the wrong working directory) is not created."""
     if not _reads_only(sys.argv[1:]):
         try:
-            import flows.entry  # noqa: F401
+            import gristmill.flows.entry  # noqa: F401
         except env.HomeError as error:  # GRISTMILL_HOME a file, or read-only
             return _fail(error)
     return main()

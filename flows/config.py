@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union, get_ar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from core.stage import StageConfig
-from flows.notify import NotifyConfig
-from flows.stages import ALIGN, STAGES, StageSpec, checked
+from gristmill.core.stage import StageConfig
+from gristmill.flows.notify import NotifyConfig
+from gristmill.flows.stages import ALIGN, STAGES, StageSpec, checked
 
 C = TypeVar("C", bound=StageConfig)
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.launch import LaunchConfig, launch_problems, sharding_problems
-from core.stage import Engine, Manifest, StageConfig, StageResult
-from flows.config import PipelineConfigBase
-from flows.stages import StageSpec, contracts, stages_until
-from infra import env
-from infra.artifacts import ArtifactStore, home_store, stage_key
-from model.config import LoopConfig
+from gristmill.core.launch import LaunchConfig, launch_problems, sharding_problems
+from gristmill.core.stage import Engine, Manifest, StageConfig, StageResult
+from gristmill.flows.config import PipelineConfigBase
+from gristmill.flows.stages import StageSpec, contracts, stages_until
+from gristmill.infra import env
+from gristmill.infra.artifacts import ArtifactStore, home_store, stage_key
+from gristmill.model.config import LoopConfig
 
 
 @dataclass(frozen=True, kw_only=True)

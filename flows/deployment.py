@@ -2,7 +2,7 @@
 (flows/pipeline.py), imported once the process is configured (flows/entry.py)."""
 from __future__ import annotations
 
-import flows.entry  # noqa: F401  first: configures the process before the flow's imports
-from flows.pipeline import pipeline
+import gristmill.flows.entry  # noqa: F401  first: configures the process before the flow's imports
+from gristmill.flows.pipeline import pipeline
 
 __all__ = ["pipeline"]

@@ -3,10 +3,10 @@ and every entry point imports it before anything else.
 
 Prefect, MLflow, Ray and Hugging Face read their settings from the environment once, when they
 are imported (Prefect's home and database, telemetry, offline mode, Ray's loopback switch), so
-`infra.env.configure()` runs here, at import, and the entry points import this module first:
+`gristmill.infra.env.configure()` runs here, at import, and the entry points import this module first:
 
-- the `gristmill` console script, `flows.cli:console` (and `python -m flows.cli`);
-- the supervised child of `gristmill run`, `serve` and `refresh`, `python -m flows.supervised`;
+- the `gristmill` console script, `gristmill.flows.cli:console` (and `python -m gristmill`);
+- the supervised child of `gristmill run`, `serve` and `refresh`, `python -m gristmill.flows.supervised`;
 - the deployment entrypoint of prefect.yaml, `flows/deployment.py:pipeline`. A Prefect worker's
   flow-run process has imported Prefect before it loads an entrypoint, so there Prefect's own
   settings are the worker's (which point it at PREFECT_API_URL); MLflow, Ray and Hugging Face
@@ -20,6 +20,6 @@ but infra.env, so any module may import it.
 """
 from __future__ import annotations
 
-from infra import env
+from gristmill.infra import env
 
 env.configure()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from flows.dag import PlannedStage
-from infra.artifacts import ArtifactStore
+from gristmill.flows.dag import PlannedStage
+from gristmill.infra.artifacts import ArtifactStore
 
 
 def _flat(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -38,14 +38,14 @@ from prefect.input import RunInput
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from core.stage import Manifest
-from flows.report_card import Section
-from flows.reports import FUNNEL, funnel_markdown
-from flows.stages import COLLECT
-from infra.artifacts import ArtifactStore
-from infra.services import is_embedded_prefect
-from infra.tracking.runs import Tracker
-from tasks.collect.output.gates import GatesConfig, Trip, check, samples
+from gristmill.core.stage import Manifest
+from gristmill.flows.report_card import Section
+from gristmill.flows.reports import FUNNEL, funnel_markdown
+from gristmill.flows.stages import COLLECT
+from gristmill.infra.artifacts import ArtifactStore
+from gristmill.infra.services import is_embedded_prefect
+from gristmill.infra.tracking.runs import Tracker
+from gristmill.tasks.collect.output.gates import GatesConfig, Trip, check, samples
 
 ARTIFACT_KEY = f"{COLLECT.name}-gates"
 TAG = "gristmill.gates."

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from core.stage import Manifest
-from flows import report_card
-from flows.gates import GateDecision
-from flows.registry import Decision
-from flows.stages import STAGE_NAMES
-from infra import env
-from infra.artifacts import ArtifactStore, home_store
-from infra.tracking.runs import RunRecord, Tracker, pipeline_run, stage_runs_of
+from gristmill.core.stage import Manifest
+from gristmill.flows import report_card
+from gristmill.flows.gates import GateDecision
+from gristmill.flows.registry import Decision
+from gristmill.flows.stages import STAGE_NAMES
+from gristmill.infra import env
+from gristmill.infra.artifacts import ArtifactStore, home_store
+from gristmill.infra.tracking.runs import RunRecord, Tracker, pipeline_run, stage_runs_of
 
 DAG_ORDER = {name: i for i, name in enumerate(STAGE_NAMES)}
 

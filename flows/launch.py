@@ -1,7 +1,7 @@
 """A training stage computed in the processes its `launch` section asks for (core/launch.py).
 
 `backend: accelerate`: the stage's Prefect task starts Accelerate's launcher with one
-`python -m flows.launched` rank per process (infra/launch.py supervises it); `backend: ray`:
+`python -m gristmill.flows.launched` rank per process (infra/launch.py supervises it); `backend: ray`:
 the Ray Train driver (infra/ray_train.py), whose workers run the same ranks, supervised alike. The ranks plan the
 run from this run's config, so they train into the stage's `.partial` directory (the one the task's
 store lock guards, or its namesake on another node's disk); rank 0 hands the stats back in a file
@@ -26,14 +26,14 @@ from pathlib import Path
 
 import fsspec
 
-from core import progress
-from core.launch import REPO, LaunchConfig, on_cuda
-from core.stage import StageResult
-from flows.config import PipelineConfig
-from flows.dag import PlannedStage, stage_device
-from infra.artifacts import ArtifactStore
-from infra.launch import PREFIX, accelerate_argv, ray_argv, run_launcher
-from model.checkpoint import CHECKPOINTS_DIR
+from gristmill.core import progress
+from gristmill.core.launch import REPO, LaunchConfig, on_cuda
+from gristmill.core.stage import StageResult
+from gristmill.flows.config import PipelineConfig
+from gristmill.flows.dag import PlannedStage, stage_device
+from gristmill.infra.artifacts import ArtifactStore
+from gristmill.infra.launch import PREFIX, accelerate_argv, ray_argv, run_launcher
+from gristmill.model.checkpoint import CHECKPOINTS_DIR
 
 
 def _cuda(stage: PlannedStage) -> bool:
@@ -62,7 +62,7 @@ def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
     with tempfile.TemporaryDirectory(prefix=f".{partial_dir.name}-launch-", dir=partial_dir.parent) as scratch:
         scratch = Path(scratch)
         (scratch / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
-        worker = ["-m", "flows.launched", str(scratch / "config.json"), stage.spec.name,
+        worker = ["-m", "gristmill.flows.launched", str(scratch / "config.json"), stage.spec.name,
                   "--result", str(scratch / "result.json"), *(["--upload"] if via_bucket else [])]
         if on_ray:  # the config goes to the workers' nodes and the result comes back, through Ray
             argv = ray_argv(launch, worker, cuda=_cuda(stage), ship=[scratch / "config.json"],
@@ -136,7 +136,7 @@ def per_node_command(stage: PlannedStage, config_path: str, overrides: list[str]
     compute `stage` without Ray: its launch's processes on each, committing into the store that
     GRISTMILL_HOME names, which every node must see."""
     launch = _launch(stage)
-    worker = ["-m", "flows.launched", config_path, stage.spec.name, *overrides, "--commit"]
+    worker = ["-m", "gristmill.flows.launched", config_path, stage.spec.name, *overrides, "--commit"]
     argv = accelerate_argv(launch, worker, cuda=_cuda(stage), num_machines=nodes, machine_rank="NODE_RANK",
                            main_ip="HEAD_IP", port=29500)
     shown = [str(Path(a).relative_to(REPO)) if a.startswith(f"{REPO}/") else a for a in argv[3:]]

@@ -1,6 +1,6 @@
 """One rank of a training stage started by Accelerate's launcher:
 
-    accelerate launch ... -m flows.launched CONFIG STAGE [key=value ...] [--result FILE | --commit]
+    accelerate launch ... -m gristmill.flows.launched CONFIG STAGE [key=value ...] [--result FILE | --commit]
 
 Every rank plans the run from the same config (so the same artifact key), reads the upstream
 artifacts from the store and trains its share into the stage's `.partial` directory (the training
@@ -23,14 +23,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import flows.entry  # noqa: F401  first: configures the process before anything else is imported
-from core import progress
-from core.stage import Manifest, SerialEngine
-from flows.config import PipelineConfigBase, load_config
-from flows.dag import PlannedStage, manifest_fields, open_store, plan, run_planned
-from flows.launch import upload_outputs
-from infra import env
-from infra.artifacts import ArtifactStore
+import gristmill.flows.entry  # noqa: F401  first: configures the process before anything else is imported
+from gristmill.core import progress
+from gristmill.core.stage import Manifest, SerialEngine
+from gristmill.flows.config import PipelineConfigBase, load_config
+from gristmill.flows.dag import PlannedStage, manifest_fields, open_store, plan, run_planned
+from gristmill.flows.launch import upload_outputs
+from gristmill.infra import env
+from gristmill.infra.artifacts import ArtifactStore
 
 log = logging.getLogger("gristmill.launched")
 
@@ -64,13 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
-        from model.parallel import leave_process_group  # here: planning a run imports no torch
+        from gristmill.model.parallel import leave_process_group  # here: planning a run imports no torch
 
         leave_process_group()
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.launched", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gristmill.flows.launched", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("stage")

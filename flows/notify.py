@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.stage import Manifest, read_metrics
+from gristmill.core.stage import Manifest, read_metrics
 
 log = logging.getLogger("gristmill.notify")
 SCHEMES = ("env:", "prefect-secret:")

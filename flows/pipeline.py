@@ -22,27 +22,27 @@ from prefect.context import TaskRunContext
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
-from core.stage import METRICS_FILE, Manifest, SerialEngine
-from flows.config import PipelineConfig, with_overrides
-from flows.dag import PlannedStage, launch_problems_of, manifest_fields, open_store, plan, run_planned
-from flows.explain import explain
-from flows.gates import GateDecision, GatesRejected, GatesStopped, enforce
-from flows.history import publish_report_card
-from flows.launch import launched
-from flows.notify import notify, rollbacks
-from flows.progress import stage_progress
-from flows.registry import Decision, register_and_promote
-from flows.report_card import Section, registry_section
-from flows.stages import COLLECT, EVALUATE
-from infra import env
-from infra.artifacts import ArtifactStore
-from infra.interrupt import stop_if_interrupted
-from infra.memory import PeakRSS
-from infra.tracking import is_server
-from infra.tracking.runs import Tracker
+from gristmill.core.stage import METRICS_FILE, Manifest, SerialEngine
+from gristmill.flows.config import PipelineConfig, with_overrides
+from gristmill.flows.dag import PlannedStage, launch_problems_of, manifest_fields, open_store, plan, run_planned
+from gristmill.flows.explain import explain
+from gristmill.flows.gates import GateDecision, GatesRejected, GatesStopped, enforce
+from gristmill.flows.history import publish_report_card
+from gristmill.flows.launch import launched
+from gristmill.flows.notify import notify, rollbacks
+from gristmill.flows.progress import stage_progress
+from gristmill.flows.registry import Decision, register_and_promote
+from gristmill.flows.report_card import Section, registry_section
+from gristmill.flows.stages import COLLECT, EVALUATE
+from gristmill.infra import env
+from gristmill.infra.artifacts import ArtifactStore
+from gristmill.infra.interrupt import stop_if_interrupted
+from gristmill.infra.memory import PeakRSS
+from gristmill.infra.tracking import is_server
+from gristmill.infra.tracking.runs import Tracker
 
 if TYPE_CHECKING:
-    from infra.ray_engine import RayEngine
+    from gristmill.infra.ray_engine import RayEngine
 
 GPU_LIMIT = "gpu"  # the Prefect global concurrency limit GPU stages take a slot of
 RECORD_THREADS = 3  # reused stages recorded at once (each mostly waits on the tracking server)
@@ -103,7 +103,7 @@ class Runtime:
     def release_ray() -> None:
         """Stop a local Ray a stage left running for a later one that did not take it over (that
         stage was reused after all, or the run stops)."""
-        ray_engine = sys.modules.get("infra.ray_engine")  # none was kept unless a stage ran on Ray
+        ray_engine = sys.modules.get("gristmill.infra.ray_engine")  # none was kept unless a stage ran on Ray
         if ray_engine is not None:
             ray_engine.release_local()
 
@@ -116,7 +116,7 @@ class Runtime:
 def _engine(stage: PlannedStage, store: ArtifactStore) -> SerialEngine | RayEngine:
     if not stage.spec.uses_ray:
         return SerialEngine()
-    from infra.ray_engine import (
+    from gristmill.infra.ray_engine import (
         RayEngine,  # imported lazily: only data stages pay Ray's start-up
     )
 

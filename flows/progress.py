@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from typing import cast
 from uuid import UUID
 
-from core import progress
-from core.progress import Snapshot
+from gristmill.core import progress
+from gristmill.core.progress import Snapshot
 
 ARTIFACT_EVERY_S = 5.0  # an artifact update at most this often (one API call each)
 FINISH_WAIT_S = 5.0  # a finished stage waits at most this long for its last update

@@ -38,21 +38,21 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
-from core.sources import filesystem, parse_source, source_files
-from core.stage import Manifest
-from flows.config import PipelineConfig
-from flows.dag import plan
-from flows.gates import GatesRejected, GatesStopped, enforce
-from flows.pipeline import Runtime, run_stage, start_parent_run
-from flows.stages import COLLECT
-from infra import env
-from infra.artifacts import CORPUS, ArtifactStore, home_store
-from infra.tracking.corpus import log_corpus_version
-from infra.tracking.runs import Tracker
-from tasks.collect.config import Config as CollectConfig
-from tasks.collect.config import NothingSurvived
-from tasks.collect.read.common_crawl import CommonCrawlSource, list_files
-from tasks.collect.read.readers import SUPPORTED_SUFFIXES
+from gristmill.core.sources import filesystem, parse_source, source_files
+from gristmill.core.stage import Manifest
+from gristmill.flows.config import PipelineConfig
+from gristmill.flows.dag import plan
+from gristmill.flows.gates import GatesRejected, GatesStopped, enforce
+from gristmill.flows.pipeline import Runtime, run_stage, start_parent_run
+from gristmill.flows.stages import COLLECT
+from gristmill.infra import env
+from gristmill.infra.artifacts import CORPUS, ArtifactStore, home_store
+from gristmill.infra.tracking.corpus import log_corpus_version
+from gristmill.infra.tracking.runs import Tracker
+from gristmill.tasks.collect.config import Config as CollectConfig
+from gristmill.tasks.collect.config import NothingSurvived
+from gristmill.tasks.collect.read.common_crawl import CommonCrawlSource, list_files
+from gristmill.tasks.collect.read.readers import SUPPORTED_SUFFIXES
 
 DEPLOYMENT = "data-refresh"
 CC_STAMP = "cc"  # a Common Crawl file is immutable: its URL is its identity

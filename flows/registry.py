@@ -26,12 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.stage import Manifest
-from flows.config import PipelineConfig
-from flows.stages import ALIGN, EVALUATE
-from infra.tracking.models import logged_model
-from infra.tracking.registry import ModelRegistry, ModelVersion
-from infra.tracking.runs import Tracker
+from gristmill.core.stage import Manifest
+from gristmill.flows.config import PipelineConfig
+from gristmill.flows.stages import ALIGN, EVALUATE
+from gristmill.infra.tracking.models import logged_model
+from gristmill.infra.tracking.registry import ModelRegistry, ModelVersion
+from gristmill.infra.tracking.runs import Tracker
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 KEY_TAG, METRIC_TAG = "gristmill.key.", "gristmill.metric."

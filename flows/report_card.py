@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.stage import METRICS_FILE, Manifest, read_metrics
-from flows.registry import lower_is_better
-from flows.reports import FUNNEL, funnel_markdown
-from flows.stages import COLLECT, EVALUATE, PRETRAIN, STAGES, TOKENIZE
-from infra.charts import curves_chart, funnel_chart
-from tasks.evaluate.config import COMPRESSION_PREFIX, MODEL_LABELS
+from gristmill.core.stage import METRICS_FILE, Manifest, read_metrics
+from gristmill.flows.registry import lower_is_better
+from gristmill.flows.reports import FUNNEL, funnel_markdown
+from gristmill.flows.stages import COLLECT, EVALUATE, PRETRAIN, STAGES, TOKENIZE
+from gristmill.infra.charts import curves_chart, funnel_chart
+from gristmill.tasks.evaluate.config import COMPRESSION_PREFIX, MODEL_LABELS
 
 
 @dataclass(kw_only=True)

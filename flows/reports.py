@@ -16,13 +16,13 @@ from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact
 
-import core.arithmetic as arithmetic
-from core.sources import JSONL_SUFFIXES, input_digest, source_files
-from core.stage import Manifest
-from infra.charts import funnel_chart, histogram_chart
-from infra.tracking.models import EvalData, chat_model, log_model_metrics, logged_model
-from infra.tracking.runs import Tracker, dataset_name
-from tasks.evaluate.formats import task_name
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.sources import JSONL_SUFFIXES, input_digest, source_files
+from gristmill.core.stage import Manifest
+from gristmill.infra.charts import funnel_chart, histogram_chart
+from gristmill.infra.tracking.models import EvalData, chat_model, log_model_metrics, logged_model
+from gristmill.infra.tracking.runs import Tracker, dataset_name
+from gristmill.tasks.evaluate.formats import task_name
 
 FUNNEL = "funnel.json"
 EVALUATED = {"sft": "sft", "aligned": "align"}  # evaluate's label of a logged model -> its stage
@@ -104,7 +104,7 @@ def measured_on(evaluate: Manifest, label: str) -> list[tuple[EvalData | None, d
     problems = arithmetic.problems("test", config["arith_problems"], config["arith_seed"])
     data = {"val": EvalData(name=dataset_name("tokenize", tokenize), digest=tokenize),
             "arith": EvalData(name="arithmetic-test", digest=_digest([[p.question, p.answer] for p in problems]),
-                              source=f"core.arithmetic?split=test&n={len(problems)}&seed={config['arith_seed']}",
+                              source=f"gristmill.core.arithmetic?split=test&n={len(problems)}&seed={config['arith_seed']}",
                               source_type="gristmill-generated")}
     for path in config["tasks"]:
         name = task_name(Path(path))

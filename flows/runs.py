@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from flows.stages import STAGE_NAMES
+from gristmill.flows.stages import STAGE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = list(STAGE_NAMES)

@@ -18,16 +18,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from flows.config import PipelineConfig
+from gristmill.flows.config import PipelineConfig
 
 DEPLOYMENT = "pipeline"
 
 
 def deployments(config: PipelineConfig) -> list[Any]:
     """The deployments `serve` registers, with `config` as their default parameters."""
-    from flows.pipeline import pipeline
-    from flows.refresh import DEPLOYMENT as REFRESH
-    from flows.refresh import data_refresh
+    from gristmill.flows.pipeline import pipeline
+    from gristmill.flows.refresh import DEPLOYMENT as REFRESH
+    from gristmill.flows.refresh import data_refresh
 
     parameters = {"config": config.model_dump(mode="json")}
     return [pipeline.to_deployment(

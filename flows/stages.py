@@ -18,19 +18,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from core.launch import LaunchConfig
-from core.sources import parse_source
-from core.stage import Manifest, StageConfig, StageRun
-from tasks.align import config as align
-from tasks.collect import config as collect
-from tasks.collect.read import demo_crawl
-from tasks.evaluate import config as evaluate
-from tasks.pretrain import config as pretrain
-from tasks.sft import config as sft
-from tasks.tokenize import config as tokenize
+from gristmill.core.launch import LaunchConfig
+from gristmill.core.sources import parse_source
+from gristmill.core.stage import Manifest, StageConfig, StageRun
+from gristmill.tasks.align import config as align
+from gristmill.tasks.collect import config as collect
+from gristmill.tasks.collect.read import demo_crawl
+from gristmill.tasks.evaluate import config as evaluate
+from gristmill.tasks.pretrain import config as pretrain
+from gristmill.tasks.sft import config as sft
+from gristmill.tasks.tokenize import config as tokenize
 
 if TYPE_CHECKING:
-    from infra.tracking.runs import Tracker
+    from gristmill.infra.tracking.runs import Tracker
 
 C = TypeVar("C", bound=StageConfig)
 
@@ -123,48 +123,48 @@ def upstream_parameters(run: Callable[..., Any]) -> set[str]:
 
 # Each stage's code, imported when the stage computes (not when the table is read).
 def _collect_run() -> StageRun[collect.Config]:
-    from tasks.collect.stage import run
+    from gristmill.tasks.collect.stage import run
     return run
 
 
 def _tokenize_run() -> StageRun[tokenize.Config]:
-    from tasks.tokenize.stage import run
+    from gristmill.tasks.tokenize.stage import run
     return run
 
 
 def _pretrain_run() -> StageRun[pretrain.Config]:
-    from tasks.pretrain.stage import run
+    from gristmill.tasks.pretrain.stage import run
     return run
 
 
 def _sft_run() -> StageRun[sft.Config]:
-    from tasks.sft.stage import run
+    from gristmill.tasks.sft.stage import run
     return run
 
 
 def _align_run() -> StageRun[align.Config]:
-    from tasks.align.stage import run
+    from gristmill.tasks.align.stage import run
     return run
 
 
 def _evaluate_run() -> StageRun[evaluate.Config]:
-    from tasks.evaluate.stage import run
+    from gristmill.tasks.evaluate.stage import run
     return run
 
 
 # What each stage shows in MLflow and Prefect (flows/reports.py imports MLflow and Prefect).
 def _publish_collect() -> Publisher:
-    from flows.reports import publish_collect
+    from gristmill.flows.reports import publish_collect
     return publish_collect
 
 
 def _publish_model() -> Publisher:
-    from flows.reports import publish_model
+    from gristmill.flows.reports import publish_model
     return publish_model
 
 
 def _publish_evaluate() -> Publisher:
-    from flows.reports import publish_evaluate
+    from gristmill.flows.reports import publish_evaluate
     return publish_evaluate
 
 

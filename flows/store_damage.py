@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.runs import STAGES
-from infra.artifacts import MANIFEST, ArtifactStore
-from infra.integrity import FIELDS, SEAL, SMALL_FILE_BYTES, manifest_text, read_manifest
+from gristmill.flows.runs import STAGES
+from gristmill.infra.artifacts import MANIFEST, ArtifactStore
+from gristmill.infra.integrity import FIELDS, SEAL, SMALL_FILE_BYTES, manifest_text, read_manifest
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.stages import contracts
-from flows.store_damage import KINDS, Harm, Output, manifest_of
-from infra.artifacts import ArtifactStore, Entry
-from infra.integrity import VerifyMode
+from gristmill.flows.stages import contracts
+from gristmill.flows.store_damage import KINDS, Harm, Output, manifest_of
+from gristmill.infra.artifacts import ArtifactStore, Entry
+from gristmill.infra.integrity import VerifyMode
 
 
 @dataclass

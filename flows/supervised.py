@@ -1,6 +1,6 @@
 """The supervised child of `gristmill run`, `serve` and `refresh` (infra/supervisor.py):
 
-    python -m flows.supervised COMMAND 'ARGUMENTS AS JSON'
+    python -m gristmill.flows.supervised COMMAND 'ARGUMENTS AS JSON'
 
 The CLI (flows/cli.py) starts it in a session of its own with the command's parsed arguments;
 it configures the process first (flows/entry.py), watches its supervisor, checks the config (a
@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra import env
-from infra.services import EmbeddedServices
+from gristmill.infra import env
+from gristmill.infra.services import EmbeddedServices
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
 
-    from flows.config import PipelineConfig
+    from gristmill.flows.config import PipelineConfig
 
 GATE_EXIT = 3  # a data gate tripped: approve (--approve-gates) or loosen collect.gates
 
@@ -42,14 +42,14 @@ def _fail(error: object) -> int:
 
 def _load(config: str, overrides: list[str]) -> PipelineConfig:
     """The config file with its overrides applied (ConfigError names a bad key or value)."""
-    from flows.config import load_config
+    from gristmill.flows.config import load_config
 
     return load_config(Path(config), overrides)
 
 
 def _gates(error: Exception) -> int:
     """The one line of a run stopped at the data gates; its exit code."""
-    from flows.gates import GatesStopped
+    from gristmill.flows.gates import GatesStopped
 
     print(f"gristmill: {error}", file=sys.stderr)
     return GATE_EXIT if isinstance(error, GatesStopped) else 1
@@ -57,8 +57,8 @@ def _gates(error: Exception) -> int:
 
 def run(config: str, overrides: list[str], until: str | None = None, approve_gates: bool = False) -> int:
     """Plan the run, start the embedded services a run needs and run the pipeline flow."""
-    from flows.config import ConfigError
-    from flows.dag import launch_problems_of, open_store, plan, writing_problem
+    from gristmill.flows.config import ConfigError
+    from gristmill.flows.dag import launch_problems_of, open_store, plan, writing_problem
 
     home = env.gristmill_home()
     try:
@@ -80,11 +80,11 @@ def run(config: str, overrides: list[str], until: str | None = None, approve_gat
 
 def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str | None,
          approve_gates: bool) -> int:
-    from core.files import DiskSpaceError
-    from flows.gates import GatesRejected, GatesStopped
-    from flows.pipeline import pipeline
-    from infra.launch import LaunchFailed
-    from infra.tracking import TrackingUnavailable, is_server, tracking_uri
+    from gristmill.core.files import DiskSpaceError
+    from gristmill.flows.gates import GatesRejected, GatesStopped
+    from gristmill.flows.pipeline import pipeline
+    from gristmill.infra.launch import LaunchFailed
+    from gristmill.infra.tracking import TrackingUnavailable, is_server, tracking_uri
 
     try:
         services.ready()
@@ -106,8 +106,8 @@ def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str
 
 def serve(config: str, overrides: list[str]) -> int:
     """Serve the deployments (flows/serve.py) until stopped."""
-    from flows.config import ConfigError
-    from flows.serve import serve as serve_deployments
+    from gristmill.flows.config import ConfigError
+    from gristmill.flows.serve import serve as serve_deployments
 
     try:
         serve_deployments(_load(config, overrides))
@@ -120,7 +120,7 @@ def serve(config: str, overrides: list[str]) -> int:
 
 def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> int:
     """Collect what is new in collect.sources into the next corpus version, once (flows/refresh.py)."""
-    from flows.config import ConfigError
+    from gristmill.flows.config import ConfigError
 
     try:
         pipeline_config = _load(config, overrides)
@@ -128,8 +128,8 @@ def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> i
         return _fail(error)
     services = EmbeddedServices(env.gristmill_home())
     services.launch()
-    from flows.gates import GatesRejected, GatesStopped
-    from flows.refresh import data_refresh
+    from gristmill.flows.gates import GatesRejected, GatesStopped
+    from gristmill.flows.refresh import data_refresh
 
     try:
         services.ready()
@@ -150,8 +150,8 @@ COMMANDS = {"run": run, "serve": serve, "refresh": refresh}
 
 def main(argv: list[str]) -> int:
     """`COMMAND 'ARGUMENTS AS JSON'`, as flows/cli.py starts it."""
-    from infra.interrupt import catch_sigint
-    from infra.supervisor import die_with_supervisor
+    from gristmill.infra.interrupt import catch_sigint
+    from gristmill.infra.supervisor import die_with_supervisor
 
     command, arguments = argv
     die_with_supervisor()
@@ -160,6 +160,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import flows.entry  # noqa: F401  first: configures the process before the command imports anything
+    import gristmill.flows.entry  # noqa: F401  first: configures the process before the command imports anything
 
     sys.exit(main(sys.argv[1:]))

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from infra.artifacts import MANIFEST, ArtifactStore, Entry
-from infra.integrity import UNSEALED
+from gristmill.infra.artifacts import MANIFEST, ArtifactStore, Entry
+from gristmill.infra.integrity import UNSEALED
 
 # What each kind of entry that is not a finding is, said once on its line.
 MEANING = {"partial": "work in progress: the next run of this key resumes it",

@@ -48,12 +48,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from core.cache import ObjectCache
-from core.faults import fault_point
-from core.files import describe_files
-from core.stage import Manifest
-from infra import env
-from infra.integrity import (
+from gristmill.core.cache import ObjectCache
+from gristmill.core.faults import fault_point
+from gristmill.core.files import describe_files
+from gristmill.core.stage import Manifest
+from gristmill.infra import env
+from gristmill.infra.integrity import (
     MANIFEST,
     SEAL,
     SMALL_FILE_BYTES,
@@ -69,11 +69,11 @@ from infra.integrity import (
     seal_of,
     unlisted,
 )
-from infra.interrupt import stop_if_interrupted
-from infra.remote_store import RemoteStore
-from infra.store_entries import ASIDE, IN_CORPUS, IN_STAGE, KEY_LENGTH, Entry, EntryKind, kind_of, listing
-from infra.store_records import CORPUS, StoreRecords
-from model.checkpoint import store_env as checkpoint_store_env
+from gristmill.infra.interrupt import stop_if_interrupted
+from gristmill.infra.remote_store import RemoteStore
+from gristmill.infra.store_entries import ASIDE, IN_CORPUS, IN_STAGE, KEY_LENGTH, Entry, EntryKind, kind_of, listing
+from gristmill.infra.store_records import CORPUS, StoreRecords
+from gristmill.model.checkpoint import store_env as checkpoint_store_env
 
 __all__ = ["CONFIG", "CORPUS", "MANIFEST", "SMALL_FILE_BYTES", "ArtifactStore", "Contracts", "Damage", "Entry",
            "VerifyMode", "canonical_json", "home_store", "stage_key"]

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from infra import env
+from gristmill.infra import env
 
 
 def _pyplot():

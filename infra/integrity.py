@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from core.files import file_digest
+from gristmill.core.files import file_digest
 
 MANIFEST = "manifest.json"
 SEAL = "seal"  # sha256 of the manifest's canonical JSON without this field

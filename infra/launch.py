@@ -1,7 +1,7 @@
 """A training stage's launcher, started and supervised by the stage: Accelerate's (`launch.backend:
 accelerate`), or the Ray Train driver (`ray`, infra/ray_train.py), which behaves alike.
 
-The stage's Prefect task runs `accelerate launch ... -m flows.launched ...` (every rank trains into
+The stage's Prefect task runs `accelerate launch ... -m gristmill.flows.launched ...` (every rank trains into
 the stage's `.partial` directory) and stays its supervisor:
 
 - every rank's output reaches the caller line by line with the rank in front (`[rank1]: ...`,
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from core.launch import LaunchConfig
-from infra.processes import ProcessTree, alive
+from gristmill.core.launch import LaunchConfig
+from gristmill.infra.processes import ProcessTree, alive
 
 GRACE_S = 4.0  # SIGTERM to SIGKILL: torch elastic stops its workers well within this
 PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")  # torch elastic's --tee prefix with `--role rank`
@@ -77,7 +77,7 @@ def ray_argv(launch: LaunchConfig, worker: Sequence[str], *, cuda: bool, ship: S
     flag, module, *args = worker
     assert flag == "-m", worker
     precision = [] if launch.mixed_precision == "auto" else ["--mixed-precision", launch.mixed_precision]
-    return [sys.executable, "-m", "infra.ray_train", "--processes", str(launch.processes),
+    return [sys.executable, "-m", "gristmill.infra.ray_train", "--processes", str(launch.processes),
             "--nodes", str(launch.nodes), "--max-failures", str(launch.max_failures),
             *(["--gpu"] if cuda else []), *precision,
             *(arg for path in ship for arg in ("--ship", str(path))),

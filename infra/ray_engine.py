@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from core.stage import SerialEngine, map_name, map_progress
-from infra import env
-from infra.supervisor import remove_tree, scratch_dir
+from gristmill.core.stage import SerialEngine, map_name, map_progress
+from gristmill.infra import env
+from gristmill.infra.supervisor import remove_tree, scratch_dir
 
 env.keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
 import ray  # noqa: E402

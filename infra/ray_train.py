@@ -1,6 +1,6 @@
 """Ray Train, started and supervised by a training stage (`launch.backend: ray`):
 
-    python -m infra.ray_train --processes P --nodes N [--gpu] [--mixed-precision bf16] \
+    python -m gristmill.infra.ray_train --processes P --nodes N [--gpu] [--mixed-precision bf16] \
         [--max-failures K] [--ship FILE ...] [--result FILE] MODULE [ARG ...]
 
 This driver joins the Ray cluster RAY_ADDRESS names and runs a TorchTrainer of P x N workers,
@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from core.launch import PRECISION_VAR
-from infra import env
-from infra.launch import FAILED_PREFIX
+from gristmill.core.launch import PRECISION_VAR
+from gristmill.infra import env
+from gristmill.infra.launch import FAILED_PREFIX
 
 RELAY_EVERY_S = 0.3
 RESULT = "result"  # the queue's record kind of rank 0's result (a log line's is the rank)
@@ -216,7 +216,7 @@ def train(module: str, args: Sequence[str], *, processes: int, nodes: int, gpu: 
     """Run `module.main(args)` on processes x nodes Ray Train workers of the RAY_ADDRESS cluster;
     raises the trainer's error once the group of workers has failed more than `max_failures`
     times. Rank 0's `result` file is written at `result` here."""
-    from infra.ray_engine import RayEngine, driver_env  # keeps Ray on loopback: imported before Ray
+    from gristmill.infra.ray_engine import RayEngine, driver_env  # keeps Ray on loopback: imported before Ray
 
     # isort: split
     import ray
@@ -265,7 +265,7 @@ def train(module: str, args: Sequence[str], *, processes: int, nodes: int, gpu: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.ray_train", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gristmill.infra.ray_train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=1, help="workers per node")
     parser.add_argument("--nodes", type=int, default=1)

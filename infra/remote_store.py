@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from infra.processes import recorded
+from gristmill.infra.processes import recorded
 
 log = logging.getLogger("gristmill.store")
 

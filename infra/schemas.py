@@ -26,9 +26,9 @@ from collections.abc import Callable
 from importlib import metadata, util
 from pathlib import Path
 
-from core.cache import cache_root
-from core.files import locked
-from infra import env
+from gristmill.core.cache import cache_root
+from gristmill.core.files import locked
+from gristmill.infra import env
 
 log = logging.getLogger("gristmill.schemas")
 
@@ -64,7 +64,7 @@ def _migrate_prefect(work: Path) -> Path:
 
 def _migrate_mlflow(work: Path) -> Path:
     """MLflow's own `mlflow db upgrade` on a new SQLite file (infra/tracking)."""
-    from infra.tracking import migrate_sqlite_store
+    from gristmill.infra.tracking import migrate_sqlite_store
 
     db = work / "mlflow.db"
     migrate_sqlite_store(db)

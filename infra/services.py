@@ -33,9 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from core.files import locked
-from infra import env, schemas
-from infra.stack import http_ok
+from gristmill.core.files import locked
+from gristmill.infra import env, schemas
+from gristmill.infra.stack import http_ok
 
 LOCK = "services.lock"
 EMBEDDED_PREFECT = "GRISTMILL_EMBEDDED_PREFECT"  # "1" beside PREFECT_API_URL: the run's own server
@@ -83,7 +83,7 @@ class EmbeddedServices:
                 self._lock.enter_context(locked(self.home, LOCK))
             if not os.environ.get("MLFLOW_TRACKING_URI"):
                 schemas.seed_mlflow(self.home)
-            from infra.tracking.runs import Tracker
+            from gristmill.infra.tracking.runs import Tracker
 
             Tracker(self.home)  # first: while the launched server is still starting
             if self._server is not None:

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import psutil
 
-from core.files import locked
-from core.sources import bucket_exists
-from infra import env, processes
-from infra.artifacts import STORE_ENV
-from infra.schemas import seed_mlflow, seed_prefect
-from infra.stack_auth import MLFLOW_AUTH, PREFECT_AUTH, check_exposure, mlflow_auth
+from gristmill.core.files import locked
+from gristmill.core.sources import bucket_exists
+from gristmill.infra import env, processes
+from gristmill.infra.artifacts import STORE_ENV
+from gristmill.infra.schemas import seed_mlflow, seed_prefect
+from gristmill.infra.stack_auth import MLFLOW_AUTH, PREFECT_AUTH, check_exposure, mlflow_auth
 
 LOOPBACK = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")

@@ -10,7 +10,7 @@ import os
 import secrets
 from pathlib import Path
 
-from infra import env
+from gristmill.infra import env
 
 PREFECT_AUTH = "PREFECT_SERVER_API_AUTH_STRING"
 MLFLOW_AUTH = "MLFLOW_AUTH_ADMIN_PASSWORD"

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from infra.integrity import canonical_json
+from gristmill.infra.integrity import canonical_json
 
 CORPUS = "corpus"  # not a stage: the chain of corpus versions over collect artifacts
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.processes import ProcessTree, alive
+from gristmill.infra.processes import ProcessTree, alive
 
 GRACE_S = 7.0  # the child's time to unwind before everything left is killed; exit stays < 10 s
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}

@@ -54,10 +54,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from core.stage import MetricsLog, read_metrics
-from model.checkpoint_bucket import BucketPlace
-from model.checkpoint_files import Barrier, WriteFn, damage, gather, read_marker
-from model.checkpoint_local import LocalPlace
+from gristmill.core.stage import MetricsLog, read_metrics
+from gristmill.model.checkpoint_bucket import BucketPlace
+from gristmill.model.checkpoint_files import Barrier, WriteFn, damage, gather, read_marker
+from gristmill.model.checkpoint_local import LocalPlace
 
 # what the trainers, stages and tests import from here (`damage` and `read_marker` live with the marker)
 __all__ = ["CHECKPOINTS_DIR", "CHECKPOINT_STATS", "ROW_KEY", "STORE_ENV", "Place", "checkpoint_place",

@@ -31,10 +31,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from core.cache import BucketError, ObjectCache, ObjectDamaged, link_into, on_bucket
-from core.faults import fault_point
-from core.files import describe_files, ensure_free_space
-from model.checkpoint_files import (
+from gristmill.core.cache import BucketError, ObjectCache, ObjectDamaged, link_into, on_bucket
+from gristmill.core.faults import fault_point
+from gristmill.core.files import describe_files, ensure_free_space
+from gristmill.model.checkpoint_files import (
     FILES_KEY,
     MARKER,
     Barrier,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core.files import DiskSpaceError, file_digest
+from gristmill.core.files import DiskSpaceError, file_digest
 
 MARKER = "checkpoint.json"  # written last inside a checkpoint: its completion marker
 FILES_KEY = "files"  # in the marker: relative path -> {"bytes", "sha256"}

@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from core.faults import fault_point
-from core.files import describe_files, ensure_free_space
-from model.checkpoint_files import (
+from gristmill.core.faults import fault_point
+from gristmill.core.files import describe_files, ensure_free_space
+from gristmill.model.checkpoint_files import (
     MARKER,
     Barrier,
     WriteFn,

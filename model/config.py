@@ -11,8 +11,8 @@ from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
-from core.stage import StageConfig
-from core.train_config import TrainConfig
+from gristmill.core.stage import StageConfig
+from gristmill.core.train_config import TrainConfig
 
 # Every linear layer of a Llama block: attention projections and the SwiGLU MLP. Adapting all of
 # them (not only q/v) is what QLoRA found to match full fine-tuning.

@@ -9,8 +9,8 @@ from typing import Any
 
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from core.chat import DOC_SEPARATOR, IM_END
-from model.parallel import full_model_state, is_rank0, is_sharded, with_aliases
+from gristmill.core.chat import DOC_SEPARATOR, IM_END
+from gristmill.model.parallel import full_model_state, is_rank0, is_sharded, with_aliases
 
 
 def generation_config(tokenizer: Any) -> GenerationConfig:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from core.chat import IM_END
+from gristmill.core.chat import IM_END
 
 
 def generate_greedy(model: Any, tokenizer: Any, prompts: Sequence[list[int]], max_new_tokens: int,

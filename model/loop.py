@@ -38,23 +38,25 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from core.launch import PRECISION_VAR
-from core.progress import PROGRESS_LINE, Reporter
-from core.stage import MetricsLog
-from model.checkpoint import ROW_KEY, checkpoint_stats, complete_checkpoints
-from model.config import LoopConfig
-from model.optim import make_optimizer
-from model.parallel import (
+from gristmill.core.launch import PRECISION_VAR
+from gristmill.core.progress import PROGRESS_LINE, Reporter
+from gristmill.core.stage import MetricsLog
+from gristmill.model.checkpoint import ROW_KEY, checkpoint_stats, complete_checkpoints
+from gristmill.model.config import LoopConfig
+from gristmill.model.optim import make_optimizer
+from gristmill.model.parallel import (
     clip_grad_norm,
     compile_blocks,
     is_sharded,
     launched_world_size,
     shard,
 )
-from model.schedule import lr_multiplier
-from model.throughput import Throughput, device_peak_tflops
-from model.train_state import Parts, anomaly, resume, rollback, save_state
-from model.train_state import TrainingDiverged as TrainingDiverged  # raised by rollback; callers catch it here
+from gristmill.model.schedule import lr_multiplier
+from gristmill.model.throughput import Throughput, device_peak_tflops
+from gristmill.model.train_state import Parts, anomaly, resume, rollback, save_state
+from gristmill.model.train_state import (
+    TrainingDiverged as TrainingDiverged,  # raised by rollback; callers catch it here
+)
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from model.config import LoraConfig
-from model.export import export_model
+from gristmill.model.config import LoraConfig
+from gristmill.model.export import export_model
 
 if TYPE_CHECKING:
     from peft import PeftModel

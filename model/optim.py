@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model.config import LoopConfig
+from gristmill.model.config import LoopConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

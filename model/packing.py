@@ -7,7 +7,7 @@ padding at a row's end its own run from 0. The model is then called with those `
 no `attention_mask`: transformers (>= 4.54; checked on 5.24 with sdpa and eager attention) reads
 each restart as a sequence boundary and builds a block-diagonal causal mask, so each example's
 logits equal those of the example run alone (tests/tasks/sft/test_sft.py checks it). That detection is off
-whenever a 2D attention mask or a KV cache is passed, hence `use_cache=False` (`model.loop.model_inputs`).
+whenever a 2D attention mask or a KV cache is passed, hence `use_cache=False` (`gristmill.model.loop.model_inputs`).
 Labels are already shifted within each example, so no label crosses from one example to the next.
 With no attention_mask, the loop's `tokens_seen` / `tokens_per_s` count a packed batch's padding too
 (a few percent: rows come out nearly full).
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from model.loop import IGNORE_INDEX, Batch, model_inputs
+from gristmill.model.loop import IGNORE_INDEX, Batch, model_inputs
 
 Example = tuple[list[int], list[int]]  # (input ids, labels aligned to them; IGNORE_INDEX = no loss)
 PackedRow = tuple[list[int], list[int], list[int]]  # (input ids, labels, lengths of its examples)

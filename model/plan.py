@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from model.presets import PLAN_VOCAB_SIZE, ModelConfig, config_params
+from gristmill.model.presets import PLAN_VOCAB_SIZE, ModelConfig, config_params
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM, dense bf16 tensor-core peak

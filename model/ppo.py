@@ -38,14 +38,21 @@ from typing import Any, overload
 
 import torch
 
-from core.chat import Message, prompt_ids
-from core.progress import Reporter
-from core.stage import MetricsLog
-from model.checkpoint import ROW_KEY, checkpoint_stats, read_marker, restore_rows, resume_point, save_checkpoint
-from model.config import PPOConfig
-from model.export import generation_config
-from model.ranks import ONE_PROCESS, Ranks
-from model.schedule import warmup_linear
+from gristmill.core.chat import Message, prompt_ids
+from gristmill.core.progress import Reporter
+from gristmill.core.stage import MetricsLog
+from gristmill.model.checkpoint import (
+    ROW_KEY,
+    checkpoint_stats,
+    read_marker,
+    restore_rows,
+    resume_point,
+    save_checkpoint,
+)
+from gristmill.model.config import PPOConfig
+from gristmill.model.export import generation_config
+from gristmill.model.ranks import ONE_PROCESS, Ranks
+from gristmill.model.schedule import warmup_linear
 
 log = logging.getLogger("gristmill.ppo")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.config import ModelConfig
+from gristmill.model.config import ModelConfig
 
 
 def build_model(cfg: ModelConfig, tokenizer: Any) -> Any:

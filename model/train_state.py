@@ -28,8 +28,8 @@ import safetensors.torch
 import torch
 from accelerate import Accelerator
 
-from core.stage import MetricsLog
-from model.checkpoint import (
+from gristmill.core.stage import MetricsLog
+from gristmill.model.checkpoint import (
     latest_good_checkpoint,
     read_marker,
     restore_rows,
@@ -37,8 +37,8 @@ from model.checkpoint import (
     rewrite_marker,
     save_checkpoint,
 )
-from model.config import LoopConfig
-from model.parallel import (
+from gristmill.model.config import LoopConfig
+from gristmill.model.parallel import (
     full_model_state,
     full_optimizer_state,
     is_rank0,

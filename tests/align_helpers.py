@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-import tasks.align.stage as align
-from core.stage import Manifest, SerialEngine
+import gristmill.tasks.align.stage as align
+from gristmill.core.stage import Manifest, SerialEngine
 
 # The TRL trainers' own optimiser defaults (weight decay 0, beta2 0.999), as these tests were sized with.
 TRL_ADAMW = dict(weight_decay=0.0, beta2=0.999)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from model.checkpoint import resume_point, save_checkpoint, store_env
+from gristmill.model.checkpoint import resume_point, save_checkpoint, store_env
 
 STAGE_DIR = Path("pretrain") / "pretrain-0123456789ab.partial"
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tasks.collect.stage as collect
-from core.stage import SerialEngine
-from flows.config import load_config
+import gristmill.tasks.collect.stage as collect
+from gristmill.core.stage import SerialEngine
+from gristmill.flows.config import load_config
 
 # The tiny preset's cleaning thresholds (configs/tiny.yaml): what a stage run on the demo's package
 # docs needs (the defaults are the published web thresholds, which keep 2 of its documents), and what
@@ -33,7 +33,7 @@ class KilledAfter(SerialEngine):
 
 def spooled_table(path, texts, source: str = "s"):
     """`texts` spooled to one file as a work unit spools its kept documents, and their table."""
-    from tasks.collect.output.spool import SpoolWriter, TableBuilder
+    from gristmill.tasks.collect.output.spool import SpoolWriter, TableBuilder
 
     table = TableBuilder()
     with open(path, "wb") as f:

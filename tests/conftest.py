@@ -43,7 +43,7 @@ def one_torch_thread():
 def kill_at_metrics_step(monkeypatch):
     """`kill(step)` makes the step-`step` metrics line raise KeyboardInterrupt, as a kill -9 would
     stop a training stage there; `kill(None)` lets training run normally again."""
-    from core.stage import MetricsLog
+    from gristmill.core.stage import MetricsLog
 
     real_log = MetricsLog.log
 
@@ -72,7 +72,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory, shared_data) -> Path:
     """A byte-level BPE trained in-process on real text, saved as an HF tokenizer dir."""
-    from tasks.tokenize.stage import save_tokenizer, train_tokenizer
+    from gristmill.tasks.tokenize.stage import save_tokenizer, train_tokenizer
 
     text = (shared_data / "corpus" / "tinyshakespeare.txt").read_text()
     docs = [text[i : i + 2000] for i in range(0, 400_000, 2000)]
@@ -88,8 +88,8 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    from model.export import export_model
-    from model.presets import ModelConfig, build_model
+    from gristmill.model.export import export_model
+    from gristmill.model.presets import ModelConfig, build_model
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def prefect_server(tmp_path_factory) -> Iterator[dict[str, str]]:
     standing server would pause for a person instead), the two runs racing in a fresh home and
     the interrupts that must stop the run's own server keep the embedded one. Yields the
     environment a run uses it with."""
-    from infra import stack
+    from gristmill.infra import stack
 
     home = tmp_path_factory.mktemp("prefect") / "home"
     try:
@@ -176,7 +176,7 @@ def s3_server() -> Iterator[dict[str, str]]:
     boto3 and s3fs at it, for this process (set while the session lasts) and for subprocesses."""
     from moto.server import ThreadedMotoServer
 
-    from infra.launch import free_port
+    from gristmill.infra.launch import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

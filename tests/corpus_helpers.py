@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import tasks.collect.dedup.exact_dedup as exact_dedup
-import tasks.collect.dedup.near as dedup
-import tasks.collect.stage as collect
-from core.stage import SerialEngine
+import gristmill.tasks.collect.dedup.exact_dedup as exact_dedup
+import gristmill.tasks.collect.dedup.near as dedup
+import gristmill.tasks.collect.stage as collect
+from gristmill.core.stage import SerialEngine
 
 
 class ShuffledEngine:

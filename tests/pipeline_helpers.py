@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from flows.runs import REPO, STAGES, cli_env, committed_dir, committed_files, manifest_files
-from flows.runs import SHORT as FAST
+from gristmill.flows.runs import REPO, STAGES, cli_env, committed_dir, committed_files, manifest_files
+from gristmill.flows.runs import SHORT as FAST
 
 # What end-to-end tests import from here: flows/runs.py's helpers, shared with the benchmarks, and these.
 __all__ = ["FAST", "REPO", "STAGES", "TinyRun", "checkpoint_steps", "cli_env", "committed_dir", "committed_files",
@@ -20,7 +20,7 @@ def gristmill(home: Path, *args: str, timeout: int = 1200,
               services: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`gristmill ARGS` in `home`, with the external services `services` (see cli_env); asserts it
     succeeded."""
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=cli_env(home, services),
+    proc = subprocess.run([sys.executable, "-m", "gristmill", *args], cwd=REPO, env=cli_env(home, services),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"gristmill {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc

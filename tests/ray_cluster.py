@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from infra import env
+from gristmill.infra import env
 
 SECOND_NODE = ("import ray._private.ray_constants as constants, ray._private.services as services; "
                "constants.ENABLE_RAY_CLUSTER = True; services.resolve_ip_for_localhost = lambda host: host; "

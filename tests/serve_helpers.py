@@ -22,9 +22,9 @@ from pathlib import Path
 
 from pipeline_helpers import FAST, REPO, cli_env
 
-from core.faults import FAULT_ENV, FAULT_ONCE_ENV
-from infra import stack
-from infra.processes import interrupt
+from gristmill.core.faults import FAULT_ENV, FAULT_ONCE_ENV
+from gristmill.infra import stack
+from gristmill.infra.processes import interrupt
 
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 FAULT_POINT = "checkpoint:10"
@@ -102,7 +102,7 @@ def serving(root: Path) -> Iterator[Served]:
         armed = root / "fault-armed"
         with log.open("w") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "serve", "configs/tiny.yaml", *FAST], cwd=REPO,
+                [sys.executable, "-m", "gristmill", "serve", "configs/tiny.yaml", *FAST], cwd=REPO,
                 env={**cli_env(home), **exports, FAULT_ENV: FAULT_POINT, FAULT_ONCE_ENV: str(armed)},
                 stdout=out, stderr=subprocess.STDOUT)
         base = exports["PREFECT_API_URL"]

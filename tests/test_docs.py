@@ -15,8 +15,8 @@ import pytest
 from markdown.extensions.toc import slugify
 from pydantic import BaseModel, Field
 
-from flows.config import PipelineConfig
-from flows.config_reference import reference_markdown, rows, type_name
+from gristmill.flows.config import PipelineConfig
+from gristmill.flows.config_reference import reference_markdown, rows, type_name
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -33,7 +33,7 @@ REPO_PATH = re.compile(rf"(?<![\w./$-])((?:{TOP_DIRS})/[\w./-]*+)(?![*<{{])")
 def test_configuration_reference_matches_the_config_models():
     checked_in = (DOCS / "configuration.md").read_text()
     assert checked_in == reference_markdown(), (
-        "docs/configuration.md is stale: run `python -m flows.config_reference > docs/configuration.md`")
+        "docs/configuration.md is stale: run `python -m gristmill.flows.config_reference > docs/configuration.md`")
 
 
 def _flat_keys(tree: dict, prefix: str = "") -> set[str]:
@@ -125,7 +125,7 @@ def test_the_site_builds_strictly(tmp_path):
 # --- pointers from the code: --help texts, messages, docstrings, comments, config comments ------
 # The code sends readers to docs pages, their sections (`docs/operations.md#data-refresh`), the
 # README's sections ("README: Servers") and repository files (`infra/supervisor.py`, a symbol as
-# `flows/pipeline.run_stage`, a module as `python -m flows.launched`). Each must resolve, so a page,
+# `flows/pipeline.run_stage`, a module as `python -m gristmill.flows.launched`). Each must resolve, so a page,
 # heading or file that moves fails here. The README is the front door only: a bare "README" names
 # no section and fails too ("Flask's README", someone else's, is not a pointer).
 CODE_DIRS = ("core", "model", "tasks", "infra", "flows")
@@ -228,7 +228,7 @@ def test_every_pointer_in_the_code_and_the_configs_resolves():
 
 def _help_texts(capsys) -> tuple[str, dict[str, str]]:
     """`gristmill --help` and each subcommand's `--help`, as the user sees them (unwrapped)."""
-    from flows.cli import _parser
+    from gristmill.flows.cli import _parser
 
     parser = _parser()
     names = re.search(r"\{([\w,-]+)\}", parser.format_usage()).group(1).split(",")

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("core", "model", "tasks", "infra", "flows", "bench")
-# What each layer may import of ours (itself included).
+PRODUCT = ("core", "model", "tasks", "infra", "flows")  # installed as gristmill.<folder> (gristmill/)
+OURS = (*PRODUCT, "bench", "gristmill")
+# What each layer may import of ours (itself included); "gristmill" is the package's own
+# __init__ and __main__ (the command line).
 ALLOWED = {
     "core": {"core"},
     "model": {"model", "core"},
@@ -22,6 +24,7 @@ ALLOWED = {
     "infra": {"infra", "tasks", "model", "core"},
     "flows": {"flows", "infra", "tasks", "model", "core"},
     "bench": set(OURS),
+    "gristmill": set(PRODUCT),
 }
 
 
@@ -31,6 +34,8 @@ def _sources(*folders: str) -> list[Path]:
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] in PRODUCT:
+        parts.insert(0, "gristmill")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -79,17 +84,23 @@ def _imported_by_registered_name() -> dict[str, set[str]]:
     """Imports whose module name is data, which the parser above cannot see: the align stage
     imports each registered method's module (`METHODS`) when that method runs. (The stage table
     imports each stage's code and publisher inside a loader function: the parser sees those.)"""
-    from tasks.align.config import METHODS
+    from gristmill.tasks.align.config import METHODS
 
-    return {"tasks.align.stage": {m for m in METHODS.values() if isinstance(m, str)}}
+    return {"gristmill.tasks.align.stage": {m for m in METHODS.values() if isinstance(m, str)}}
+
+
+def _in_package(module: str) -> list[str]:
+    """A module's name below `gristmill.` (gristmill.tasks.sft -> tasks, sft), or as it is."""
+    parts = module.split(".")
+    return parts[1:] if parts[0] == "gristmill" and len(parts) > 1 and parts[1] in PRODUCT else parts
 
 
 def _layer(module: str) -> str:
-    return module.split(".")[0]
+    return _in_package(module)[0]
 
 
 def _stage(module: str) -> str | None:
-    parts = module.split(".")
+    parts = _in_package(module)
     return parts[1] if parts[0] == "tasks" and len(parts) > 1 else None
 
 
@@ -102,14 +113,16 @@ def test_every_layer_imports_only_layers_below_it():
 
 def test_model_does_not_import_tasks_even_inside_functions():
     graph = import_graph()
-    assert graph["model.ppo"] and graph["model.loop"]  # the graph sees the model package at all
+    assert graph["gristmill.model.ppo"] and graph["gristmill.model.loop"]  # the graph sees the model package
     assert {m: t for m, t in graph.items() if _layer(m) == "model" and any(_layer(x) == "tasks" for x in t)} == {}
 
 
 def test_the_graph_sees_modules_imported_by_registered_name():
     graph = import_graph()
-    assert {"tasks.align.dpo", "tasks.align.grpo", "tasks.align.ppo"} <= graph["tasks.align.stage"]
-    assert {"tasks.collect.stage", "tasks.evaluate.stage", "flows.reports"} <= graph["flows.stages"]
+    methods = {f"gristmill.tasks.align.{method}" for method in ("dpo", "grpo", "ppo")}
+    assert methods <= graph["gristmill.tasks.align.stage"]
+    stage_modules = {"gristmill.tasks.collect.stage", "gristmill.tasks.evaluate.stage", "gristmill.flows.reports"}
+    assert stage_modules <= graph["gristmill.flows.stages"]
 
 
 def test_stage_packages_do_not_import_each_other():
@@ -144,10 +157,11 @@ def test_the_checker_sees_cycles_and_importlib(tmp_path, monkeypatch):
     pkg = tmp_path / "core"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("import core.b\n")
-    (pkg / "b.py").write_text("def f():\n    import importlib\n    return importlib.import_module('core.a')\n")
+    (pkg / "a.py").write_text("import gristmill.core.b\n")
+    (pkg / "b.py").write_text("def f():\n    import importlib\n"
+                              "    return importlib.import_module('gristmill.core.a')\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    assert import_graph()["core.b"] == {"core.a"}
+    assert import_graph()["gristmill.core.b"] == {"gristmill.core.a"}
     with pytest.raises(AssertionError):
         test_there_is_no_import_cycle()
 
@@ -157,15 +171,16 @@ def test_each_stage_package_exposes_the_contract():
     VERSION and fingerprint and stage.py's run; the package's `__init__` is only its docstring."""
     import importlib
 
-    from flows.stages import STAGES
+    from gristmill.flows.stages import STAGES
 
     assert [p.name for p in sorted((REPO / "tasks").iterdir()) if (p / "__init__.py").is_file()] == sorted(
         spec.name for spec in STAGES)
     for spec in STAGES:
-        contract = importlib.import_module(f"tasks.{spec.name}.config")
+        contract = importlib.import_module(f"gristmill.tasks.{spec.name}.config")
         assert (spec.config, spec.version, spec.fingerprint) == (
             contract.Config, contract.VERSION, contract.fingerprint), spec.name
-        assert spec.run() is importlib.import_module(f"tasks.{spec.name}.stage").run and isinstance(spec.version, int)
+        stage = importlib.import_module(f"gristmill.tasks.{spec.name}.stage")
+        assert spec.run() is stage.run and isinstance(spec.version, int)
         init = ast.parse((REPO / "tasks" / spec.name / "__init__.py").read_text())
         assert len(init.body) == 1 and ast.get_docstring(init), spec.name
 
@@ -208,3 +223,11 @@ def test_demo_sources_are_parsed_in_one_place():
                if 'startswith("demo:")' in p.read_text() or "startswith('demo:')" in p.read_text()
                or "startswith(DEMO_PREFIX)" in p.read_text()}
     assert parsers <= {"core/sources.py"}
+
+
+def test_our_modules_are_imported_only_as_gristmill_modules():
+    """The folders are installed as `gristmill.<folder>` (gristmill/): an import of `core.x` or
+    `tasks.y` would find a user's own `core` or `tasks` package first, or none."""
+    bare = {str(p.relative_to(REPO)): sorted(n for n in _imported_names(p) if n.split(".")[0] in PRODUCT)
+            for p in [*_sources(*OURS), *_sources("tests")]}
+    assert {path: names for path, names in bare.items() if names} == {}

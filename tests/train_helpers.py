@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from core.chat import DOC_SEPARATOR
+from gristmill.core.chat import DOC_SEPARATOR
 
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "max_seq_len": 64}
 
@@ -29,7 +29,7 @@ def write_tokens(tokenizer, docs: dict[str, list[str]], out: Path) -> None:
 
 def pretrain_config(**overrides):
     """The pretrain stage's config for the tiny model: 30 steps, a checkpoint and an eval every 10."""
-    from tasks.pretrain.config import Config
+    from gristmill.tasks.pretrain.config import Config
 
     return Config(**{"model": MODEL, "seq_len": 32, "batch_size": 8, "max_steps": 30, "lr": 3e-3,
                      "warmup_frac": 0.1, "val_windows": 8, "checkpoint_every": 10,

@@ -26,7 +26,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from requests import exceptions as http_errors
 
-from infra import env
+from gristmill.infra import env
 
 # What MLflow's REST client raises its MlflowException from (a timeout) or while handling (the
 # rest): the server refused or dropped the connection, did not answer in time, or kept answering

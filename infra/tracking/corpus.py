@@ -3,8 +3,8 @@ extends, as dataset inputs of that run (flows/refresh.py; the chain itself is ke
 artifact store, infra/artifacts.py)."""
 from __future__ import annotations
 
-from core.stage import Manifest
-from infra.tracking.runs import Tracker, artifact_input
+from gristmill.core.stage import Manifest
+from gristmill.infra.tracking.runs import Tracker, artifact_input
 
 
 def log_corpus_version(tracker: Tracker, run_id: str, version: int, manifest: Manifest,

@@ -36,8 +36,8 @@ from mlflow.entities import (
     Metric,
 )
 
-from core.stage import Manifest
-from infra.tracking.runs import Tracker, numeric
+from gristmill.core.stage import Manifest
+from gristmill.infra.tracking.runs import Tracker, numeric
 
 CHAT_TASK = "llm/v1/chat"  # OpenAI-style chat requests and replies
 MAX_NEW_TOKENS = 128  # a reply's length when the request gives no `max_tokens`

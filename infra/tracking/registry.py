@@ -16,7 +16,7 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from infra.tracking import Client
+from gristmill.infra.tracking import Client
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,10 +33,10 @@ from mlflow.entities import (
 )
 from mlflow.exceptions import MlflowException
 
-from core.stage import METRICS_FILE, Manifest, read_metrics
-from infra import env
-from infra.artifacts import CONFIG, MANIFEST
-from infra.tracking import Client, tracking_uri
+from gristmill.core.stage import METRICS_FILE, Manifest, read_metrics
+from gristmill.infra import env
+from gristmill.infra.artifacts import CONFIG, MANIFEST
+from gristmill.infra.tracking import Client, tracking_uri
 
 EXPERIMENT = "gristmill"
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value

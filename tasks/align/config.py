@@ -16,12 +16,12 @@ from typing import Any, ClassVar, Literal, Protocol, get_args
 
 from pydantic import Field, field_validator
 
-from core.launch import LaunchConfig
-from core.sources import JSONL_SUFFIXES, fingerprint_sources
-from core.stage import StageConfig
-from core.train_config import TrainConfig
-from model.config import LoraConfig, PPOConfig
-from tasks.align.method import TrainFn
+from gristmill.core.launch import LaunchConfig
+from gristmill.core.sources import JSONL_SUFFIXES, fingerprint_sources
+from gristmill.core.stage import StageConfig
+from gristmill.core.train_config import TrainConfig
+from gristmill.model.config import LoraConfig, PPOConfig
+from gristmill.tasks.align.method import TrainFn
 
 VERSION = 3  # 3: one config section per method, shared training config (core.train_config)
 
@@ -172,9 +172,9 @@ class Config(StageConfig):
 # The registry: method name -> the module whose `train(config, job)` trains it (or, in tests, the
 # function itself). A name is imported only when its method runs, so planning needs no torch.
 METHODS: dict[str, str | TrainFn] = {
-    "dpo": "tasks.align.dpo",
-    "grpo": "tasks.align.grpo",
-    "ppo": "tasks.align.ppo",
+    "dpo": "gristmill.tasks.align.dpo",
+    "grpo": "gristmill.tasks.align.grpo",
+    "ppo": "gristmill.tasks.align.ppo",
 }
 
 

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from core.stage import MetricsLog
-from model.checkpoint import CHECKPOINTS_DIR
-from model.ranks import Ranks
-from tasks.align.config import DPOConfig
-from tasks.align.method import AlignJob
-from tasks.align.preferences import Pair, load_pairs, split_heldout
-from tasks.align.trl_common import train_resumably, trainer_args, with_lora
+from gristmill.core.stage import MetricsLog
+from gristmill.model.checkpoint import CHECKPOINTS_DIR
+from gristmill.model.ranks import Ranks
+from gristmill.tasks.align.config import DPOConfig
+from gristmill.tasks.align.method import AlignJob
+from gristmill.tasks.align.preferences import Pair, load_pairs, split_heldout
+from gristmill.tasks.align.trl_common import train_resumably, trainer_args, with_lora
 
 log = logging.getLogger("gristmill.align")
 

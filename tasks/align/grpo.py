@@ -6,7 +6,7 @@ Rewards (tasks.align.rewards): 1 for the right final number, plus `format_weight
 answer sentence. `kl_beta` > 0 adds a per-token KL penalty to the SFT model (with LoRA: the same
 model with its adapters off).
 
-Prompts whose text hashes into the test bucket (`core.arithmetic.split_of`, the rule that keeps
+Prompts whose text hashes into the test bucket (`gristmill.core.arithmetic.split_of`, the rule that keeps
 the demo's test problems out of SFT) are held out; greedy accuracy on them is measured before
 and after training, so "GRPO helped" is a claim on problems it never trained on.
 """
@@ -19,20 +19,20 @@ from typing import Any
 
 import torch
 
-import core.arithmetic as arithmetic
-from core.chat import prompt_ids
-from core.stage import MetricsLog, read_metrics
-from model.checkpoint import CHECKPOINTS_DIR
-from model.generate import generate_greedy
-from tasks.align.config import GRPOConfig
-from tasks.align.method import AlignJob
-from tasks.align.rewards import (
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.chat import prompt_ids
+from gristmill.core.stage import MetricsLog, read_metrics
+from gristmill.model.checkpoint import CHECKPOINTS_DIR
+from gristmill.model.generate import generate_greedy
+from gristmill.tasks.align.config import GRPOConfig
+from gristmill.tasks.align.method import AlignJob
+from gristmill.tasks.align.rewards import (
     MathPrompt,
     format_reward,
     load_math_prompts,
     numeric_match_reward,
 )
-from tasks.align.trl_common import train_resumably, trainer_args, with_lora
+from gristmill.tasks.align.trl_common import train_resumably, trainer_args, with_lora
 
 log = logging.getLogger("gristmill.align")
 

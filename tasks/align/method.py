@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from model.config import LoraConfig
+from gristmill.model.config import LoraConfig
 
 if TYPE_CHECKING:  # annotations only: importing this module must not import torch
     import torch

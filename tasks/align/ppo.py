@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from core.chat import Message, prompt_ids
-from core.stage import MetricsLog
-from model.checkpoint import CHECKPOINTS_DIR
-from model.generate import generate_greedy
-from model.loop import resolve_device
-from model.ppo import ppo_train
-from tasks.align.config import PPOMethodConfig
-from tasks.align.method import AlignJob
-from tasks.align.preferences import load_pairs, split_heldout
-from tasks.align.reward_model import (
+from gristmill.core.chat import Message, prompt_ids
+from gristmill.core.stage import MetricsLog
+from gristmill.model.checkpoint import CHECKPOINTS_DIR
+from gristmill.model.generate import generate_greedy
+from gristmill.model.loop import resolve_device
+from gristmill.model.ppo import ppo_train
+from gristmill.tasks.align.config import PPOMethodConfig
+from gristmill.tasks.align.method import AlignJob
+from gristmill.tasks.align.preferences import load_pairs, split_heldout
+from gristmill.tasks.align.reward_model import (
     RM_CHECKPOINT_DIR,
     RewardScorer,
     train_reward_model,

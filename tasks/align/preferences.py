@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import core.arithmetic as arithmetic
-from core.chat import Message
-from core.files import iter_jsonl
-from core.sources import read_source
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.chat import Message
+from gristmill.core.files import iter_jsonl
+from gristmill.core.sources import read_source
 
 log = logging.getLogger("gristmill.align")
 DEMO_DEFAULT_PAIRS = 256  # arithmetic pairs generated when no limit is given

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from core.chat import Message, render_with_mask
-from core.stage import MetricsLog
-from tasks.align.config import RewardModelConfig
-from tasks.align.preferences import Pair
-from tasks.align.trl_common import train_resumably, trainer_args
+from gristmill.core.chat import Message, render_with_mask
+from gristmill.core.stage import MetricsLog
+from gristmill.tasks.align.config import RewardModelConfig
+from gristmill.tasks.align.preferences import Pair
+from gristmill.tasks.align.trl_common import train_resumably, trainer_args
 
 log = logging.getLogger("gristmill.reward_model")
 
@@ -167,8 +167,8 @@ def train_reward_model(sft_dir: Path, train_pairs: Sequence[Pair], heldout_pairs
     heads, see untrained_head_accuracy) and heldout_rm_margin_before/after."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from model.export import export_model
-    from model.parallel import is_rank0
+    from gristmill.model.export import export_model
+    from gristmill.model.parallel import is_rank0
 
     out_dir, rm_dir = Path(out_dir), Path(out_dir) / RM_DIR
     if (rm_dir / STATS_FILE).is_file():

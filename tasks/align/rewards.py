@@ -4,7 +4,7 @@ A reward function takes a batch of completions (plain strings, or TRL's conversa
 list holding one assistant message) plus dataset columns as keyword lists, and returns one float
 per completion, so it plugs into TRL's `GRPOTrainer(reward_funcs=...)` as it is:
 
-- `numeric_match_reward`: 1.0 when the completion's final number (`core.arithmetic.final_number`)
+- `numeric_match_reward`: 1.0 when the completion's final number (`gristmill.core.arithmetic.final_number`)
   equals the reference `answer` exactly (as numbers: "1,000" == "1000", "42.0" == "42"), else 0.0;
 - `format_reward`: 1.0 when the completion ends with the answer sentence the prompts ask for,
   "The answer is <number>." (core.arithmetic.answer_text), else 0.0.
@@ -22,9 +22,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import core.arithmetic as arithmetic
-from core.files import iter_jsonl
-from core.sources import read_source
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.files import iter_jsonl
+from gristmill.core.sources import read_source
 
 # Asked of word problems so the completion ends in the demo's answer sentence, which
 # `format_reward` checks and the demo SFT data teaches.
@@ -92,7 +92,7 @@ def parse_math_record(record: Any) -> MathPrompt | str:
 
 def demo_prompts(limit: int | None, seed: int) -> list[MathPrompt]:
     """Generated arithmetic problems of both splits in a seeded order, asked as the demo SFT data
-    asks them (split them with `core.arithmetic.split_of`)."""
+    asks them (split them with `gristmill.core.arithmetic.split_of`)."""
     probs = arithmetic.universe()
     random.Random(seed).shuffle(probs)
     return [{"prompt": [{"role": "user", "content": p.question}], "answer": str(p.answer)}

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from core.stage import Engine, Manifest, StageResult
-from model.checkpoint import remove_checkpoints
-from tasks.align.config import METHODS, Config
-from tasks.align.method import AlignJob, TrainFn
+from gristmill.core.stage import Engine, Manifest, StageResult
+from gristmill.model.checkpoint import remove_checkpoints
+from gristmill.tasks.align.config import METHODS, Config
+from gristmill.tasks.align.method import AlignJob, TrainFn
 
 log = logging.getLogger("gristmill.align")
 
@@ -43,9 +43,9 @@ def train_function(method: str | TrainFn) -> TrainFn:
 def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> StageResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-    from model.export import export_model
-    from model.lora import export_lora, trainable_parameters
-    from model.parallel import is_rank0
+    from gristmill.model.export import export_model
+    from gristmill.model.lora import export_lora, trainable_parameters
+    from gristmill.model.parallel import is_rank0
 
     out_dir, sft_dir = Path(out_dir), Path(sft.path) / "model"
     log.info("aligning %s with %s", sft_dir, config.method)

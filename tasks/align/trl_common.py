@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.progress import PROGRESS_LINE, Reporter
-from core.stage import MetricsLog
-from core.train_config import TrainConfig
-from model.config import LoraConfig
-from model.loop import resolve_device
+from gristmill.core.progress import PROGRESS_LINE, Reporter
+from gristmill.core.stage import MetricsLog
+from gristmill.core.train_config import TrainConfig
+from gristmill.model.config import LoraConfig
+from gristmill.model.loop import resolve_device
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -109,7 +109,7 @@ def with_lora(model: PreTrainedModel, lora: LoraConfig | None, seed: int) -> Pre
     """The model to train: itself, or wrapped with LoRA adapters (seeded) when `lora` is set."""
     if lora is None:
         return model
-    from model.lora import apply_lora
+    from gristmill.model.lora import apply_lora
 
     torch.manual_seed(seed)
     return apply_lora(model, lora)

@@ -14,18 +14,18 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from core.decontam import DecontamConfig
-from core.sources import fingerprint_sources
-from core.stage import StageConfig
-from tasks.collect.clean.langid import model_languages
-from tasks.collect.clean.pii import PII_KINDS, PiiKind
-from tasks.collect.clean.quality_model import QualityConfig
-from tasks.collect.dedup.config import DedupConfig
-from tasks.collect.output.gates import GatesConfig
-from tasks.collect.output.mixing import MixConfig
-from tasks.collect.read import demo_crawl
-from tasks.collect.read.common_crawl import DEFAULT_BASE_URL
-from tasks.collect.read.readers import SUPPORTED_SUFFIXES
+from gristmill.core.decontam import DecontamConfig
+from gristmill.core.sources import fingerprint_sources
+from gristmill.core.stage import StageConfig
+from gristmill.tasks.collect.clean.langid import model_languages
+from gristmill.tasks.collect.clean.pii import PII_KINDS, PiiKind
+from gristmill.tasks.collect.clean.quality_model import QualityConfig
+from gristmill.tasks.collect.dedup.config import DedupConfig
+from gristmill.tasks.collect.output.gates import GatesConfig
+from gristmill.tasks.collect.output.mixing import MixConfig
+from gristmill.tasks.collect.read import demo_crawl
+from gristmill.tasks.collect.read.common_crawl import DEFAULT_BASE_URL
+from gristmill.tasks.collect.read.readers import SUPPORTED_SUFFIXES
 
 VERSION = 6  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing;
 # 4: near dedup checks exact Jaccard, two band layouts (dedup index format 2); 5: the dedup index

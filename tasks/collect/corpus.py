@@ -13,23 +13,23 @@ from typing import Any
 
 import numpy as np
 
-from core.files import ensure_free_space, fetch_file, publish_file, remove_tree, staging_path
-from core.stage import Engine, worker_dir
-from tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
-from tasks.collect.clean.quality_model import (
+from gristmill.core.files import ensure_free_space, fetch_file, publish_file, remove_tree, staging_path
+from gristmill.core.stage import Engine, worker_dir
+from gristmill.tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
+from gristmill.tasks.collect.clean.quality_model import (
     QualityConfig,
     cross_fit_scores,
     is_low_quality,
     load_reference_texts,
     train_quality_model,
 )
-from tasks.collect.config import DEDUP_INDEX_DIR, Config
-from tasks.collect.dedup.exact_dedup import first_occurrences
-from tasks.collect.dedup.index import DedupIndex
-from tasks.collect.dedup.near import near_dedup
-from tasks.collect.output.funnel import NOT_IN_MIX, Funnel
-from tasks.collect.output.mixing import mix_sizes
-from tasks.collect.output.spool import DocTable, Texts
+from gristmill.tasks.collect.config import DEDUP_INDEX_DIR, Config
+from gristmill.tasks.collect.dedup.exact_dedup import first_occurrences
+from gristmill.tasks.collect.dedup.index import DedupIndex
+from gristmill.tasks.collect.dedup.near import near_dedup
+from gristmill.tasks.collect.output.funnel import NOT_IN_MIX, Funnel
+from gristmill.tasks.collect.output.mixing import mix_sizes
+from gristmill.tasks.collect.output.spool import DocTable, Texts
 
 # in out_dir, spilled files of the corpus-level steps on the engine (kept for a resumed run)
 EXACT_DEDUP_DIR, QUALITY_DIR, NEAR_DEDUP_DIR = "exact_dedup", "quality", "near_dedup"

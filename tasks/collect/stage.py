@@ -52,26 +52,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.decontam import DecontamConfig, DecontamIndex, build_index
-from core.decontam import drop_reason as contamination_reason
-from core.files import (
+from gristmill.core.decontam import DecontamConfig, DecontamIndex, build_index
+from gristmill.core.decontam import drop_reason as contamination_reason
+from gristmill.core.files import (
     iter_jsonl,
     names_in,
     publish_file,
     remove_tree,
     staging_path,
 )
-from core.sources import file_size, parse_source
-from core.stage import Engine, SerialEngine, StageResult, worker_dir
-from tasks.collect.clean.cleaning import clean_document
-from tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
-from tasks.collect.clean.quality_model import (
+from gristmill.core.sources import file_size, parse_source
+from gristmill.core.stage import Engine, SerialEngine, StageResult, worker_dir
+from gristmill.tasks.collect.clean.cleaning import clean_document
+from gristmill.tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
+from gristmill.tasks.collect.clean.quality_model import (
     QualityModel,
     is_low_quality,
     load_model,
 )
-from tasks.collect.config import Config, NothingSurvived
-from tasks.collect.corpus import (
+from gristmill.tasks.collect.config import Config, NothingSurvived
+from gristmill.tasks.collect.corpus import (
     EXACT_DEDUP_DIR,
     GZIP_LEVEL,
     NEAR_DEDUP_DIR,
@@ -82,16 +82,16 @@ from tasks.collect.corpus import (
     apply_quality_model,
     write_shards,
 )
-from tasks.collect.output.funnel import PREVIEW_CHARS, Funnel, check_accounting, flatten
-from tasks.collect.output.spool import DocTable, SpoolWriter, TableBuilder, text_bytes
-from tasks.collect.read import demo_crawl
-from tasks.collect.read.common_crawl import (
+from gristmill.tasks.collect.output.funnel import PREVIEW_CHARS, Funnel, check_accounting, flatten
+from gristmill.tasks.collect.output.spool import DocTable, SpoolWriter, TableBuilder, text_bytes
+from gristmill.tasks.collect.read import demo_crawl
+from gristmill.tasks.collect.read.common_crawl import (
     CommonCrawlSource,
     download,
     list_files,
     local_path,
 )
-from tasks.collect.read.readers import (
+from gristmill.tasks.collect.read.readers import (
     WHOLE,
     Part,
     extract_text,
@@ -99,7 +99,7 @@ from tasks.collect.read.readers import (
     resolve_source,
     split_file,
 )
-from tasks.collect.read.records import ReadEvent, Skipped, quarantine_record
+from gristmill.tasks.collect.read.records import ReadEvent, Skipped, quarantine_record
 
 log = logging.getLogger("gristmill.collect")
 

@@ -10,9 +10,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from core.sources import JSONL_SUFFIXES, fingerprint_sources, source_files
-from core.stage import StageConfig
-from tasks.evaluate.formats import piqa_labels_path, task_name
+from gristmill.core.sources import JSONL_SUFFIXES, fingerprint_sources, source_files
+from gristmill.core.stage import StageConfig
+from gristmill.tasks.evaluate.formats import piqa_labels_path, task_name
 
 VERSION = 3  # 3: llm-foundry files scored with their task's delimiter; MMLU with its subject line;
 # val_bpb over the exact bytes of the scored tokens (it was the split's average bytes per token)

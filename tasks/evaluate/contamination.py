@@ -17,12 +17,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import core.arithmetic as arithmetic
-from core.decontam import DecontamConfig, all_strings, index_items
-from core.files import iter_jsonl
-from core.sources import JSONL_SUFFIXES, parse_source, source_files
-from core.stage import Manifest
-from tasks.evaluate.formats import read_records, task_name
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.decontam import DecontamConfig, all_strings, index_items
+from gristmill.core.files import iter_jsonl
+from gristmill.core.sources import JSONL_SUFFIXES, parse_source, source_files
+from gristmill.core.stage import Manifest
+from gristmill.tasks.evaluate.formats import read_records, task_name
 
 # Config fields of the training stages that name their data sources (sft.data, align.<method>.data,
 # align.grpo.prompts).

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.evaluate import metrics
-from tasks.evaluate.formats import EvalDataError, Item, TaskData
+from gristmill.tasks.evaluate import metrics
+from gristmill.tasks.evaluate.formats import EvalDataError, Item, TaskData
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
@@ -121,7 +121,7 @@ def _generate(model: Any, tokenizer: Any, max_length: int, data: TaskData, optio
               device: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     import torch
 
-    from tasks.evaluate.generation import final_number, generate_answers
+    from gristmill.tasks.evaluate.generation import final_number, generate_answers
 
     generate = functools.partial(generate_answers, model, tokenizer, data.items, shots=options.shots,
                                  max_new_tokens=options.max_new_tokens, device=device,
@@ -148,7 +148,7 @@ def _generate(model: Any, tokenizer: Any, max_length: int, data: TaskData, optio
 def evaluate_task(model: Any, tokenizer: Any, data: TaskData, options: EvalOptions,
                   device: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(summary, per-item rows) of one parsed benchmark file."""
-    from tasks.evaluate.scoring import LoglikScorer
+    from gristmill.tasks.evaluate.scoring import LoglikScorer
 
     scorer = LoglikScorer(model, tokenizer, device, options.batch_size)
     if data.kind == "choice":
@@ -212,7 +212,7 @@ def load_tasks(paths: Sequence[str | Path], *, fmt: str | None = None, limit: in
                delimiters: Mapping[str, str] | None = None) -> list[TaskData]:
     """Every file parsed (`load_task`), each mc file with the delimiter `delimiters` gives its
     task name, if any; EvalDataError when two files share a name or a delimiter names no file."""
-    from tasks.evaluate.formats import load_task, task_name
+    from gristmill.tasks.evaluate.formats import load_task, task_name
 
     delimiters = delimiters or {}
     names = [task_name(Path(path)) for path in paths]
@@ -230,7 +230,7 @@ def evaluate_files(model_dir: Path, paths: Sequence[str | Path], out: Path, *, f
                    options: EvalOptions = EvalOptions(), warn: Any = print) -> dict[str, Any]:
     """`gristmill evaluate`: parse every file first (a bad one fails before the model loads),
     score each, write `out` and its per-item JSONL; returns the summary written."""
-    from model.loop import resolve_device
+    from gristmill.model.loop import resolve_device
 
     datasets = load_tasks(paths, fmt=fmt, limit=limit, delimiters=delimiters)
     for data in datasets:

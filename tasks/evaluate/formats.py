@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from core.files import JsonLinesError, iter_jsonl
+from gristmill.core.files import JsonLinesError, iter_jsonl
 
 Kind = Literal["choice", "greedy", "generate"]
 

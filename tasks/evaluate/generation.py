@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from tasks.evaluate.formats import Item
+from gristmill.tasks.evaluate.formats import Item
 
 YAML_PATH = Path(__file__).with_name("lm_eval_tasks") / "gristmill_gsm8k.yaml"
 NUMBER = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
@@ -64,7 +64,7 @@ def generate_answers(model: Any, tokenizer: Any, items: Sequence[Item], shots: i
                      device: str, batch_size: int, num_samples: int = 1, temperature: float = 0.0,
                      max_length: int | None = None) -> list[list[str]]:
     """Completions per item (one greedy, or `num_samples` sampled)."""
-    from model.generate import generate_text
+    from gristmill.model.generate import generate_text
 
     prompts = [fewshot_prompt(item.prompt, shots) for item in items]
     return generate_text(model, tokenizer, prompts, max_new_tokens, device, batch_size, STOP,

@@ -4,7 +4,7 @@ For each model (the upstream stages pretrain, sft and align, labelled base / sft
 
 1. held-out perplexity and bits per byte on the tokenize stage's `tokens/val.bin`, beside xz and
    zstd on the same bytes, alone and given the training text (compression.py, `compression.json`);
-2. accuracy on generated arithmetic test problems (greedy chat generation, `core.arithmetic`);
+2. accuracy on generated arithmetic test problems (greedy chat generation, `gristmill.core.arithmetic`);
 3. optionally, benchmark files (`tasks`: HellaSwag, ARC, MMLU-Redux, WinoGrande, LAMBADA, GSM8K...),
    scored by the benchmark engine (engine.py), the one behind `gristmill evaluate`.
 
@@ -29,17 +29,17 @@ from typing import Any
 
 import numpy as np
 
-import core.arithmetic as arithmetic
-from core.chat import prompt_ids
-from core.progress import Reporter
-from core.stage import Engine, Manifest, StageResult
-from core.units import bits_per_byte
-from model.generate import generate_greedy
-from tasks.evaluate import compression
-from tasks.evaluate.compression import token_bytes
-from tasks.evaluate.config import COMPRESSION_PREFIX, MODEL_LABELS, Config
-from tasks.evaluate.contamination import clean_scores, mark_items
-from tasks.evaluate.engine import (
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.chat import prompt_ids
+from gristmill.core.progress import Reporter
+from gristmill.core.stage import Engine, Manifest, StageResult
+from gristmill.core.units import bits_per_byte
+from gristmill.model.generate import generate_greedy
+from gristmill.tasks.evaluate import compression
+from gristmill.tasks.evaluate.compression import token_bytes
+from gristmill.tasks.evaluate.config import COMPRESSION_PREFIX, MODEL_LABELS, Config
+from gristmill.tasks.evaluate.contamination import clean_scores, mark_items
+from gristmill.tasks.evaluate.engine import (
     EvalOptions,
     evaluate_task,
     load_model,
@@ -235,7 +235,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, collect: Manifest, tok
         pretrain: Manifest, sft: Manifest, align: Manifest) -> StageResult:
     """Evaluate the models of pretrain, sft and align on tokenize's held-out tokens and the
     benchmark files, each item marked when its model's training data (from collect on) holds it."""
-    from model.loop import resolve_device
+    from gristmill.model.loop import resolve_device
 
     out_dir = Path(out_dir)
     device = resolve_device(config.device).type

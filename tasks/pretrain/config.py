@@ -9,8 +9,8 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from core.launch import LaunchConfig
-from model.config import LoopConfig, ModelConfig
+from gristmill.core.launch import LaunchConfig
+from gristmill.model.config import LoopConfig, ModelConfig
 
 VERSION = 3  # 3: Muon orthogonalises in the device's fast precision; micro-batches per process (model/)
 

@@ -1,7 +1,7 @@
 """Pretrain stage: train a small Llama from scratch on the tokenize stage's token shards.
 
 Batches are packed windows of `seq_len + 1` tokens from `tokens/train.bin` in the seeded epoch
-order of `model.data` (step `s` reads stream positions `s * batch_size ...`), so the step is the
+order of `gristmill.model.data` (step `s` reads stream positions `s * batch_size ...`), so the step is the
 saved data position and a resumed run sees exactly the batches it would have seen. Validation
 loss is measured on a fixed set of evenly spaced windows of `tokens/val.bin`, also as bits per
 byte, next to the unigram baseline (cross-entropy of val tokens under train-token frequencies).
@@ -10,7 +10,7 @@ mfu, val_loss, val_bpb, rollback events).
 
 Distributed: `run` is the same function in every data-parallel process: the pipeline launches it
 as its `launch` section says (core/launch.py: Accelerate, or Ray Train), and `python -m
-tasks.pretrain` runs it under `torchrun` / `accelerate launch` by hand (see infra/accelerate/).
+gristmill.tasks.pretrain` runs it under `torchrun` / `accelerate launch` by hand (see infra/accelerate/).
 Every process takes part in the export (a sharded model is gathered); process 0 writes it.
 """
 from __future__ import annotations
@@ -25,22 +25,22 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from core.stage import Engine, Manifest, MetricsLog, SerialEngine, StageResult
-from core.units import bits_per_byte
-from model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
-from model.data import (
+from gristmill.core.stage import Engine, Manifest, MetricsLog, SerialEngine, StageResult
+from gristmill.core.units import bits_per_byte
+from gristmill.model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
+from gristmill.model.data import (
     load_tokens,
     read_tokens,
     spaced_batches,
     train_starts,
     windows_batch,
 )
-from model.export import export_model
-from model.loop import Batch, mean_token_loss, train
-from model.parallel import is_rank0, launched_world_size, leave_process_group
-from model.plan import flops_per_token
-from model.presets import build_model, count_params
-from tasks.pretrain.config import Config
+from gristmill.model.export import export_model
+from gristmill.model.loop import Batch, mean_token_loss, train
+from gristmill.model.parallel import is_rank0, launched_world_size, leave_process_group
+from gristmill.model.plan import flops_per_token
+from gristmill.model.presets import build_model, count_params
+from gristmill.tasks.pretrain.config import Config
 
 log = logging.getLogger("gristmill.pretrain")
 
@@ -119,12 +119,12 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the stage outside the pipeline, once per process of a data-parallel launch:
 
-        torchrun --standalone --nproc_per_node 2 -m tasks.pretrain TOKENIZE_DIR OUT_DIR --config '{...}'
-        accelerate launch --config_file infra/accelerate/ddp_gpu.yaml -m tasks.pretrain ...
+        torchrun --standalone --nproc_per_node 2 -m gristmill.tasks.pretrain TOKENIZE_DIR OUT_DIR --config '{...}'
+        accelerate launch --config_file infra/accelerate/ddp_gpu.yaml -m gristmill.tasks.pretrain ...
 
     TOKENIZE_DIR is a tokenize stage output; the JSON config holds Config fields. Process 0
     writes OUT_DIR/summary.json (the stage's stats)."""
-    parser = argparse.ArgumentParser(prog="python -m tasks.pretrain", description=main.__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gristmill.tasks.pretrain", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tokenize_dir", type=Path)
     parser.add_argument("out_dir", type=Path)

@@ -9,9 +9,9 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from core.launch import LaunchConfig
-from core.sources import JSONL_SUFFIXES, fingerprint_sources
-from model.config import LoopConfig, LoraConfig
+from gristmill.core.launch import LaunchConfig
+from gristmill.core.sources import JSONL_SUFFIXES, fingerprint_sources
+from gristmill.model.config import LoopConfig, LoraConfig
 
 VERSION = 5  # 3: pretraining text mixed into the batches (pretrain_mix); 4: logits only at scored
             # positions (the same loss, summed in another order: weights differ in the last bits);

@@ -23,10 +23,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import core.arithmetic as arithmetic
-from core.chat import Message
-from core.files import iter_jsonl
-from core.sources import read_source
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.chat import Message
+from gristmill.core.files import iter_jsonl
+from gristmill.core.sources import read_source
 
 DEMO_DEFAULT_EXAMPLES = 500  # of the ~700 train-split problems with operands up to 20
 DEMO_SEED = 0  # the demo set is fixed; SFT's own seed shuffles it

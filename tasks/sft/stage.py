@@ -3,7 +3,7 @@
 Sources (tasks.sft.conversations): the generated demo tasks, `messages` / prompt+response /
 self-instruct JSONL, and OpenAssistant message-tree exports flattened to threads. Each
 conversation is rendered with the one chat template stored with the tokenizer
-(`core.chat.render_with_mask`); the loss falls on assistant tokens only (their content and the
+(`gristmill.core.chat.render_with_mask`); the loss falls on assistant tokens only (their content and the
 closing `<|im_end|>`). Over-long conversations are cut to `max_seq_len` tokens; those left with no
 assistant token are dropped (both counted). A held-out share, split by opening user message so the
 threads of one OpenAssistant tree stay on one side, measures assistant-token loss before and after.
@@ -42,12 +42,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.chat import Message, render_with_mask
-from core.stage import Engine, Manifest, MetricsLog, StageResult
-from model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
-from model.data import load_tokens, spaced_batches, train_starts, windows_batch
-from model.export import export_model
-from model.loop import (
+from gristmill.core.chat import Message, render_with_mask
+from gristmill.core.stage import Engine, Manifest, MetricsLog, StageResult
+from gristmill.model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
+from gristmill.model.data import load_tokens, spaced_batches, train_starts, windows_batch
+from gristmill.model.export import export_model
+from gristmill.model.loop import (
     IGNORE_INDEX,
     Batch,
     LossFn,
@@ -56,11 +56,11 @@ from model.loop import (
     resolve_device,
     train,
 )
-from model.lora import apply_lora, export_lora, trainable_parameters
-from model.packing import Example, collate_packed, pack_examples
-from model.parallel import is_rank0, launched_world_size
-from tasks.sft.config import Config
-from tasks.sft.conversations import load_conversations
+from gristmill.model.lora import apply_lora, export_lora, trainable_parameters
+from gristmill.model.packing import Example, collate_packed, pack_examples
+from gristmill.model.parallel import is_rank0, launched_world_size
+from gristmill.tasks.sft.config import Config
+from gristmill.tasks.sft.conversations import load_conversations
 
 log = logging.getLogger("gristmill.sft")
 TEXT = "text_"  # key prefix of the pretraining windows inside a batch

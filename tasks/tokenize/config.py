@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from core.chat import SPECIAL_TOKENS
-from core.sources import fingerprint_sources
-from core.stage import StageConfig
+from gristmill.core.chat import SPECIAL_TOKENS
+from gristmill.core.sources import fingerprint_sources
+from gristmill.core.stage import StageConfig
 
 VERSION = 2
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from core.chat import CHAT_TEMPLATE, DOC_SEPARATOR, IM_END, PAD, SPECIAL_TOKENS
-from core.files import (
+from gristmill.core.chat import CHAT_TEMPLATE, DOC_SEPARATOR, IM_END, PAD, SPECIAL_TOKENS
+from gristmill.core.files import (
     ensure_free_space,
     is_url,
     iter_jsonl,
@@ -47,9 +47,9 @@ from core.files import (
     publish_file,
     remove_tree,
 )
-from core.sources import file_size
-from core.stage import Engine, Manifest, StageResult, worker_dir
-from tasks.tokenize.config import Config
+from gristmill.core.sources import file_size
+from gristmill.core.stage import Engine, Manifest, StageResult, worker_dir
+from gristmill.tasks.tokenize.config import Config
 
 log = logging.getLogger("gristmill.tokenize")
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.gpu_image import CARRIED
+from gristmill.core.gpu_image import CARRIED
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPU image's packages (docs/development.md#the-gpu-check), at this machine's CPU torch.

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from core.decontam import (
+from gristmill.core.decontam import (
     DROP_REASON,
     FALLBACK,
     DecontamConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault, fault_point
+from gristmill.core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault, fault_point
 
 
 def test_an_armed_one_shot_fault_raises_once_at_its_point_only(tmp_path, monkeypatch):

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from core import progress
-from core.progress import PROGRESS_LINE, Relayed, Reporter, Snapshot
-from core.stage import SerialEngine
+from gristmill.core import progress
+from gristmill.core.progress import PROGRESS_LINE, Relayed, Reporter, Snapshot
+from gristmill.core.stage import SerialEngine
 
 BAR_CHARACTERS = ("\r", "█", "|", "\x1b", "%|")
 
@@ -166,7 +166,7 @@ def test_the_stage_task_takes_progress_out_of_its_ranks_output_and_marks_their_p
     """What flows/launch.py does with each line a launcher relays (`[rankN]:` in front): relay
     lines feed the stage's reporter, a rank's progress lines (marked by flows/launched.py's log
     format) reach the task log marked again, everything else as it came."""
-    from flows.launch import _relay
+    from gristmill.flows.launch import _relay
 
     rank_output = io.StringIO()
     handler = logging.StreamHandler(rank_output)
@@ -212,7 +212,7 @@ def test_the_artifact_never_fails_or_stalls_a_stage(monkeypatch, caplog):
     of the stage waits at most FINISH_WAIT_S."""
     import prefect.artifacts
 
-    from flows import progress as flow_progress
+    from gristmill.flows import progress as flow_progress
 
     def refused(*args, **kwargs):
         raise ConnectionError("all connection attempts failed")
@@ -263,11 +263,11 @@ def test_a_computing_stage_leaves_a_progress_artifact_at_100_percent(tmp_path, m
     from train_helpers import pretrain_config
     from transformers import AutoTokenizer
 
-    from flows import progress as flow_progress
-    from flows.dag import PlannedStage
-    from flows.pipeline import Runtime, run_stage
-    from flows.stages import STAGES
-    from infra.artifacts import ArtifactStore
+    from gristmill.flows import progress as flow_progress
+    from gristmill.flows.dag import PlannedStage
+    from gristmill.flows.pipeline import Runtime, run_stage
+    from gristmill.flows.stages import STAGES
+    from gristmill.infra.artifacts import ArtifactStore
 
     manifest = _tokenize_manifest(tmp_path, tiny_tokenizer_dir, shared_data, AutoTokenizer)
     monkeypatch.setattr(flow_progress, "ARTIFACT_EVERY_S", 0.5)
@@ -303,7 +303,7 @@ def _nothing():
 def _tokenize_manifest(tmp_path, tiny_tokenizer_dir, shared_data, auto_tokenizer):
     from train_helpers import write_tokens
 
-    from core.stage import Manifest
+    from gristmill.core.stage import Manifest
 
     root = tmp_path / "tokenize"
     tokenizer = auto_tokenizer.from_pretrained(tiny_tokenizer_dir)

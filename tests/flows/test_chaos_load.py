@@ -4,7 +4,7 @@ and a missing record are each caught; the plan splits the runs between the defau
 evaluate-only variants."""
 from __future__ import annotations
 
-from flows.load_trial import VARIANTS, overrides_of, summary_statuses, tally
+from gristmill.flows.load_trial import VARIANTS, overrides_of, summary_statuses, tally
 
 TRUTH = {("collect", "c1"): {"flow_run": "A", "mlflow_run": "a-collect"},
          ("evaluate", "e1"): {"flow_run": "B", "mlflow_run": "b-evaluate"}}

@@ -5,7 +5,7 @@ library or service client, so a config mistake is one line and exit 2 within a m
 Each check of imports runs in a fresh interpreter: the test process itself has imported torch
 long ago. The command line's parsing is checked in this process: each command runs its own
 function, and `run`, `serve` and `refresh` hand their arguments to the supervised child
-(`python -m flows.supervised`).
+(`python -m gristmill.flows.supervised`).
 """
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ HEAVY = ("torch", "transformers", "trl", "peft", "accelerate", "datatrove", "spa
 
 PLAN_THEN_DRY_RUN = """
 import contextlib, io, json, sys
-from flows.config import load_config
-from flows.dag import plan
-from infra.artifacts import ArtifactStore
+from gristmill.flows.config import load_config
+from gristmill.flows.dag import plan
+from gristmill.infra.artifacts import ArtifactStore
 
 HEAVY = set(json.loads(sys.argv[1]))
 loaded = lambda: sorted({m.split(".")[0] for m in sys.modules} & HEAVY)
 planned = plan(load_config(sys.argv[2]), ArtifactStore(sys.argv[3]))
 after_plan = loaded()
-from flows.cli import main
+from gristmill.flows.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as out:
     code = main(["run", sys.argv[2], "--dry-run"])
 print(json.dumps({"stages": [p.spec.name for p in planned], "after_plan": after_plan,
@@ -68,7 +68,7 @@ def test_the_checker_sees_a_heavy_import(tmp_path):
 
 
 def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(TINY), "collect.bogus=1"],
+    result = subprocess.run([sys.executable, "-m", "gristmill", "run", str(TINY), "collect.bogus=1"],
                             cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=300,
                             check=False)
     assert result.returncode == 2
@@ -88,7 +88,7 @@ def test_the_compute_budget_command_imports_no_heavy_module(tmp_path):
 
 
 def test_a_missing_config_is_the_one_missing_argument(capsys):
-    from flows.cli import main
+    from gristmill.flows.cli import main
 
     for command in ("run", "serve", "refresh"):
         with pytest.raises(SystemExit) as stopped:
@@ -99,8 +99,8 @@ def test_a_missing_config_is_the_one_missing_argument(capsys):
 
 
 def test_run_serve_and_refresh_start_their_own_child_with_the_parsed_arguments(monkeypatch):
-    from flows.cli import main
-    from infra import supervisor
+    from gristmill.flows.cli import main
+    from gristmill.infra import supervisor
 
     started: list[list[str]] = []
     monkeypatch.setattr(supervisor, "supervise", lambda argv, **_: started.append(list(argv)) or 0)
@@ -108,7 +108,7 @@ def test_run_serve_and_refresh_start_their_own_child_with_the_parsed_arguments(m
     assert main(["run", str(TINY), "--until", "pretrain", "sft.lr=1e-3"]) == 0
     assert main(["serve", str(TINY), "--refresh-cron", "0 4 * * 2", "sft.lr=1e-3"]) == 0
     assert main(["refresh", str(TINY), "collect.num_workers=1"]) == 0
-    assert [argv[:4] for argv in started] == [[sys.executable, "-m", "flows.supervised", command]
+    assert [argv[:4] for argv in started] == [[sys.executable, "-m", "gristmill.flows.supervised", command]
                                               for command in ("run", "serve", "refresh")]
     assert [json.loads(argv[4]) for argv in started] == [
         {"config": str(TINY), "overrides": ["sft.lr=1e-3"], "until": "pretrain", "approve_gates": False},
@@ -117,7 +117,7 @@ def test_run_serve_and_refresh_start_their_own_child_with_the_parsed_arguments(m
 
 
 def test_key_values_are_only_taken_by_commands_with_overrides(capsys):
-    from flows.cli import main
+    from gristmill.flows.cli import main
 
     with pytest.raises(SystemExit) as stopped:
         main(["plan", "125m", "a.b=1"])
@@ -136,7 +136,7 @@ def _one_line(result: subprocess.CompletedProcess) -> str:
 
 
 def _cli(tmp_path: Path, *argv: str, **environ: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gristmill", *argv], cwd=REPO, capture_output=True, text=True,
                           env={**_env(tmp_path / "home"), **environ}, timeout=300, check=False)
 
 
@@ -147,7 +147,7 @@ def test_an_object_store_source_without_credentials_names_the_variables(tmp_path
     environ.update(GRISTMILL_HOME=str(tmp_path / "home"), AWS_SHARED_CREDENTIALS_FILE=nowhere,
                    AWS_CONFIG_FILE=nowhere, AWS_EC2_METADATA_DISABLED="true")
     for dry in ([], ["--dry-run"]):
-        result = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(TINY),
+        result = subprocess.run([sys.executable, "-m", "gristmill", "run", str(TINY),
                                  "collect.sources=[s3://crawl/cc/]", *dry], cwd=REPO, env=environ,
                                 capture_output=True, text=True, timeout=300, check=False)
         err = _one_line(result)
@@ -158,8 +158,8 @@ def test_an_object_store_source_without_credentials_names_the_variables(tmp_path
 def test_a_host_that_does_not_answer_is_tried_a_bounded_number_of_times(tmp_path, monkeypatch, capsys):
     import socket
 
-    from core import sources
-    from flows.cli import main
+    from gristmill.core import sources
+    from gristmill.flows.cli import main
 
     with socket.socket() as closed:  # a port nothing listens on: connection refused
         closed.bind(("127.0.0.1", 0))
@@ -174,7 +174,7 @@ def test_a_host_that_does_not_answer_is_tried_a_bounded_number_of_times(tmp_path
 
 
 def test_asking_a_store_retries_a_silent_host_and_tells_nothing_there_from_a_refusal(monkeypatch):
-    from core import sources
+    from gristmill.core import sources
 
     monkeypatch.setattr(sources.time, "sleep", lambda _: None)
     answers = iter([ConnectionResetError(104, "reset"), TimeoutError("slow"), "listing"])
@@ -209,8 +209,8 @@ def test_a_gristmill_home_that_is_a_file_is_one_line(tmp_path):
 
 def test_an_unwritable_store_is_found_when_the_run_is_planned(tmp_path, monkeypatch, capsys):
     """/sys takes no new file, even from root (for whom a read-only mode is no obstacle)."""
-    from flows import supervised
-    from flows.cli import main
+    from gristmill.flows import supervised
+    from gristmill.flows.cli import main
 
     monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
     monkeypatch.setenv("GRISTMILL_STORE", "/sys/gristmill-store")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, PipelineConfig, load_config
-from flows.dag import plan
-from flows.stages import STAGE_NAMES, stages_until
-from infra.artifacts import ArtifactStore
+from gristmill.flows.config import ConfigError, PipelineConfig, load_config
+from gristmill.flows.dag import plan
+from gristmill.flows.stages import STAGE_NAMES, stages_until
+from gristmill.infra.artifacts import ArtifactStore
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
@@ -77,7 +77,7 @@ def test_operational_knobs_do_not_change_keys(tmp_path):
 
 
 def test_cli_dry_run_takes_overrides_before_or_after_options(tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from gristmill.flows.cli import main
 
     monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
     assert main(["run", str(TINY), "--until", "pretrain", "pretrain.max_steps=7", "--dry-run"]) == 0
@@ -92,7 +92,7 @@ def test_cli_dry_run_takes_overrides_before_or_after_options(tmp_path, monkeypat
 def test_missing_or_empty_sources_are_found_when_the_run_is_planned(tmp_path, monkeypatch, capfd):
     """Before any service starts, for a run and a dry run alike: one line naming the source, exit 2
     (a run plans in its supervised child, whose stderr this captures)."""
-    from flows.cli import main
+    from gristmill.flows.cli import main
 
     monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path / "home"))
     (tmp_path / "empty").mkdir()

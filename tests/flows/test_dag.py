@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from core.stage import Manifest, SerialEngine
-from flows.config import PipelineConfig, build_config_class, load_config
-from flows.dag import PlannedStage, plan, run_planned, stage_device
-from flows.stages import COLLECT, PRETRAIN, STAGE_NAMES, STAGES, StageSpec, checked, upstream_parameters
-from infra.artifacts import ArtifactStore
+from gristmill.core.stage import Manifest, SerialEngine
+from gristmill.flows.config import PipelineConfig, build_config_class, load_config
+from gristmill.flows.dag import PlannedStage, plan, run_planned, stage_device
+from gristmill.flows.stages import COLLECT, PRETRAIN, STAGE_NAMES, STAGES, StageSpec, checked, upstream_parameters
+from gristmill.infra.artifacts import ArtifactStore
 
 CONFIG = '''"""The shout stage's contract."""
 from pydantic import Field
 
-from core.stage import StageConfig
+from gristmill.core.stage import StageConfig
 
 VERSION = 1
 
@@ -32,7 +32,7 @@ class Config(StageConfig):
 STAGE = '''"""The shout stage: the tokenize stage's words, upper-cased."""
 from pathlib import Path
 
-from core.stage import StageResult
+from gristmill.core.stage import StageResult
 
 
 def run(config, out_dir, *, engine, tokenize):

@@ -7,10 +7,10 @@ import json
 import pytest
 from pipeline_helpers import REPO, gristmill
 
-from flows.config import load_config
-from flows.dag import plan
-from flows.explain import explain
-from infra.artifacts import MANIFEST, ArtifactStore
+from gristmill.flows.config import load_config
+from gristmill.flows.dag import plan
+from gristmill.flows.explain import explain
+from gristmill.infra.artifacts import MANIFEST, ArtifactStore
 
 
 def _commit_by_hand(store: ArtifactStore, stage: str, key: str, **record) -> None:

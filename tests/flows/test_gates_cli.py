@@ -13,14 +13,14 @@ import sys
 import pytest
 from pipeline_helpers import REPO, cli_env
 
-from flows import history
-from infra.artifacts import ArtifactStore
+from gristmill.flows import history
+from gristmill.infra.artifacts import ArtifactStore
 
 TINY = "configs/tiny.yaml"
 
 
 def _cli(home, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=cli_env(home),
+    return subprocess.run([sys.executable, "-m", "gristmill", *args], cwd=REPO, env=cli_env(home),
                           capture_output=True, text=True, timeout=900)
 
 
@@ -36,9 +36,9 @@ def _tags(home, run_id: str) -> dict[str, str]:
 
 
 def test_the_approve_gates_flags_reach_the_runs(monkeypatch):
-    import flows.cli as cli
-    from flows import supervised
-    from infra import supervisor
+    import gristmill.flows.cli as cli
+    from gristmill.flows import supervised
+    from gristmill.infra import supervisor
 
     called = []
     monkeypatch.setattr(supervisor, "supervise", lambda argv, **_: called.append(json.loads(argv[-1])) or 0)

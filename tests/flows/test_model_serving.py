@@ -18,7 +18,7 @@ import pytest
 import requests
 from pipeline_helpers import STAGES, cli_env, gristmill
 
-from infra.launch import free_port
+from gristmill.infra.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_the_champion_is_served_and_loaded_in_a_fresh_process(tiny_run, tmp_path
     from mlflow.tracking import MlflowClient
     from transformers import AutoTokenizer
 
-    from core.chat import prompt_ids
+    from gristmill.core.chat import prompt_ids
 
     home = tiny_run.home
     store = f"sqlite:///{home}/mlflow.db"
@@ -107,7 +107,7 @@ def test_under_a_server_with_bucket_artifacts_a_reused_store_backfills_and_its_c
     import boto3
     from mlflow.tracking import MlflowClient
 
-    from infra import stack
+    from gristmill.infra import stack
 
     # `gristmill up`'s MLflow on a home of its own: artifacts in GRISTMILL_STORE's bucket by default
     monkeypatch.setenv("GRISTMILL_STORE", "s3://crawl/store")

@@ -13,8 +13,8 @@ import threading
 import pytest
 from pipeline_helpers import REPO, cli_env
 
-from core.stage import Manifest
-from flows.notify import NotifyConfig, rollbacks
+from gristmill.core.stage import Manifest
+from gristmill.flows.notify import NotifyConfig, rollbacks
 
 
 def test_the_webhook_is_named_by_reference_never_given_as_url():
@@ -60,7 +60,7 @@ def test_a_failed_run_posts_to_the_webhook_and_emits_a_prefect_event(tmp_path, w
     bad.write_text('not json\n{"no_text": 1}\n')  # every record quarantined: collect fails
     home = tmp_path / "home"
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"collect.sources=[{bad}]",
+        [sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", f"collect.sources=[{bad}]",
          "notify.webhook=env:GRISTMILL_TEST_HOOK", "--until", "collect"], cwd=REPO,
         env={**cli_env(home), "GRISTMILL_TEST_HOOK": url}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1

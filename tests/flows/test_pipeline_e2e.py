@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, STAGES, committed_dir, gristmill, plan_of
 
-from flows.config import load_config
+from gristmill.flows.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def test_changing_one_stage_reruns_it_and_downstream_only(tiny_run):
 def test_unknown_override_is_an_error_naming_the_key(tiny_run):
     home = tiny_run.home
     env = {**os.environ, "GRISTMILL_HOME": str(home)}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "sft.lrr=1"],
+    proc = subprocess.run([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", "sft.lrr=1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "sft.lrr" in proc.stderr
 

@@ -12,9 +12,9 @@ import pytest
 from corpus_helpers import CRAWL, edited, web_documents, write_jsonl
 from pipeline_helpers import gristmill
 
-import flows.refresh as refresh
-from flows.config import load_config, with_overrides
-from infra.artifacts import ArtifactStore
+import gristmill.flows.refresh as refresh
+from gristmill.flows.config import load_config, with_overrides
+from gristmill.infra.artifacts import ArtifactStore
 
 TINY = "configs/tiny.yaml"
 
@@ -106,7 +106,7 @@ def test_the_threshold_decides_between_starting_the_pipeline_and_saying_why_not(
 
 
 def test_the_deployments_served_include_data_refresh_on_its_cron(tmp_path):
-    from flows.serve import deployments
+    from gristmill.flows.serve import deployments
 
     config = with_overrides(load_config(TINY), ['refresh.cron="0 4 * * 2"'])
     served = {d.name: d for d in deployments(config)}
@@ -117,15 +117,15 @@ def test_the_deployments_served_include_data_refresh_on_its_cron(tmp_path):
 
 
 def test_serve_refresh_cron_sets_the_schedule(monkeypatch):
-    import flows.cli as cli
-    import flows.serve
-    from flows import supervised
-    from infra import supervisor
+    import gristmill.flows.cli as cli
+    import gristmill.flows.serve as serve_flow
+    from gristmill.flows import supervised
+    from gristmill.infra import supervisor
 
     served = []
-    # the supervised child (`python -m flows.supervised serve ARGUMENTS`), run in this process
+    # the supervised child (`python -m gristmill.flows.supervised serve ARGUMENTS`), run in this process
     monkeypatch.setattr(supervisor, "supervise", lambda argv, **_: supervised.main(list(argv[3:])))
-    monkeypatch.setattr(flows.serve, "serve", served.append)
+    monkeypatch.setattr(serve_flow, "serve", served.append)
     assert cli.main(["serve", TINY, "--refresh-cron", "0 4 * * 2", "sft.lr=1e-3"]) == 0
     assert served[0].refresh.cron == "0 4 * * 2" and served[0].sft.lr == 1e-3
 
@@ -186,8 +186,8 @@ def test_refreshes_publish_versions_that_dedup_against_earlier_ones(shared_data,
 def test_new_common_crawl_files_are_collected_from_their_urls(crawl_server, tmp_path):
     """Raising `files=` of a `cc:` source makes only the added file new; the collect stage reads
     it from its URL."""
-    import tasks.collect.stage as collect
-    from core.stage import SerialEngine
+    import gristmill.tasks.collect.stage as collect
+    from gristmill.core.stage import SerialEngine
 
     def inputs(files: int) -> dict[str, str]:
         config = load_config(TINY, [f"collect.sources=['cc:{CRAWL}?files={files}']",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from core.stage import Manifest
-from flows.config import PipelineConfig, load_config
-from flows.registry import (
+from gristmill.core.stage import Manifest
+from gristmill.flows.config import PipelineConfig, load_config
+from gristmill.flows.registry import (
     CANDIDATE,
     CHAMPION,
     compare,
@@ -41,7 +41,7 @@ def _log_align_model(tracker, manifests: dict[str, Manifest], run: int) -> tuple
     """A stand-in for the align stage's logged model (what flows/reports.publish_model logs): a
     READY logged model of an align stage run, tagged with the artifact, holding one file.
     Returns (model id, the run that logged it)."""
-    from infra.tracking.models import KEY_TAG, STAGE_TAG
+    from gristmill.infra.tracking.models import KEY_TAG, STAGE_TAG
 
     align = manifests["align"]
     stage_run = tracker.start_stage(tracker.start_pipeline("align", {}, {}), "align", align.key, {}, {})
@@ -66,8 +66,8 @@ def _pipeline_run(tracker, tmp_path: Path, run: int, arith_acc: float, val_ppl: 
 @pytest.fixture
 def tracker(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from infra import schemas
-    from infra.tracking.runs import Tracker
+    from gristmill.infra import schemas
+    from gristmill.infra.tracking.runs import Tracker
 
     schemas.seed_mlflow(tmp_path)  # a migrated store, as a run's new home gets
     return Tracker(tmp_path)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, STAGES, cli_env, gristmill
 
-from core.stage import Manifest
-from flows import report_card
+from gristmill.core.stage import Manifest
+from gristmill.flows import report_card
 
 
 def _manifest(tmp_path: Path, stage: str, stats: dict, metrics: list[dict] | None = None,
@@ -108,14 +108,14 @@ def test_the_tiny_runs_card_report_and_compare(tiny_run, prefect_server, tmp_pat
     assert "Same configuration." in compared
     for stage in STAGES:
         assert re.search(rf"^\| {stage} \| \w+ computed \| \w+ reused \| yes \|", compared, re.M), compared
-    missing = subprocess.run([sys.executable, "-m", "flows.cli", "report", "no-such-run"], cwd=REPO,
+    missing = subprocess.run([sys.executable, "-m", "gristmill", "report", "no-such-run"], cwd=REPO,
                              env=cli_env(home), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and missing.stderr.strip() == \
         f"gristmill: no pipeline run 'no-such-run' in sqlite:///{home.resolve()}/mlflow.db"
 
 
 def test_a_chart_is_rendered_once_and_then_copied_from_the_cache(tmp_path, monkeypatch):
-    from infra import charts
+    from gristmill.infra import charts
 
     monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path / "home"))
     steps = [{"step": "read", "docs": 10, "bytes": 5e6}, {"step": "kept", "docs": 4, "bytes": 1e6}]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from core.stage import StageConfig
+from gristmill.core.stage import StageConfig
 
 pytestmark = pytest.mark.slow  # asks for the session's Prefect server
 
@@ -80,12 +80,12 @@ def test_a_stage_computed_meanwhile_by_another_run_is_reused_in_summary_prefect_
     from prefect import flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.dag import PlannedStage
-    from flows.pipeline import Runtime, _summary, run_stage
-    from flows.stages import StageSpec
-    from infra import schemas
-    from infra.artifacts import ArtifactStore
-    from infra.tracking.runs import Tracker
+    from gristmill.flows.dag import PlannedStage
+    from gristmill.flows.pipeline import Runtime, _summary, run_stage
+    from gristmill.flows.stages import StageSpec
+    from gristmill.infra import schemas
+    from gristmill.infra.artifacts import ArtifactStore
+    from gristmill.infra.tracking.runs import Tracker
 
     home, key = tmp_path / "home", "race0000test"
     schemas.seed_mlflow(home)

@@ -47,8 +47,8 @@ def test_serve_stops_on_sigterm_after_its_prefect_server_is_gone(tmp_path, monke
     Only a Prefect server is started (by infra.stack, in a home of this test's own)."""
     from serve_helpers import api, wait
 
-    from infra import stack
-    from infra.processes import alive, process_tree
+    from gristmill.infra import stack
+    from gristmill.infra.processes import alive, process_tree
 
     home, log = tmp_path / "home", tmp_path / "serve.log"
     all_three = stack.specs
@@ -58,7 +58,7 @@ def test_serve_stops_on_sigterm_after_its_prefect_server_is_gone(tmp_path, monke
     try:
         assert prefect.state == "running", stack.format_states([prefect])
         with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "configs/tiny.yaml"],
+            proc = subprocess.Popen([sys.executable, "-m", "gristmill", "serve", "configs/tiny.yaml"],
                                     cwd=REPO, env={**cli_env(home), **prefect.export}, stdout=out,
                                     stderr=subprocess.STDOUT)
         wait(lambda: "being served" in log.read_text() or proc.poll() is not None, 300, "serve to start")

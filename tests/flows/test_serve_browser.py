@@ -32,7 +32,7 @@ from serve_helpers import (
     wait_finished,
 )
 
-from infra.artifacts import ArtifactStore
+from gristmill.infra.artifacts import ArtifactStore
 
 pytestmark = pytest.mark.slow
 # The browser itself: /usr/bin/chromium-headless-shell is a shell script around it.

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, STAGES, cli_env, gristmill, plan_of
 
-from flows.runs import TIMED_FILES
-from flows.stages import contracts
-from infra.artifacts import SMALL_FILE_BYTES, ArtifactStore
+from gristmill.flows.runs import TIMED_FILES
+from gristmill.flows.stages import contracts
+from gristmill.infra.artifacts import SMALL_FILE_BYTES, ArtifactStore
 
 KEY = "0123456789ab"
 TOKENIZE_FILES = ("tokenizer/tokenizer.json", "tokens/train.bin", "tokens/val.bin", "tokens/meta.json",
@@ -25,11 +25,11 @@ TOKENIZE_FILES = ("tokenizer/tokenizer.json", "tokens/train.bin", "tokens/val.bi
 
 
 def _cli(home: Path | None, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`python -m flows.cli ARGS` with GRISTMILL_HOME `home` (unset when None)."""
+    """`python -m gristmill ARGS` with GRISTMILL_HOME `home` (unset when None)."""
     env = cli_env(home or Path("unused"))
     if home is None:
         env.pop("GRISTMILL_HOME")
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "gristmill", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -99,7 +99,7 @@ def test_verify_finds_a_flipped_byte_in_every_stage_and_repair_lets_the_next_run
         flipped[stage] = largest
 
     def verify(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", "verify", *flags], cwd=REPO, env=cli_env(home),
+        return subprocess.run([sys.executable, "-m", "gristmill", "verify", *flags], cwd=REPO, env=cli_env(home),
                               capture_output=True, text=True, timeout=300)
 
     found = verify()

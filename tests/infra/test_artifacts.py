@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.artifacts import MANIFEST, ArtifactStore, stage_key
-from infra.interrupt import catch_sigint
+from gristmill.infra.artifacts import MANIFEST, ArtifactStore, stage_key
+from gristmill.infra.interrupt import catch_sigint
 
 
 def _fields(**stats):
@@ -143,7 +143,7 @@ def _flip_a_byte(path: Path, at: int = 0) -> None:
 def test_a_flipped_byte_is_caught_by_sha256_on_reuse_and_by_verify_with_what_depends_on_it(tmp_path):
     """Reuse hashes the small files always, every file with verify_on_reuse="sha256"; `verify`
     re-hashes all; `dependents` follows the manifests' upstream keys; `set_aside` keeps the bytes."""
-    from infra.artifacts import SMALL_FILE_BYTES
+    from gristmill.infra.artifacts import SMALL_FILE_BYTES
 
     store = ArtifactStore(tmp_path)
     key_a, key_b, key_c = "a" * 12, "b" * 12, "c" * 12

@@ -20,7 +20,7 @@ import psutil
 import pytest
 from pipeline_helpers import REPO, STAGES, cli_env, committed_dir, gristmill, manifest_files
 
-from core.stage import read_metrics
+from gristmill.core.stage import read_metrics
 
 BUCKET = "crawl"
 # pretrain, SFT and align as Ray Train workers, one on each node; collect and tokenize's Ray
@@ -95,7 +95,7 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
     output = tmp_path / "run.log"
     started = time.monotonic()
     with output.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
+        proc = subprocess.Popen([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *tiny_run.overrides,
                                  *ON_TWO_NODES, "pretrain.checkpoint_every=20"], cwd=REPO, env=cli_env(home, services),
                                 stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
@@ -177,7 +177,7 @@ def test_a_worker_given_a_path_only_the_driver_has_fails_in_one_line_naming_it(t
     listed = tmp_path / "driver-only.zip"
     with zipfile.ZipFile(listed, "w") as archive:
         archive.write(REPO / "configs" / "tiny.yaml", arcname="tiny.yaml")
-    proc = subprocess.run([sys.executable, "-m", "infra.ray_train", "--processes", "1", "--nodes", "2",
+    proc = subprocess.run([sys.executable, "-m", "gristmill.infra.ray_train", "--processes", "1", "--nodes", "2",
                            "--max-failures", "0", "zipfile", "-l", str(listed)], cwd=REPO,
                           env=cli_env(tmp_path / "home", two_ray_nodes), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
@@ -192,7 +192,7 @@ def test_sigterm_to_the_driver_stops_the_workers_on_both_nodes_within_10_s(two_r
     both nodes, each sleeping in `timeit` as a stand-in for training, are gone within 10 s."""
     log = tmp_path / "driver.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "infra.ray_train", "--processes", "1", "--nodes", "2",
+        proc = subprocess.Popen([sys.executable, "-m", "gristmill.infra.ray_train", "--processes", "1", "--nodes", "2",
                                  "--max-failures", "0", "timeit", "-n", "1", "import time; time.sleep(600)"],
                                 cwd=REPO, env=cli_env(tmp_path / "home", two_ray_nodes), stdout=out,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)

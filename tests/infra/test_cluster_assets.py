@@ -111,7 +111,7 @@ def test_raycluster_is_consistent_with_the_image():
 
 
 def test_no_pod_shares_a_volume_and_each_keeps_its_state_and_cache_on_its_own_disk():
-    from core.cache import MAX_GB_ENV
+    from gristmill.core.cache import MAX_GB_ENV
 
     for pod in _pod_specs(_manifests()):
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -127,7 +127,7 @@ def test_no_pod_shares_a_volume_and_each_keeps_its_state_and_cache_on_its_own_di
 
 
 def test_the_pipeline_job_runs_on_the_cluster_through_the_bucket():
-    from flows.config import load_config
+    from gristmill.flows.config import load_config
 
     manifests = _manifests()
     job = manifests["RayJob"]["spec"]
@@ -162,7 +162,7 @@ def test_prefect_yaml_deploys_the_real_pipeline_flow():
     for entry in raw["deployments"]:  # that model ignores unknown keys; a typo would vanish
         assert set(entry) <= set(DeploymentConfig.model_fields), set(entry) - set(DeploymentConfig.model_fields)
     assert {d.name for d in model.deployments} >= {"pipeline"}
-    from flows.pipeline import pipeline
+    from gristmill.flows.pipeline import pipeline
 
     for deployment in model.deployments:
         flow = load_flow_from_entrypoint(str(REPO / deployment.entrypoint))
@@ -214,8 +214,8 @@ def test_dockerfile_copies_what_exists_and_installs_the_pinned_torch():
 
 
 def test_the_store_manifest_sets_what_the_store_reads_and_the_ray_pods_take_it():
-    from infra.artifacts import STORE_ENV
-    from infra.remote_store import RemoteStore
+    from gristmill.infra.artifacts import STORE_ENV
+    from gristmill.infra.remote_store import RemoteStore
 
     docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "infra" / "k8s" / "store-s3.yaml").read_text())}
     config, secret = docs["ConfigMap"], docs["Secret"]

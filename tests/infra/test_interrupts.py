@@ -16,7 +16,7 @@ import psutil
 import pytest
 from pipeline_helpers import REPO, checkpoint_steps, cli_env, committed_dir, committed_files, gristmill, manifest_files
 
-from infra.processes import alive, process_tree
+from gristmill.infra.processes import alive, process_tree
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _interrupt(home: Path, overrides: list[str], stage: str, ready, signum: int,
     the signal lands as it resumes: a stage as short as the tiny tokenizer's cannot finish in between."""
     log = home.parent / f"{stage}-{signum}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml",
+        proc = subprocess.Popen([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml",
                                  *overrides, "--until", "sft"], cwd=REPO, env=cli_env(home, services),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         stage_dir = home / "artifacts" / stage
@@ -86,7 +86,7 @@ def _kill9_after_a_new_checkpoint(home: Path, overrides: list[str]) -> int:
     whole `gristmill run` job, as a lost machine would: the pipeline child must follow its
     supervisor, leave no process behind and commit nothing. Returns the newest checkpoint's step."""
     before = max(checkpoint_steps(home), default=0)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides,
+    proc = subprocess.Popen([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *overrides,
                              "--until", "sft"], cwd=REPO, env=cli_env(home), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     _wait_for(lambda: max(checkpoint_steps(home), default=0) > before, proc)

@@ -21,10 +21,10 @@ import pytest
 from pipeline_helpers import REPO, TinyRun, checkpoint_steps, cli_env, committed_dir, gristmill
 from pydantic import ValidationError
 
-from core.launch import LaunchConfig, launch_problems
-from core.stage import read_metrics
-from infra.launch import free_port
-from infra.processes import alive
+from gristmill.core.launch import LaunchConfig, launch_problems
+from gristmill.core.stage import read_metrics
+from gristmill.infra.launch import free_port
+from gristmill.infra.processes import alive
 
 TWO = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2",
        "sft.launch.backend=accelerate", "sft.launch.processes=2"]
@@ -66,7 +66,7 @@ def _ranks(pid: int) -> dict[int, psutil.Process]:
     ranks = {}
     for proc in psutil.Process(pid).children(recursive=True):
         try:
-            if "flows.launched" in proc.cmdline():
+            if "gristmill.flows.launched" in proc.cmdline():
                 ranks[int(proc.environ()["RANK"])] = proc
         except (psutil.Error, KeyError):
             continue
@@ -113,7 +113,7 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
        shared run's SFT curve, exports the gathered model and commits what the pipeline then reuses."""
     home = tiny_run.home_with(tmp_path / "home", ("collect", "tokenize"))
     two = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
-    args = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
+    args = [sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
             "pretrain.checkpoint_every=20", "--until", "pretrain"]
 
     def start_and_await_a_checkpoint() -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
@@ -138,7 +138,7 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     # SFT from the shared run's own pretrained weights, so its curve can be compared step by step.
     home = tiny_run.home_with(tmp_path / "sft-home", ("collect", "tokenize", "pretrain"))
     by_hand = ["sft.launch.backend=accelerate", "sft.launch.processes=1", "sft.launch.nodes=2", "sft.fsdp=true"]
-    planned = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *tiny_run.overrides,
+    planned = subprocess.run([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *tiny_run.overrides,
                               *by_hand, "--until", "sft", "--dry-run"], cwd=REPO, env=cli_env(home),
                              capture_output=True, text=True, timeout=300)
     assert planned.returncode == 2 and "sft.launch.nodes: 2 with backend accelerate" in planned.stderr
@@ -173,9 +173,9 @@ def test_a_launched_stage_keeps_no_checkpoint_a_rank_beside_the_driver_left(tmp_
     driver's node has left what it wrote of them in the stage's partial folder there (its share of
     a Trainer checkpoint, a view of the bucket's). Once the launch has succeeded the folder the
     stage commits holds none of it."""
-    import flows.launch
-    from flows.config import load_config
-    from flows.dag import open_store, plan
+    import gristmill.flows.launch as launch_flow
+    from gristmill.flows.config import load_config
+    from gristmill.flows.dag import open_store, plan
 
     config = load_config(REPO / "configs" / "tiny.yaml", ["align.launch.backend=accelerate",
                                                           "align.launch.processes=2"])
@@ -191,8 +191,8 @@ def test_a_launched_stage_keeps_no_checkpoint_a_rank_beside_the_driver_left(tmp_
         result = Path(argv[argv.index("--result") + 1])
         result.write_text(json.dumps({"stats": {"steps": 10}, "artifacts": [], "uploaded": []}))
 
-    monkeypatch.setattr(flows.launch, "run_launcher", ranks)
-    result = flows.launch.launched(stage, config, partial, logging.getLogger("test"))
+    monkeypatch.setattr(launch_flow, "run_launcher", ranks)
+    result = launch_flow.launched(stage, config, partial, logging.getLogger("test"))
     assert result.stats == {"steps": 10}
     kept = [path.relative_to(partial).as_posix() for path in partial.rglob("*") if path.is_file()]
     assert kept == ["model/model.safetensors"]
@@ -228,7 +228,7 @@ def test_launches_that_cannot_start_are_refused_with_the_key_to_change():
 
 
 def test_sharding_that_cannot_happen_is_refused_naming_the_key():
-    from core.launch import sharding_problems
+    from gristmill.core.launch import sharding_problems
 
     (inline,) = sharding_problems("pretrain.launch", LaunchConfig(), "cpu", fsdp=True)
     assert inline.startswith("pretrain.fsdp: true shards over a launch's processes, and backend inline")
@@ -238,10 +238,10 @@ def test_sharding_that_cannot_happen_is_refused_naming_the_key():
     two = LaunchConfig(backend="accelerate", processes=2)
     assert sharding_problems("pretrain.launch", two, "cpu", fsdp=True) == []
     with pytest.raises(ValidationError, match="fsdp: true with lora"):
-        from tasks.sft.config import Config as SFTConfig
+        from gristmill.tasks.sft.config import Config as SFTConfig
 
         SFTConfig(fsdp=True, lora={})
-    from tasks.pretrain.config import Config as PretrainConfig
+    from gristmill.tasks.pretrain.config import Config as PretrainConfig
 
     with pytest.raises(ValidationError, match=r"processes \* batch_size \* seq_len = 3 \* 4 \* 32"):
         PretrainConfig(seq_len=32, batch_size=4, tokens_per_step=8 * 32,
@@ -250,10 +250,10 @@ def test_sharding_that_cannot_happen_is_refused_naming_the_key():
 
 def test_the_launchs_mixed_precision_reaches_the_training_loop(monkeypatch):
     """`launch.mixed_precision` is a flag of the launcher, which hands it to every rank's Accelerator."""
-    from core.launch import PRECISION_VAR
-    from infra.launch import accelerate_argv
-    from model.config import LoopConfig
-    from model.loop import make_accelerator
+    from gristmill.core.launch import PRECISION_VAR
+    from gristmill.infra.launch import accelerate_argv
+    from gristmill.model.config import LoopConfig
+    from gristmill.model.loop import make_accelerator
 
     argv = accelerate_argv(LaunchConfig(backend="accelerate", mixed_precision="bf16"), ["-m", "x"], cuda=False)
     assert argv[argv.index("--mixed_precision") + 1] == "bf16"
@@ -267,7 +267,7 @@ def test_the_cli_refuses_a_bad_launch_before_anything_starts(tmp_path):
     """One line naming the key, exit 2, before any service starts."""
     for override, says in [("pretrain.launch.accelerate_config=missing.yaml", "pretrain.launch.accelerate_config"),
                            ("align.launch.backend=ray", "align.launch.backend: ray, and RAY_ADDRESS names no")]:
-        done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "align.method=ppo",
+        done = subprocess.run([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", "align.method=ppo",
                                "pretrain.launch.backend=accelerate", override],
                               cwd=REPO, env=cli_env(tmp_path / "home"), capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and says in done.stderr, done.stderr
@@ -276,9 +276,9 @@ def test_the_cli_refuses_a_bad_launch_before_anything_starts(tmp_path):
 
 
 def test_the_launch_is_not_part_of_the_artifact_key():
-    from flows.config import load_config
-    from flows.dag import plan
-    from infra.artifacts import ArtifactStore
+    from gristmill.flows.config import load_config
+    from gristmill.flows.dag import plan
+    from gristmill.infra.artifacts import ArtifactStore
 
     store = ArtifactStore(Path("/nonexistent"))
     keys = [{p.spec.name: p.key for p in plan(load_config(REPO / "configs" / "tiny.yaml", overrides), store)}
@@ -287,7 +287,7 @@ def test_the_launch_is_not_part_of_the_artifact_key():
 
 
 def test_a_failing_rank_is_reported_in_one_line():
-    from infra.launch import _failure
+    from gristmill.infra.launch import _failure
 
     lines = ["[rank0]:step 1", "[rank1]:Traceback (most recent call last):", "[rank1]:  File x",
              "[rank1]:ValueError: boom", "Root Cause (first observed failure):", "[0]:",
@@ -305,7 +305,7 @@ def test_a_ray_worker_that_died_is_named_not_the_ranks_it_took_down():
     from ray.train import WorkerGroupError
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
-    from infra.ray_train import failure_line
+    from gristmill.infra.ray_train import failure_line
 
     collateral = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:29853.\nmore")
     died = WorkerHealthCheckFailedError("A worker health check failed.", RayActorError())

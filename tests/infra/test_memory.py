@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from infra.memory import PeakRSS, tree_rss_bytes
+from gristmill.infra.memory import PeakRSS, tree_rss_bytes
 
 MB = 1024 * 1024
 

@@ -23,11 +23,11 @@ import pytest
 from collect_helpers import TINY_CLEANING, KilledAfter
 from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, plan_of
 
-import tasks.collect.stage as collect
-from core.stage import SerialEngine
-from infra.artifacts import ArtifactStore
-from infra.remote_store import Holder, RemoteStore, StoreURLError
-from tasks.collect.output.spool import Texts
+import gristmill.tasks.collect.stage as collect
+from gristmill.core.stage import SerialEngine
+from gristmill.infra.artifacts import ArtifactStore
+from gristmill.infra.remote_store import Holder, RemoteStore, StoreURLError
+from gristmill.tasks.collect.output.spool import Texts
 
 FILES = {"warc/a.warc.gz": "warc/dolma_wget/sample-0000.warc.gz",
          "warc/b.warc.gz": "warc/dolma_wget/sample-0001.warc.gz",
@@ -112,7 +112,7 @@ def test_the_pipeline_reads_and_commits_on_the_bucket_resumes_a_kill_and_another
     overrides = ["collect.sources=[s3://crawl/cli/warc/,s3://crawl/cli/jsonl/]", f"collect.unit_mb={UNIT_MB}"]
     services = {**prefect_server, **s3_server, "GRISTMILL_STORE": "s3://crawl/artifacts"}
     args = ["run", "configs/tiny.yaml", *overrides, "--until", "tokenize"]
-    killed = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, capture_output=True, text=True,
+    killed = subprocess.run([sys.executable, "-m", "gristmill", *args], cwd=REPO, capture_output=True, text=True,
                             env={**cli_env(home, services), "GRISTMILL_FAULT": "commit:tokenize"}, timeout=600)
     assert killed.returncode != 0
     on_bucket = _objects("artifacts/")
@@ -212,8 +212,8 @@ def test_tokenize_workers_read_and_write_on_the_bucket_as_on_disk(s3_server, sha
     """Collect committed to the bucket by one machine, tokenized on another whose workers share no
     disk with it: each job reads its shard and the tokenizer from the bucket and writes its parts
     there; the tokens are a local run's, byte for byte, and only committed outputs stay there."""
-    from tasks.tokenize import stage as tokenize
-    from tasks.tokenize.config import Config as TokenizeConfig
+    from gristmill.tasks.tokenize import stage as tokenize
+    from gristmill.tasks.tokenize.config import Config as TokenizeConfig
 
     url = "s3://crawl/store-tokenize"
     sources = [str(p) for p in _upload(shared_data, "tok", tmp_path / "local")]

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from core import progress
-from infra.ray_engine import RayEngine
-from infra.supervisor import SCRATCH_ENV
+from gristmill.core import progress
+from gristmill.infra.ray_engine import RayEngine
+from gristmill.infra.supervisor import SCRATCH_ENV
 
 
 def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_removed(tmp_path, monkeypatch, caplog):
@@ -57,8 +57,8 @@ def test_a_local_ray_listens_on_loopback_only_and_a_run_starts_it_once_for_its_d
     import psutil
     import ray
 
-    from infra import ray_engine
-    from infra.processes import process_tree
+    from gristmill.infra import ray_engine
+    from gristmill.infra.processes import process_tree
 
     engine = RayEngine(num_workers=2)
     try:
@@ -109,7 +109,7 @@ def test_a_local_ray_lives_in_the_scratch_folder_and_an_interrupted_start_leaves
     removes its root."""
     import ray
 
-    from infra import ray_engine
+    from gristmill.infra import ray_engine
 
     scratch = Path(tempfile.mkdtemp(prefix="gm-"))  # short: Ray's socket paths are below it
     monkeypatch.setenv(SCRATCH_ENV, str(scratch))

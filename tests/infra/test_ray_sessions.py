@@ -15,8 +15,8 @@ import psutil
 import pytest
 from pipeline_helpers import FAST, REPO, cli_env
 
-from infra.processes import alive, process_tree
-from infra.supervisor import SCRATCH_ENV
+from gristmill.infra.processes import alive, process_tree
+from gristmill.infra.supervisor import SCRATCH_ENV
 
 SHARED_RAY_TEMP = Path("/tmp/ray")
 
@@ -52,7 +52,7 @@ def _scratch_in(processes: list[psutil.Process]) -> Path | None:
 
 
 def _start(home: Path, *args: str, extra: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *FAST, *args],
+    return subprocess.Popen([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *FAST, *args],
                             cwd=REPO, env={**cli_env(home), **(extra or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

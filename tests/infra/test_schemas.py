@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import schemas
+from gristmill.infra import schemas
 
 
 @pytest.fixture
@@ -30,8 +30,8 @@ def test_an_mlflow_home_from_the_template_holds_its_own_experiments(cache, tmp_p
     """The template is what MLflow's migrations write (the schema, its revision, the default
     workspace) and no experiment; the store opened on a seeded home adds MLflow's Default
     experiment and ours, both with artifacts under that home, not under the cache."""
-    from infra import env
-    from infra.tracking.runs import EXPERIMENT, Tracker
+    from gristmill.infra import env
+    from gristmill.infra.tracking.runs import EXPERIMENT, Tracker
 
     home = tmp_path / "home"
     assert schemas.seed_mlflow(home)

@@ -14,19 +14,19 @@ from pathlib import Path
 
 import psutil
 
-from flows.runs import REPO, cli_env
+from gristmill.flows.runs import REPO, cli_env
 
 LAUNCH = textwrap.dedent("""
     import json, os, sys, urllib.request
-    import flows.entry  # configures the process, as a run's child does
-    from infra import env, services
+    import gristmill.flows.entry  # configures the process, as a run's child does
+    from gristmill.infra import env, services
     {setup}
     embedded = services.EmbeddedServices(env.gristmill_home())
     embedded.launch()
     launched = {{"prefect_imported": "prefect" in sys.modules, "url": os.environ.get("PREFECT_API_URL")}}
     embedded.ready()
     from prefect.settings import PREFECT_API_URL
-    from flows.gates import person_can_answer
+    from gristmill.flows.gates import person_can_answer
     with urllib.request.urlopen(launched["url"] + "/health", timeout=5) as response:
         health = response.status
     print(json.dumps({{**launched, "prefect_url": PREFECT_API_URL.value(), "health": health,
@@ -67,8 +67,8 @@ def test_a_port_taken_before_the_server_binds_it_is_named(tmp_path):
 
 def test_a_standing_server_is_left_to_its_owner(tmp_path, monkeypatch):
     """With PREFECT_API_URL set (`gristmill up`, a worker), nothing is launched and gates may ask."""
-    from flows.gates import person_can_answer
-    from infra.services import EmbeddedServices
+    from gristmill.flows.gates import person_can_answer
+    from gristmill.infra.services import EmbeddedServices
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
     monkeypatch.delenv("GRISTMILL_EMBEDDED_PREFECT", raising=False)

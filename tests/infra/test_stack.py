@@ -18,9 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows import cli
-from infra import processes, stack, stack_auth
-from infra.processes import alive
+from gristmill.flows import cli
+from gristmill.infra import processes, stack, stack_auth
+from gristmill.infra.processes import alive
 
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
@@ -170,7 +170,7 @@ def restored_environ():
 
 
 def test_a_run_pointed_at_a_loopback_ray_keeps_it_loopback(tmp_path, monkeypatch, restored_environ):
-    from infra import env
+    from gristmill.infra import env
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     monkeypatch.delenv(env.RAY_SINGLE_MACHINE, raising=False)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.artifacts import MANIFEST, ArtifactStore
-from infra.integrity import SEAL, UNSEALED, manifest_text, seal_of
+from gristmill.infra.artifacts import MANIFEST, ArtifactStore
+from gristmill.infra.integrity import SEAL, UNSEALED, manifest_text, seal_of
 
 KEY, OTHER = "a" * 12, "b" * 12
 CONTRACTS = {"tokenize": ("tokens/*.bin", "tokens/meta.json"), "pretrain": ("model/config.json",)}

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import infra.artifacts
-import infra.integrity
-from flows.store_damage import KINDS
-from flows.store_fuzz import run_trials
+import gristmill.infra.artifacts as artifacts
+import gristmill.infra.integrity as integrity
+from gristmill.flows.store_damage import KINDS
+from gristmill.flows.store_fuzz import run_trials
 
 TRIALS = 20 * len(KINDS)
 
@@ -34,10 +34,10 @@ def test_every_damage_is_named_by_verify_and_refused_for_reuse(finished_store, t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module, check, off, kinds, rounds", [
-    (infra.artifacts, "unlisted", lambda directory, listed: {}, {"add_file", "add_folder", "rename_file"}, 2),
-    (infra.integrity, "seal_of", lambda record: record.get("seal"), {"edit_field"}, 2),
+    (artifacts, "unlisted", lambda directory, listed: {}, {"add_file", "add_folder", "rename_file"}, 2),
+    (integrity, "seal_of", lambda record: record.get("seal"), {"edit_field"}, 2),
     # with seed 0, 2 draws of unreadable damage were each detected without the mode check; 20 include one that is not
-    (infra.integrity, "_unreadable_mode", lambda mode, folder=False: None, {"unreadable"}, 20),
+    (integrity, "_unreadable_mode", lambda mode, folder=False: None, {"unreadable"}, 20),
 ])
 def test_the_fuzzer_fails_when_a_check_is_switched_off(finished_store, tmp_path, monkeypatch, module, check, off,
                                                        kinds, rounds):

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from core.stage import METRICS_FILE, Manifest
+from gristmill.core.stage import METRICS_FILE, Manifest
 
 
 @pytest.fixture
 def tracker(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from infra import schemas
-    from infra.tracking.runs import Tracker
+    from gristmill.infra import schemas
+    from gristmill.infra.tracking.runs import Tracker
 
     schemas.seed_mlflow(tmp_path / "home")  # a migrated store, as a run's new home gets
     return Tracker(tmp_path / "home")
@@ -108,7 +108,7 @@ def test_a_run_still_running_is_waited_for_only_as_long_as_asked(tracker, monkey
     once the wait is over; a failed run is not waited for."""
     import threading
 
-    from infra.tracking import runs
+    from gristmill.infra.tracking import runs
 
     monkeypatch.setattr(runs, "FINISH_POLL_S", 0.1)
     parent = tracker.start_pipeline("first", {}, {})
@@ -163,7 +163,7 @@ def test_lineage_survives_another_run_logging_the_same_dataset_at_once(tracker, 
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking.runs import Tracker
+    from gristmill.infra.tracking.runs import Tracker
 
     collect = _computed(tracker, tmp_path, "collect", "c1")
     other = Tracker(tmp_path / "home")
@@ -189,7 +189,7 @@ def test_lineage_survives_another_run_logging_the_same_dataset_at_once(tracker, 
 def test_a_corpus_version_is_a_dataset_of_its_run_next_to_the_version_it_extends(tracker, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking.corpus import log_corpus_version
+    from gristmill.infra.tracking.corpus import log_corpus_version
 
     v1, v2 = (_manifest(tmp_path / "store", "collect", key, None) for key in ("c1", "c2"))
     run_id = tracker.start_pipeline("refresh v2", {}, {"gristmill.kind": "refresh"})
@@ -215,8 +215,8 @@ def test_a_stage_model_is_logged_once_as_a_chat_model(tracker, tmp_path, tiny_mo
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.chat import prompt_ids
-    from flows.reports import publish_model
+    from gristmill.core.chat import prompt_ids
+    from gristmill.flows.reports import publish_model
 
     manifest = _manifest(tmp_path / "store", "sft", "s1", None)
     shutil.copytree(tiny_model_dir, manifest.path / "model")
@@ -256,8 +256,8 @@ def test_evaluation_metrics_are_logged_against_the_models_and_the_data(tracker, 
     owns the artifact's outputs."""
     from mlflow.tracking import MlflowClient
 
-    from flows.reports import measured_on, publish_evaluate
-    from infra.tracking.models import KEY_TAG, STAGE_TAG
+    from gristmill.flows.reports import measured_on, publish_evaluate
+    from gristmill.infra.tracking.models import KEY_TAG, STAGE_TAG
 
     tokenize = _manifest(tmp_path / "store", "tokenize", "t1", None)
     bench = tmp_path / "hellaswag_part1.jsonl"
@@ -298,7 +298,7 @@ def test_evaluation_metrics_are_logged_against_the_models_and_the_data(tracker, 
     assert {i.model_id for i in run.inputs.model_inputs} == set(models.values())
     assert {(i.dataset.name, i.dataset.source) for i in run.inputs.dataset_inputs} == {
         ("tokenize-t1", tokenize.path.resolve().as_uri()), ("hellaswag_part1", str(bench)),
-        ("arithmetic-test", "core.arithmetic?split=test&n=20&seed=0")}
+        ("arithmetic-test", "gristmill.core.arithmetic?split=test&n=20&seed=0")}
 
 
 def _free_port() -> int:
@@ -316,8 +316,8 @@ def impatient(monkeypatch):
 
 def _unavailable(tmp_path, monkeypatch, uri: str) -> Exception:
     """What opening a tracker on `uri` raises, within a few seconds."""
-    from infra.tracking import TrackingUnavailable
-    from infra.tracking.runs import Tracker
+    from gristmill.infra.tracking import TrackingUnavailable
+    from gristmill.infra.tracking.runs import Tracker
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     started = time.monotonic()
@@ -351,7 +351,7 @@ def test_only_a_request_left_unanswered_counts_as_unavailable(tracker):
     from mlflow.exceptions import MlflowException
     from requests import exceptions as http_errors
 
-    from infra.tracking import unanswered
+    from gristmill.infra.tracking import unanswered
 
     with pytest.raises(MlflowException, match="not found"):
         tracker.client.get_run("0" * 32)
@@ -379,7 +379,7 @@ def test_step_metrics_reach_the_run_while_the_stage_computes(tracker, tmp_path, 
     sent once its line is complete."""
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import runs
+    from gristmill.infra.tracking import runs
 
     monkeypatch.setattr(runs, "FOLLOW_EVERY_S", 0.05)
     client = MlflowClient(tracker.uri)
@@ -411,7 +411,7 @@ def test_models_back_filled_at_once_load_whole(tiny_model_dir):
     saving it fails). Loads are serialised: every one of many concurrent loads is whole."""
     import threading
 
-    from infra.tracking.models import load_chat_components
+    from gristmill.infra.tracking.models import load_chat_components
 
     broken: list[list[str]] = []
 
@@ -431,8 +431,8 @@ def test_models_back_filled_at_once_load_whole(tiny_model_dir):
 def test_artifacts_of_a_sqlite_tracking_uri_live_beside_its_database(tmp_path, monkeypatch):
     """With MLFLOW_TRACKING_URI naming a SQLite file, artifacts go beside it, never into ./mlruns of
     the directory a run happens to start in."""
-    from infra import schemas
-    from infra.tracking.runs import Tracker
+    from gristmill.infra import schemas
+    from gristmill.infra.tracking.runs import Tracker
 
     db = tmp_path / "tracking" / "mlflow.db"
     db.parent.mkdir()

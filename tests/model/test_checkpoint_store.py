@@ -20,15 +20,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import model.presets
-from core import cache
-from core.cache import BucketError, ObjectCache, ObjectDamaged, on_bucket
-from core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault
-from core.stage import MetricsLog, read_metrics
-from model.checkpoint import complete_checkpoints, store_env
-from model.config import LoopConfig
-from model.loop import train
-from model.presets import ModelConfig, build_model
+from gristmill.core import cache
+from gristmill.core.cache import BucketError, ObjectCache, ObjectDamaged, on_bucket
+from gristmill.core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault
+from gristmill.core.stage import MetricsLog, read_metrics
+from gristmill.model import presets
+from gristmill.model.checkpoint import complete_checkpoints, store_env
+from gristmill.model.config import LoopConfig
+from gristmill.model.loop import train
+from gristmill.model.presets import ModelConfig, build_model
 
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_seq_len=32)
 STAGE_DIR = Path("pretrain") / "pretrain-0123456789ab.partial"  # where a stage works, below the store root
@@ -201,7 +201,7 @@ def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_pat
         _fit(tok, gone)
     assert "\n" not in str(found.value)
 
-    from infra.launch import free_port
+    from gristmill.infra.launch import free_port
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
@@ -223,14 +223,14 @@ def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_r
     again the next run resumes from step 2 to the uninterrupted curve."""
     import s3fs
 
-    from infra.launch import free_port
+    from gristmill.infra.launch import free_port
 
     _, curve, _ = straight
     monkeypatch.setattr(cache, "TRIES", 2)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
     endpoint = os.environ["AWS_ENDPOINT_URL"]
-    real = model.presets.build_model
+    real = presets.build_model
 
     def lose_the_bucket_after_step_2(step: int) -> dict:
         if step == 3:  # step 4's batch: checkpoint 2 is on the bucket
@@ -316,8 +316,8 @@ def test_downloaded_artifacts_live_in_the_bounded_cache(bucket, tmp_path, monkey
     """Another node's copy of two outputs: fetched through its cache (stored once, hard links),
     the least recently used one deleted again when both exceed the bound, downloaded anew when a
     run asks for it; wiping the cache changes nothing but time."""
-    from infra.artifacts import ArtifactStore
-    from infra.remote_store import RemoteStore
+    from gristmill.infra.artifacts import ArtifactStore
+    from gristmill.infra.remote_store import RemoteStore
 
     one = ArtifactStore(tmp_path / "one", remote=RemoteStore(bucket))
     made = {stage: _output(one, stage, 30_000) for stage in ("tokenize", "pretrain")}
@@ -349,7 +349,7 @@ def test_every_rank_uploads_its_files_and_rank_0_the_marker_listing_all(bucket, 
 
     from checkpoint_ranks import save_and_resume
 
-    from infra.launch import free_port
+    from gristmill.infra.launch import free_port
 
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), free_port()

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from train_helpers import CONFIG, REPO
 
-from core.stage import read_metrics
+from gristmill.core.stage import read_metrics
 
 
 def launch(launcher: list[str], tokenize_dir: Path, out_dir: Path, **overrides) -> tuple[dict, list[dict]]:
-    """Run `python -m tasks.pretrain` under `launcher`; returns (summary, metric rows)."""
+    """Run `python -m gristmill.tasks.pretrain` under `launcher`; returns (summary, metric rows)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [*launcher, "-m", "tasks.pretrain", str(tokenize_dir), str(out_dir),
+    cmd = [*launcher, "-m", "gristmill.tasks.pretrain", str(tokenize_dir), str(out_dir),
            "--config", json.dumps({**CONFIG, **overrides})]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

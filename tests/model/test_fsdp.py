@@ -1,6 +1,6 @@
 """The sharded path is the tested path: FSDP2 over gloo on CPU, the code GPUs run over NCCL.
 
-2 processes (torchrun) of `python -m tasks.pretrain` with `fsdp: true` against the same with
+2 processes (torchrun) of `python -m gristmill.tasks.pretrain` with `fsdp: true` against the same with
 replicas (DDP): the same curve, the same exported model; each rank holds only its shard; a rank
 killed after a checkpoint resumes to the uninterrupted curve, also on another number of
 processes; the optimizer's step count is the loop's.
@@ -19,7 +19,7 @@ import torch
 from train_helpers import CONFIG, REPO
 from transformers import AutoModelForCausalLM
 
-from core.stage import read_metrics
+from gristmill.core.stage import read_metrics
 
 STEPS = 20
 # 8 sequences of 32 tokens a step, whatever the process count: 2 processes run one micro-batch of
@@ -42,7 +42,7 @@ def _run(launcher: list[str], tokenize_dir: Path, out_dir: Path, fault: str | No
     env.pop("GRISTMILL_FAULT", None)
     if fault:
         env["GRISTMILL_FAULT"] = fault
-    cmd = [*launcher, "-m", "tasks.pretrain", str(tokenize_dir), str(out_dir),
+    cmd = [*launcher, "-m", "gristmill.tasks.pretrain", str(tokenize_dir), str(out_dir),
            "--config", json.dumps({**FSDP_CONFIG, **overrides})]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -71,9 +71,9 @@ SHARD_PROBE = textwrap.dedent('''
     import json, sys
     import torch, torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
-    from model.config import LoopConfig
-    from model.loop import _prepare
-    from model.parallel import decoder_blocks
+    from gristmill.model.config import LoopConfig
+    from gristmill.model.loop import _prepare
+    from gristmill.model.parallel import decoder_blocks
 
     # Record the dtypes FSDP's collectives move (their names differ between torch releases).
     reduced, gathered = [], []

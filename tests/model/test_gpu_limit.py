@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # starts a Prefect server
 
 def _intervals(uses_gpu: bool) -> list[tuple[float, float]]:
     """Two stages computed at once: when each held its slot (or would have)."""
-    from flows.pipeline import _gpu_slot
+    from gristmill.flows.pipeline import _gpu_slot
 
     stage = SimpleNamespace(spec=SimpleNamespace(uses_gpu=uses_gpu))
     held: list[tuple[float, float]] = []
@@ -42,7 +42,7 @@ def test_gpu_stages_take_turns_under_the_gpu_limit_and_data_stages_do_not_wait()
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.pipeline import GPU_LIMIT
+    from gristmill.flows.pipeline import GPU_LIMIT
 
     with prefect_test_harness(server_startup_timeout=180):
         assert _overlap(_intervals(uses_gpu=True))  # no limit on the server: nothing waits

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from model.data import PackedTokenLoader, count_windows, window_starts
+from gristmill.model.data import PackedTokenLoader, count_windows, window_starts
 
 SEQ = 8
 

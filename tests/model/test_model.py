@@ -13,14 +13,14 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core import files
-from core.chat import DOC_SEPARATOR, IM_END
-from core.files import DiskSpaceError
-from core.stage import MetricsLog, read_metrics
-from model import checkpoint
-from model.checkpoint import complete_checkpoints
-from model.export import export_model
-from model.loop import (
+from gristmill.core import files
+from gristmill.core.chat import DOC_SEPARATOR, IM_END
+from gristmill.core.files import DiskSpaceError
+from gristmill.core.stage import MetricsLog, read_metrics
+from gristmill.model import checkpoint
+from gristmill.model.checkpoint import complete_checkpoints
+from gristmill.model.export import export_model
+from gristmill.model.loop import (
     IGNORE_INDEX,
     LoopConfig,
     TrainingDiverged,
@@ -29,7 +29,7 @@ from model.loop import (
     mean_token_loss,
     train,
 )
-from model.presets import (
+from gristmill.model.presets import (
     PLAN_VOCAB_SIZE,
     PRESETS,
     ModelConfig,
@@ -38,7 +38,7 @@ from model.presets import (
     count_params,
     preset,
 )
-from model.schedule import lr_multiplier, warmup_cosine, warmup_stable_decay
+from gristmill.model.schedule import lr_multiplier, warmup_cosine, warmup_stable_decay
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_seq_len=64)
 
@@ -111,7 +111,7 @@ def test_each_process_runs_batch_size_sequences_per_forward_whatever_the_process
 
 
 def test_peaks_by_exact_device_name_and_an_unknown_one_reports_no_mfu(caplog):
-    from model.throughput import peak_tflops_of
+    from gristmill.model.throughput import peak_tflops_of
 
     assert peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.0
     assert peak_tflops_of("NVIDIA H100 PCIe") == 756.0
@@ -126,7 +126,7 @@ def test_peaks_by_exact_device_name_and_an_unknown_one_reports_no_mfu(caplog):
 def test_muon_orthogonalises_in_fp32_on_a_cpu():
     """Newton-Schulz in fp32 on a CPU (bf16 there is tens of times slower without native support,
     and rounds the update to 3 digits): the update equals an fp64 run of the same iteration."""
-    from model.optim import Muon, newton_schulz_dtype, orthogonalise
+    from gristmill.model.optim import Muon, newton_schulz_dtype, orthogonalise
 
     assert newton_schulz_dtype(torch.device("cpu")) == torch.float32
     torch.manual_seed(0)
@@ -441,7 +441,7 @@ def test_logits_of_scored_positions_only_give_the_full_loss_and_gradients(tiny_t
     """token_loss_sum projects only labelled positions onto the vocabulary (SFT: the assistant
     tokens); loss and every gradient equal those of logits at every position, padding included.
     Both ways: a boolean mask, and (transformers 5.17) the positions scored in any row."""
-    from model import loop
+    from gristmill.model import loop
 
     monkeypatch.setattr(loop, "_masks_logits", lambda: masks)
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from flows.cli import main
-from model.plan import flops_per_token, mfu, plan
-from model.presets import PLAN_VOCAB_SIZE, PRESETS, config_params
+from gristmill.flows.cli import main
+from gristmill.model.plan import flops_per_token, mfu, plan
+from gristmill.model.presets import PLAN_VOCAB_SIZE, PRESETS, config_params
 
 
 def test_default_plan_is_chinchilla_optimal():

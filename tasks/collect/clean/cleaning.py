@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import tasks.collect.clean.filters as text_filters
-from tasks.collect.clean.langid import detect_language
-from tasks.collect.clean.pii import scrub_pii
-from tasks.collect.clean.rules import Page
-from tasks.collect.config import CleaningConfig
+import gristmill.tasks.collect.clean.filters as text_filters
+from gristmill.tasks.collect.clean.langid import detect_language
+from gristmill.tasks.collect.clean.pii import scrub_pii
+from gristmill.tasks.collect.clean.rules import Page
+from gristmill.tasks.collect.config import CleaningConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,9 +32,9 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
-from tasks.collect.clean import rules
-from tasks.collect.clean.langid import detect_language
-from tasks.collect.clean.rules import Page
+from gristmill.tasks.collect.clean import rules
+from gristmill.tasks.collect.clean.langid import detect_language
+from gristmill.tasks.collect.clean.rules import Page
 
 # Config field -> constructor argument. datatrove skips a check whose threshold is falsy (0).
 GOPHER_QUALITY_ARGS: Mapping[str, str] = {

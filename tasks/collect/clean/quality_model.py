@@ -40,12 +40,12 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.decontam import ngram_hashes, token_hashes
-from core.files import is_url, open_location, publish_file, staging_path
-from core.sources import DEMO_PREFIX, parse_source
-from core.stage import Engine, SerialEngine
-from tasks.collect.output.spool import take
-from tasks.collect.read.readers import (
+from gristmill.core.decontam import ngram_hashes, token_hashes
+from gristmill.core.files import is_url, open_location, publish_file, staging_path
+from gristmill.core.sources import DEMO_PREFIX, parse_source
+from gristmill.core.stage import Engine, SerialEngine
+from gristmill.tasks.collect.output.spool import take
+from gristmill.tasks.collect.read.readers import (
     TEXT_SUFFIXES,
     Skipped,
     extract_text,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tasks.collect.output import spill
+from gristmill.tasks.collect.output import spill
 
 ROW = np.dtype([("key", "<u8"), ("col", "<u2"), ("node", "<i8")])  # a bucket row: 18 bytes
 

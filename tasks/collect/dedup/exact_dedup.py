@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core.files import names_in
-from core.stage import Engine
-from tasks.collect.output import spill
+from gristmill.core.files import names_in
+from gristmill.core.stage import Engine
+from gristmill.tasks.collect.output import spill
 
 RUN_ROWS = 1 << 20  # documents sorted by one task: 24 MB of rows
 _ROW = np.dtype([("hi", "<u8"), ("lo", "<u8"), ("row", "<i8")])

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from core.files import fetch_file
-from core.stage import Engine
-from tasks.collect.dedup.config import ROW, DedupConfig, Run
-from tasks.collect.output import spill
+from gristmill.core.files import fetch_file
+from gristmill.core.stage import Engine
+from gristmill.tasks.collect.dedup.config import ROW, DedupConfig, Run
+from gristmill.tasks.collect.output import spill
 
 INDEX_FORMAT = 3  # 3: bucket rows in key-sorted shards (2: one band-key matrix)
 _PAIRS_PER_BLOCK = 65_536  # candidate pairs verified at once against the index's signatures

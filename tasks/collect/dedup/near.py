@@ -44,18 +44,18 @@ from pathlib import Path
 
 import numpy as np
 
-from core.files import names_in
-from core.stage import Engine
-from tasks.collect.dedup.config import ROW, DedupConfig, Run
-from tasks.collect.dedup.index import BLOCK_ROWS, DedupIndex, index_verify, write_index
-from tasks.collect.dedup.minhash import (
+from gristmill.core.files import names_in
+from gristmill.core.stage import Engine
+from gristmill.tasks.collect.dedup.config import ROW, DedupConfig, Run
+from gristmill.tasks.collect.dedup.index import BLOCK_ROWS, DedupIndex, index_verify, write_index
+from gristmill.tasks.collect.dedup.minhash import (
     EMPTY_SIG,
     chunk_signatures,
     exact_jaccards,
     shingle_sets,
 )
-from tasks.collect.output import spill
-from tasks.collect.output.spool import take
+from gristmill.tasks.collect.output import spill
+from gristmill.tasks.collect.output.spool import take
 
 # pairs of input documents checked exactly at once, a task each: both shingle sets of each (~300
 # 8-byte hashes for a 300-word page) are sorted together, so a block holds ~10 MB per temporary;

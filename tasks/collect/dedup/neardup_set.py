@@ -227,6 +227,6 @@ def precision_recall(clusters: Sequence[int] | np.ndarray,
 
 def pair_jaccards(texts: Sequence[str], pairs: Iterable[tuple[int, int]], cfg) -> np.ndarray:
     """Exact Jaccard similarity of the shingle sets of each pair (`cfg`: a DedupConfig)."""
-    from tasks.collect.dedup.minhash import exact_jaccard
+    from gristmill.tasks.collect.dedup.minhash import exact_jaccard
 
     return np.array([exact_jaccard(texts[i], texts[j], cfg) for i, j in sorted(pairs)])

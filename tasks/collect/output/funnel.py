@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from core.decontam import DROP_REASON as CONTAMINATED
-from tasks.collect.clean.quality_model import DROP_REASON as LOW_QUALITY
-from tasks.collect.output.spool import DocTable
-from tasks.collect.read.records import FILE_LEVEL_ERRORS
+from gristmill.core.decontam import DROP_REASON as CONTAMINATED
+from gristmill.tasks.collect.clean.quality_model import DROP_REASON as LOW_QUALITY
+from gristmill.tasks.collect.output.spool import DocTable
+from gristmill.tasks.collect.read.records import FILE_LEVEL_ERRORS
 
 PREVIEW_CHARS = 500  # of a dropped document's text in review/dropped.jsonl
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.collect.clean.quality_model import DROP_REASON as LOW_QUALITY
-from tasks.collect.output.funnel import NOT_IN_MIX, record_step
+from gristmill.tasks.collect.clean.quality_model import DROP_REASON as LOW_QUALITY
+from gristmill.tasks.collect.output.funnel import NOT_IN_MIX, record_step
 
 FIRST_STEP = "extracted"  # steps before it count records, not documents
 

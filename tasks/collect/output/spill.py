@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from core.files import open_location, publish_file, staging_path
+from gristmill.core.files import open_location, publish_file, staging_path
 
 Piece = tuple[str, int, int]  # rows lo..hi of a spilled .npy file
 

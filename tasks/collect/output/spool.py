@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from core.files import open_location
+from gristmill.core.files import open_location
 
 _BLOCK = 65_536  # documents whose positions are turned into Python numbers at once
 Doc = dict[str, Any]  # {"id", "text", "source", "url", "language"}

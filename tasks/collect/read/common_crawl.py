@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from core.sources import CC_PREFIX, parse_source
+from gristmill.core.sources import CC_PREFIX, parse_source
 
 DEFAULT_BASE_URL = "https://data.commoncrawl.org"
 KINDS = ("warc", "wet")

@@ -13,7 +13,7 @@ a deterministic order: packages sorted by normalized name, then METADATA, then t
 sorted. URLs look like `python-package://<name>/<version>/<file>`. `corpus_digest` digests what a
 run would read (the plan's key for the source; `gristmill run --dry-run` prints it).
 
-    python -m tasks.collect.read.demo_crawl      # the corpus's distributions and its digest
+    python -m gristmill.tasks.collect.read.demo_crawl      # the corpus's distributions and its digest
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.sources import DEMO_PREFIX
-from tasks.collect.read.records import RawDoc, ReadEvent, Skipped
+from gristmill.core.sources import DEMO_PREFIX
+from gristmill.tasks.collect.read.records import RawDoc, ReadEvent, Skipped
 
 DEMO_NAME = "python-docs"
 DEMO_SOURCE = DEMO_PREFIX + DEMO_NAME

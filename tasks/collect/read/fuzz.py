@@ -34,7 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.collect.read.damaged import BOM, FAULTS, MAX_DOC_BYTES, PROSE, FuzzFile, count_jsonl_records, jsonl
+from gristmill.tasks.collect.read.damaged import (
+    BOM,
+    FAULTS,
+    MAX_DOC_BYTES,
+    PROSE,
+    FuzzFile,
+    count_jsonl_records,
+    jsonl,
+)
 
 # The generators' names are part of this module's interface: a fuzzing test reads both from here.
 __all__ = ["BOM", "FAULTS", "MAX_DOC_BYTES", "PROSE", "FuzzFile", "Trial", "count_jsonl_records", "jsonl",
@@ -55,10 +63,10 @@ def run_trial(files: Sequence[FuzzFile], workdir: Path, texts: Sequence[str] = P
               anchor_weight: float = 1.0) -> Trial:
     """Run the collect stage over `files` plus an intact JSONL source of `texts` (first), each a
     source of its own, in `workdir`; check what the module docstring lists."""
-    from core.stage import SerialEngine
-    from tasks.collect.config import Config
-    from tasks.collect.output.mixing import MixConfig
-    from tasks.collect.stage import run
+    from gristmill.core.stage import SerialEngine
+    from gristmill.tasks.collect.config import Config
+    from gristmill.tasks.collect.output.mixing import MixConfig
+    from gristmill.tasks.collect.stage import run
 
     shutil.rmtree(workdir, ignore_errors=True)
     inputs, out = workdir / "in", workdir / "out"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.collect.read.readers import RawDoc, extract_text, read_file, resolve_source
+from gristmill.tasks.collect.read.readers import RawDoc, extract_text, read_file, resolve_source
 
 Page = tuple[str, str]  # (text, url)
 

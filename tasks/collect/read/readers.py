@@ -40,8 +40,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, cast
 
-from core.sources import file_size, filesystem, source_files
-from tasks.collect.read.records import (
+from gristmill.core.sources import file_size, filesystem, source_files
+from gristmill.tasks.collect.read.records import (
     FILE_LEVEL_ERRORS,
     SAMPLE_BYTES,
     WHOLE,
@@ -54,8 +54,8 @@ from tasks.collect.read.records import (
     quarantine_record,
     record_event,
 )
-from tasks.collect.read.tables import parquet_parts, read_arrow, read_parquet
-from tasks.collect.read.warc import read_warc, warc_parts
+from gristmill.tasks.collect.read.tables import parquet_parts, read_arrow, read_parquet
+from gristmill.tasks.collect.read.warc import read_warc, warc_parts
 
 # The reader API: the record types (records.py) are re-exported, readers' users need both.
 __all__ = [

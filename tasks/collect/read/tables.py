@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import IO
 
-from tasks.collect.read.records import WHOLE, Part, ReadEvent, Skipped, quarantine, record_event, runs
+from gristmill.tasks.collect.read.records import WHOLE, Part, ReadEvent, Skipped, quarantine, record_event, runs
 
 COLUMNS = ("text", "id", "url", "metadata")  # read only what a document needs
 BATCH_ROWS = 1024

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Iterator
 from typing import IO
 
-from tasks.collect.read.records import (
+from gristmill.tasks.collect.read.records import (
     SAMPLE_BYTES,
     WHOLE,
     Part,

@@ -7,7 +7,7 @@ replaces only where the data comes from (`dataset_path: json` + `data_files`) an
 scored, so lm-eval's own doc_to_text, doc_to_choice, target_delimiter and description build the
 prompts:
 
-    from tasks.evaluate.lm_eval_tasks.standard import write_task
+    from gristmill.tasks.evaluate.lm_eval_tasks.standard import write_task
     write_task("copa", records, out_dir)  # then lm_eval --include_path out_dir --tasks copa
 
 The conversions invert the task's prompt template, so lm-eval renders the text the file holds

@@ -14,12 +14,12 @@ import torch
 from align_helpers import TRL_ADAMW, run_align, sft_inputs, weights
 from pydantic import Field, ValidationError
 
-import tasks.align.stage as align
-from core.stage import StageConfig, read_metrics
-from model.ranks import Ranks
-from tasks.align.config import DPOConfig, GRPOConfig, fingerprint
-from tasks.align.method import AlignJob
-from tasks.align.preferences import (
+import gristmill.tasks.align.stage as align
+from gristmill.core.stage import StageConfig, read_metrics
+from gristmill.model.ranks import Ranks
+from gristmill.tasks.align.config import DPOConfig, GRPOConfig, fingerprint
+from gristmill.tasks.align.method import AlignJob
+from gristmill.tasks.align.preferences import (
     detect_format,
     load_preference_pairs,
     split_transcript,
@@ -167,7 +167,7 @@ def test_registered_methods_name_modules_with_a_train_function():
     """The registry names each shipped method's module, imported only when the method runs (so the
     config needs no torch): each is an align module whose `train` the stage calls."""
     for name, method in align.METHODS.items():
-        assert method == f"tasks.align.{name}", name
+        assert method == f"gristmill.tasks.align.{name}", name
         assert align.train_function(method).__module__ == method, name
 
 
@@ -309,8 +309,8 @@ def test_the_sft_term_of_two_ranks_is_the_one_process_term(tmp_path, tiny_model_
     batch's chosen tokens. TRL's own term (each rank's mean over its own chosen tokens) is not."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import tasks.align.dpo as dpo
-    from tasks.align.preferences import load_pairs, split_heldout
+    import gristmill.tasks.align.dpo as dpo
+    from gristmill.tasks.align.preferences import load_pairs, split_heldout
 
     config = DPOConfig(**{**DPO, "sft_weight": 1.0})
     pairs, _ = load_pairs(config.data, config.max_pairs, config.seed)
@@ -353,7 +353,7 @@ def test_dpo_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, tiny_m
 # ---------------------------------------------------------------- the report
 
 def test_evaluate_summarises_the_align_stages_heldout_numbers():
-    import tasks.evaluate.stage as evaluate
+    import gristmill.tasks.evaluate.stage as evaluate
 
     stats = {"method": "grpo", "prompts_heldout": 186, "steps": 40, "train_loss": 0.1,
              "heldout_accuracy_before": 0.14, "heldout_accuracy_after": 0.25,

@@ -11,9 +11,9 @@ import pytest
 import torch
 from align_helpers import TRL_ADAMW, run_align, sft_inputs, weights
 
-import core.arithmetic as arithmetic
-import tasks.align.stage as align
-from core.stage import Manifest, SerialEngine, read_metrics
+import gristmill.core.arithmetic as arithmetic
+import gristmill.tasks.align.stage as align
+from gristmill.core.stage import Manifest, SerialEngine, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,7 +32,7 @@ def answering_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     """The tiny model after a short SFT on the demo arithmetic: it answers in the demonstrators'
     two styles, committed ("The answer is N.") or hedged, mostly with a wrong number, so
     verifiable rewards vary within a group (a random model scores 0 on all)."""
-    import tasks.sft.stage as sft
+    import gristmill.tasks.sft.stage as sft
 
     root = tmp_path_factory.mktemp("sft")
     config = sft.Config(max_steps=80, lr=3e-3, batch_size=16, max_seq_len=64, device="cpu",

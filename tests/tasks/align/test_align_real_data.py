@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import core.arithmetic as arithmetic
-import tasks.align.stage as align
-import tasks.sft.stage as sft
-from core.stage import Manifest, SerialEngine, read_metrics
-from tasks.align.rewards import load_math_prompts
+import gristmill.core.arithmetic as arithmetic
+import gristmill.tasks.align.stage as align
+import gristmill.tasks.sft.stage as sft
+from gristmill.core.stage import Manifest, SerialEngine, read_metrics
+from gristmill.tasks.align.rewards import load_math_prompts
 
 OASST = "sft/oasst1_en_validation.jsonl"
 SELF_INSTRUCT = "sft/self_instruct_seed_tasks.jsonl"

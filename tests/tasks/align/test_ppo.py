@@ -10,10 +10,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from core.chat import prompt_ids
-from core.stage import MetricsLog, read_metrics
-from model import ppo
-from model.checkpoint import complete_checkpoints
+from gristmill.core.chat import prompt_ids
+from gristmill.core.stage import MetricsLog, read_metrics
+from gristmill.model import ppo
+from gristmill.model.checkpoint import complete_checkpoints
 
 PROMPT = [{"role": "user", "content": "Say a word."}]
 
@@ -107,7 +107,7 @@ def test_two_ranks_whiten_and_average_as_one_process_over_the_whole_rollout():
     are the ranks' means."""
     import multiprocessing
 
-    from infra.launch import free_port
+    from gristmill.infra.launch import free_port
 
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), free_port()

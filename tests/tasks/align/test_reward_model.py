@@ -8,10 +8,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-import tasks.align.reward_model as rm
-from core.stage import MetricsLog, read_metrics
-from tasks.align.config import RewardModelConfig
-from tasks.align.preferences import load_preference_pairs
+import gristmill.tasks.align.reward_model as rm
+from gristmill.core.stage import MetricsLog, read_metrics
+from gristmill.tasks.align.config import RewardModelConfig
+from gristmill.tasks.align.preferences import load_preference_pairs
 
 RM_CONFIG = {"lr": 3e-3, "max_steps": 12, "batch_size": 8, "max_seq_len": 64, "warmup_frac": 0.1,
              "seed": 0, "device": "cpu", "checkpoint_every": 6, "weight_decay": 0.0, "beta2": 0.999}

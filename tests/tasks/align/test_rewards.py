@@ -7,9 +7,9 @@ from decimal import Decimal
 
 import pytest
 
-import core.arithmetic as arithmetic
-from core.arithmetic import final_number
-from tasks.align.rewards import (
+import gristmill.core.arithmetic as arithmetic
+from gristmill.core.arithmetic import final_number
+from gristmill.tasks.align.rewards import (
     ANSWER_INSTRUCTION,
     format_reward,
     load_math_prompts,

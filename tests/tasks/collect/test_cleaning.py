@@ -19,16 +19,16 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.utils.typeshelper import Languages
 
-import tasks.collect.clean.cleaning as cleaning
-import tasks.collect.clean.filters as text_filters
-import tasks.collect.clean.langid as langid
-import tasks.collect.clean.pii as pii
-import tasks.collect.read.demo_crawl as demo_crawl
-import tasks.collect.stage as collect
-from flows.config import load_config
-from tasks.collect.clean.cleaning import clean_document
-from tasks.collect.config import CleaningConfig
-from tasks.collect.read.readers import RawDoc, extract_text
+import gristmill.tasks.collect.clean.cleaning as cleaning
+import gristmill.tasks.collect.clean.filters as text_filters
+import gristmill.tasks.collect.clean.langid as langid
+import gristmill.tasks.collect.clean.pii as pii
+import gristmill.tasks.collect.read.demo_crawl as demo_crawl
+import gristmill.tasks.collect.stage as collect
+from gristmill.flows.config import load_config
+from gristmill.tasks.collect.clean.cleaning import clean_document
+from gristmill.tasks.collect.config import CleaningConfig
+from gristmill.tasks.collect.read.readers import RawDoc, extract_text
 
 REPO = Path(__file__).resolve().parents[3]
 CFG = collect.Config()  # what the stage passes: the cleaning fields plus its Gopher thresholds
@@ -360,7 +360,7 @@ def datatrove_reasons(pages: list[tuple[str, str]], languages: tuple[str, ...]) 
     """Each page's drop reason (None: kept) through datatrove's pipeline at its blocks' defaults:
     LanguageFilter for `languages` (on the bundled lid.176 model), then the quality blocks in our
     chain's order (the first to drop a page names its reason)."""
-    from tasks.collect.clean.langid import bundled_ft176
+    from gristmill.tasks.collect.clean.langid import bundled_ft176
 
     reasons: dict[str, str] = {}
     language = LanguageFilter(languages=list(languages), exclusion_writer=_Dropped("", reasons, languages))
@@ -379,7 +379,7 @@ def datatrove_reasons(pages: list[tuple[str, str]], languages: tuple[str, ...]) 
 @pytest.fixture(scope="module")
 def shared_pages(shared_data) -> list[tuple[str, str]]:
     """(text, url) of every page of the shared WARC files and document of the shared JSONL files."""
-    from tasks.collect.read.pages import shared_pages as read_pages
+    from gristmill.tasks.collect.read.pages import shared_pages as read_pages
 
     return read_pages(shared_data)
 

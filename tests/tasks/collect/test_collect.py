@@ -11,13 +11,13 @@ import pydantic
 import pytest
 from collect_helpers import TINY_CLEANING
 
-import tasks.collect.clean.filters as text_filters
-import tasks.collect.read.demo_crawl as demo_crawl
-import tasks.collect.stage as collect
-from core.stage import SerialEngine
-from tasks.collect.clean.cleaning import clean_document
-from tasks.collect.config import fingerprint
-from tasks.collect.read.readers import (
+import gristmill.tasks.collect.clean.filters as text_filters
+import gristmill.tasks.collect.read.demo_crawl as demo_crawl
+import gristmill.tasks.collect.stage as collect
+from gristmill.core.stage import SerialEngine
+from gristmill.tasks.collect.clean.cleaning import clean_document
+from gristmill.tasks.collect.config import fingerprint
+from gristmill.tasks.collect.read.readers import (
     RawDoc,
     Skipped,
     extract_text,
@@ -255,7 +255,7 @@ def test_stage_survives_bad_inputs(shared_data, tmp_path):
     assert stats["accounting_in"] == stats["records_read"] == accounting["in"] == stats["docs_out"] \
         + stats["accounting_dropped"] + stats["accounting_quarantined"]
     # the funnel report (Prefect artifact `collect-funnel`) leads with the same accounting
-    from flows.reports import funnel_markdown
+    from gristmill.flows.reports import funnel_markdown
 
     report = funnel_markdown(json.loads((out / "funnel.json").read_text()))
     assert report.startswith(f"**Records:** {accounting['summary']}\n")

@@ -15,12 +15,12 @@ import pytest
 from collect_helpers import spooled_table
 from corpus_helpers import CRAWL, edited, web_documents, write_jsonl
 
-import tasks.collect.stage as collect
-from core.stage import SerialEngine
-from tasks.collect.clean.quality_model import QualityModel
-from tasks.collect.config import fingerprint
-from tasks.collect.output.funnel import AccountingError
-from tasks.collect.read.readers import FILE_LEVEL_ERRORS, read_file
+import gristmill.tasks.collect.stage as collect
+from gristmill.core.stage import SerialEngine
+from gristmill.tasks.collect.clean.quality_model import QualityModel
+from gristmill.tasks.collect.config import fingerprint
+from gristmill.tasks.collect.output.funnel import AccountingError
+from gristmill.tasks.collect.read.readers import FILE_LEVEL_ERRORS, read_file
 
 DOLMA = Path("jsonl") / "dolma_cc"
 
@@ -279,7 +279,7 @@ def test_common_crawl_source_end_to_end(crawl_server, tmp_path):
 
 
 def test_shard_writes_check_free_space_first(tmp_path, monkeypatch):
-    from core import files
+    from gristmill.core import files
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: usage._replace(free=100))

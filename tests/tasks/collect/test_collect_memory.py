@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from collect_helpers import spooled_table
 
-import tasks.collect.stage as collect
-from core.stage import SerialEngine
+import gristmill.tasks.collect.stage as collect
+from gristmill.core.stage import SerialEngine
 
 SPEECHES = ("corpus/nltk_inaugural", "corpus/nltk_state_union")  # 124 addresses, 2.9 MB
 # Measured: the 4x run's traced peak exceeds the 1x run's by 0.05 MB (2.31 -> 2.36 MB); before
@@ -75,8 +75,8 @@ def test_near_dedup_holds_no_signatures_in_the_driver(tmp_path):
     it was 1,070 when the driver gathered the signatures, 2.7 KB before that)."""
     import random
 
-    from tasks.collect.dedup.config import DedupConfig
-    from tasks.collect.dedup.near import near_dedup
+    from gristmill.tasks.collect.dedup.config import DedupConfig
+    from gristmill.tasks.collect.dedup.near import near_dedup
 
     n, cfg = 30_000, DedupConfig(chunk_docs=128)  # 235 chunks
     rng = random.Random(0)

@@ -16,10 +16,10 @@ from collect_helpers import KilledAfter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tasks.collect.read.fuzz as fuzz
-import tasks.collect.stage as collect
-from core.stage import SerialEngine
-from tasks.collect.read.readers import WHOLE, Part, RawDoc, Skipped, read_file, split_file
+import gristmill.tasks.collect.read.fuzz as fuzz
+import gristmill.tasks.collect.stage as collect
+from gristmill.core.stage import SerialEngine
+from gristmill.tasks.collect.read.readers import WHOLE, Part, RawDoc, Skipped, read_file, split_file
 
 DOLMA = Path("jsonl") / "dolma_cc"
 WARCS = ["dolma_wget/sample-0000.warc.gz", "dolma_wget/sample-0001.warc.gz",
@@ -285,8 +285,8 @@ def test_a_stage_killed_in_its_corpus_level_steps_redoes_only_their_unfinished_t
     the output is a fresh run's, byte for byte."""
     from corpus_helpers import DiesPartWay
 
-    import tasks.collect.dedup.exact_dedup as exact_dedup
-    import tasks.collect.dedup.near as dedup
+    import gristmill.tasks.collect.dedup.exact_dedup as exact_dedup
+    import gristmill.tasks.collect.dedup.near as dedup
 
     monkeypatch.setattr(exact_dedup, "RUN_ROWS", 16)
     original = sorted((shared_data / DOLMA).glob("*.jsonl"))[0]

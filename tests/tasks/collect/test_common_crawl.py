@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 from corpus_helpers import CRAWL, WARC_FILES
 
-import tasks.collect.read.common_crawl as cc
-from tasks.collect.read.common_crawl import CommonCrawlSource, DownloadError
-from tasks.collect.read.readers import RawDoc, read_file
+import gristmill.tasks.collect.read.common_crawl as cc
+from gristmill.tasks.collect.read.common_crawl import CommonCrawlSource, DownloadError
+from gristmill.tasks.collect.read.readers import RawDoc, read_file
 
 FAST = {"retries": 3, "timeout_s": 5.0, "backoff_s": 0.01}  # tests must not sleep for seconds
 

@@ -14,13 +14,13 @@ import pydantic
 import pytest
 from corpus_helpers import DiesPartWay, ShuffledEngine
 
-import tasks.collect.dedup.minhash as minhash
-import tasks.collect.dedup.near as dedup
-from core.stage import SerialEngine
-from tasks.collect.dedup.config import DedupConfig
-from tasks.collect.dedup.index import DedupIndex
-from tasks.collect.dedup.near import near_dedup
-from tasks.collect.dedup.neardup_set import build_labelled_set, cluster_pairs, precision_recall
+import gristmill.tasks.collect.dedup.minhash as minhash
+import gristmill.tasks.collect.dedup.near as dedup
+from gristmill.core.stage import SerialEngine
+from gristmill.tasks.collect.dedup.config import DedupConfig
+from gristmill.tasks.collect.dedup.index import DedupIndex
+from gristmill.tasks.collect.dedup.near import near_dedup
+from gristmill.tasks.collect.dedup.neardup_set import build_labelled_set, cluster_pairs, precision_recall
 
 REPO = Path(__file__).resolve().parents[3]
 CFG = DedupConfig()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from pipeline_helpers import REPO, cli_env
 
-from tasks.collect.config import Config, fingerprint
-from tasks.collect.read import demo_crawl
+from gristmill.tasks.collect.config import Config, fingerprint
+from gristmill.tasks.collect.read import demo_crawl
 
 # Installed for the tests or the docs only, none of them in the corpus: what a base install lacks.
 NOT_CORPUS = ("pytest", "mkdocs", "ruff", "pyright", "lm-eval", "moto", "playwright", "hypothesis")
@@ -86,7 +86,7 @@ def _venv(root: Path, hide: set[str] = frozenset(), changed: dict[str, str] | No
 
 
 def _gristmill(python: Path | str, home: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(python), "-m", "flows.cli", *args], cwd=REPO, env=cli_env(home),
+    return subprocess.run([str(python), "-m", "gristmill", *args], cwd=REPO, env=cli_env(home),
                           capture_output=True, text=True, timeout=300)
 
 

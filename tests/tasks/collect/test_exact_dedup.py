@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from corpus_helpers import DiesPartWay, ShuffledEngine
 
-import tasks.collect.dedup.exact_dedup as exact_dedup
-from core.stage import SerialEngine
+import gristmill.tasks.collect.dedup.exact_dedup as exact_dedup
+from gristmill.core.stage import SerialEngine
 
 
 def _hashes(n: int, distinct: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

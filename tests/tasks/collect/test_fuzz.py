@@ -23,17 +23,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tasks.collect.read.fuzz as fuzz
-import tasks.collect.read.readers as readers
-from tasks.collect.config import Config
-from tasks.collect.read.readers import (
+import gristmill.tasks.collect.read.fuzz as fuzz
+import gristmill.tasks.collect.read.readers as readers
+from gristmill.tasks.collect.config import Config
+from gristmill.tasks.collect.read.readers import (
     FILE_LEVEL_ERRORS,
     SUPPORTED_SUFFIXES,
     RawDoc,
     Skipped,
     read_file,
 )
-from tasks.collect.stage import document_event
+from gristmill.tasks.collect.stage import document_event
 
 CFG = Config(blocked_domains=("blocked.example.org",))
 NO_SAMPLE = {"error_empty_file", "error_no_text_column"}  # the only errors without a sample

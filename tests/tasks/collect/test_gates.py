@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import flows.gates as flow_gates
-from core.stage import Manifest
-from infra.artifacts import ArtifactStore
-from tasks.collect.output.gates import GatesConfig, Trip, check, samples, step_of
+import gristmill.flows.gates as flow_gates
+from gristmill.core.stage import Manifest
+from gristmill.infra.artifacts import ArtifactStore
+from gristmill.tasks.collect.output.gates import GatesConfig, Trip, check, samples, step_of
 
 OFF = GatesConfig(max_removed_fraction=None, max_removed_fraction_per_step=None, max_reason_fraction=None)
 SOURCE = "demo:python-docs"
@@ -257,8 +257,8 @@ def test_no_answer_in_time_is_a_rejection(tmp_path, edges, monkeypatch):
 
 
 def test_gates_are_not_part_of_the_collect_key():
-    from flows.config import load_config
-    from flows.dag import plan
+    from gristmill.flows.config import load_config
+    from gristmill.flows.dag import plan
 
     store = ArtifactStore(Path("/nonexistent"))
     keys = [plan(load_config("configs/tiny.yaml", overrides), store, until="collect")[0].key

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from tasks.collect.output.mixing import MixConfig, mix_documents
+from gristmill.tasks.collect.output.mixing import MixConfig, mix_documents
 
 
 def _docs(source: str, count: int, nbytes: int = 400) -> list[dict]:

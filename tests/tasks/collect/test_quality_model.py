@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from tasks.collect.clean.quality_model import (
+from gristmill.tasks.collect.clean.quality_model import (
     DEMO_STDLIB,
     QualityConfig,
     QualityModel,
@@ -20,7 +20,7 @@ from tasks.collect.clean.quality_model import (
     stdlib_files,
     train_quality_model,
 )
-from tasks.collect.read.readers import RawDoc, extract_text, read_file, resolve_source
+from gristmill.tasks.collect.read.readers import RawDoc, extract_text, read_file, resolve_source
 
 FAST = dict(ngram_buckets=1 << 12, epochs=10)
 PROSE_TEXT = ("the river the valley a farmer walked slowly towards village while evening light fell "
@@ -126,7 +126,7 @@ def test_cross_fit_scores_are_the_same_scored_on_an_engine_in_any_order(monkeypa
     in a shuffled order, give the scores of one pass in this process."""
     from corpus_helpers import ShuffledEngine
 
-    import tasks.collect.clean.quality_model as quality_model
+    import gristmill.tasks.collect.clean.quality_model as quality_model
 
     reference = _toy(PROSE, 40, 0)
     crawl = _toy(SPAM, 30, 1) + _toy(PROSE, 10, 2)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from core.files import file_digest
-from core.sources import input_digest
-from tasks.collect.read.readers import (
+from gristmill.core.files import file_digest
+from gristmill.core.sources import input_digest
+from gristmill.tasks.collect.read.readers import (
     FILE_LEVEL_ERRORS,
     RawDoc,
     Skipped,

@@ -18,10 +18,10 @@ from datatrove.utils.text import split_into_sentences, split_into_words
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import tasks.collect.clean.filters as text_filters
-import tasks.collect.clean.rules as rules
-import tasks.collect.stage as collect
-from tasks.collect.read.pages import shared_pages
+import gristmill.tasks.collect.clean.filters as text_filters
+import gristmill.tasks.collect.clean.rules as rules
+import gristmill.tasks.collect.stage as collect
+from gristmill.tasks.collect.read.pages import shared_pages
 
 CFG = collect.Config()
 REPO = Path(__file__).resolve().parents[3]

@@ -6,8 +6,8 @@ import gzip
 import json
 from pathlib import Path
 
-from core.stage import Manifest
-from tasks.evaluate.contamination import (
+from gristmill.core.stage import Manifest
+from gristmill.tasks.evaluate.contamination import (
     contaminated_items,
     training_sources,
     training_texts,

@@ -11,11 +11,11 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-import tasks.evaluate.stage as evaluate
-from core.stage import Manifest, SerialEngine
-from core.units import bits_per_byte
-from tasks.evaluate import compression
-from tasks.evaluate.config import fingerprint
+import gristmill.tasks.evaluate.stage as evaluate
+from gristmill.core.stage import Manifest, SerialEngine
+from gristmill.core.units import bits_per_byte
+from gristmill.tasks.evaluate import compression
+from gristmill.tasks.evaluate.config import fingerprint
 
 # --- pure arithmetic ----------------------------------------------------------------------------
 
@@ -250,8 +250,8 @@ def test_stage_writes_results_and_the_contamination_marks(stage_run):
 
 
 def test_batched_generation_matches_one_at_a_time(tiny_model_dir):
-    from core.arithmetic import problems
-    from core.chat import prompt_ids
+    from gristmill.core.arithmetic import problems
+    from gristmill.core.chat import prompt_ids
 
     model, tok = evaluate.load_model(tiny_model_dir, "cpu")
     prompts = [prompt_ids(tok, [{"role": "user", "content": p.question}])
@@ -264,7 +264,7 @@ def test_batched_generation_matches_one_at_a_time(tiny_model_dir):
 
 def test_arithmetic_accuracy_counts_correct_answers(monkeypatch, tiny_model_dir):
     """With generation stubbed to answer only even-valued problems correctly, accuracy is their share."""
-    import core.arithmetic as arithmetic
+    import gristmill.core.arithmetic as arithmetic
 
     model, tok = evaluate.load_model(tiny_model_dir, "cpu")
     probs = arithmetic.problems("test", 10, seed=3)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.evaluate.engine import EvalOptions, evaluate_task, load_model
-from tasks.evaluate.formats import load_task, piqa_labels_path, read_records
-from tasks.evaluate.lm_eval_tasks.standard import convert, write_task
+from gristmill.tasks.evaluate.engine import EvalOptions, evaluate_task, load_model
+from gristmill.tasks.evaluate.formats import load_task, piqa_labels_path, read_records
+from gristmill.tasks.evaluate.lm_eval_tasks.standard import convert, write_task
 
 pytest.importorskip("lm_eval")
 
@@ -126,7 +126,7 @@ def test_copa_with_another_delimiter_differs_from_lm_evals_copa(standard, shared
 def test_the_comparison_can_fail(both, tiny_model_dir):
     """Scoring the choice without its leading space (another prompt convention) gives numbers
     lm-eval does not: the equality above is not vacuous."""
-    from tasks.evaluate.scoring import LoglikScorer
+    from gristmill.tasks.evaluate.scoring import LoglikScorer
 
     sample = both[1]["gristmill_arc_easy"][0]
     (context, continuation), expected = sample["arguments"][0], sample["resps"][0][0][0]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.cli import main
-from tasks.evaluate import metrics
-from tasks.evaluate.config import Config
-from tasks.evaluate.engine import EvalOptions, _choice
-from tasks.evaluate.formats import EvalDataError, TaskData, foundry_task, load_task
-from tasks.evaluate.generation import fewshot_prompt, final_number
+from gristmill.flows.cli import main
+from gristmill.tasks.evaluate import metrics
+from gristmill.tasks.evaluate.config import Config
+from gristmill.tasks.evaluate.engine import EvalOptions, _choice
+from gristmill.tasks.evaluate.formats import EvalDataError, TaskData, foundry_task, load_task
+from gristmill.tasks.evaluate.generation import fewshot_prompt, final_number
 
 
 def _jsonl(path: Path, records: list) -> Path:
@@ -101,7 +101,7 @@ def test_mmlu_prompt_and_flagged_items_are_counted(shared_data):
 def test_choice_scoring_acc_norm_and_chance():
     """acc is the argmax of summed log-likelihoods; acc_norm divides by choice length in characters."""
     data = TaskData(name="t", path="t.jsonl", format="mc", kind="choice", items=[], problems={}, records=2)
-    from tasks.evaluate.formats import _mc
+    from gristmill.tasks.evaluate.formats import _mc
 
     data.items = [_mc(0, {"query": "Q", "choices": ["a", "bbbbbbbbbb"], "gold": 1}, " "),
                   _mc(1, {"query": "Q", "choices": ["x", "y", "z"], "gold": 0}, " ")]
@@ -229,8 +229,8 @@ def test_an_unparsable_gsm8k_answer_is_a_counted_problem(tmp_path):
 
 
 def test_the_delimiter_option_scores_that_task_with_it(tiny_model_dir, tmp_path, shared_data, capsys):
-    from tasks.evaluate.engine import load_model
-    from tasks.evaluate.scoring import LoglikScorer
+    from gristmill.tasks.evaluate.engine import load_model
+    from gristmill.tasks.evaluate.scoring import LoglikScorer
 
     copa = shared_data / "eval" / "copa" / "copa_part1.jsonl"
     code, out = _evaluate(tiny_model_dir, copa, tmp_path, "--limit", "1", "--delimiter", "copa_part1=\\nAnswer: ")
@@ -280,7 +280,7 @@ def test_a_limit_beyond_the_file_scores_all_and_says_so(tiny_model_dir, tmp_path
 
 def test_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """The JSON is renamed into place after the per-item file: a crash in between leaves no JSON."""
-    from tasks.evaluate import engine
+    from gristmill.tasks.evaluate import engine
 
     real = engine._atomic_write
     monkeypatch.setattr(engine, "_atomic_write", lambda path, text: (real(path, text) if path.suffix == ".jsonl"
@@ -292,8 +292,8 @@ def test_results_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 def test_shared_prefix_packing_equals_scoring_each_request_alone(tiny_model_dir):
     """One row per item (common prefix once, a 4D mask) gives each request's own numbers."""
-    from tasks.evaluate.engine import load_model
-    from tasks.evaluate.scoring import LoglikScorer, _pack
+    from gristmill.tasks.evaluate.engine import load_model
+    from gristmill.tasks.evaluate.scoring import LoglikScorer, _pack
 
     packed = _pack([([1, 2, 3, 4], [4]), ([1, 2, 5, 6, 7], [6, 7]), ([1, 2], [2])])
     assert packed.tokens == [1, 2, 3, 4, 5, 6, 7] and packed.positions == [0, 1, 2, 3, 2, 3, 4]

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from train_helpers import MODEL, pretrain_config, untimed, write_tokens
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tasks.pretrain.stage as pretrain
-from core.stage import Manifest, SerialEngine, read_metrics
-from model.presets import ModelConfig, build_model
+import gristmill.tasks.pretrain.stage as pretrain
+from gristmill.core.stage import Manifest, SerialEngine, read_metrics
+from gristmill.model.presets import ModelConfig, build_model
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,15 @@ from safetensors.torch import load_file
 from train_helpers import untimed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tasks.sft.stage as sft
-from core.chat import render_with_mask
-from core.stage import Manifest, SerialEngine, read_metrics
-from model.config import LoraConfig
-from model.loop import IGNORE_INDEX, causal_lm_loss, token_loss_sum
-from model.lora import apply_lora
-from model.packing import collate_packed, pack_examples, packed_logits
-from tasks.sft.config import fingerprint
-from tasks.sft.conversations import drop_reason, load_conversations, oasst_threads
+import gristmill.tasks.sft.stage as sft
+from gristmill.core.chat import render_with_mask
+from gristmill.core.stage import Manifest, SerialEngine, read_metrics
+from gristmill.model.config import LoraConfig
+from gristmill.model.loop import IGNORE_INDEX, causal_lm_loss, token_loss_sum
+from gristmill.model.lora import apply_lora
+from gristmill.model.packing import collate_packed, pack_examples, packed_logits
+from gristmill.tasks.sft.config import fingerprint
+from gristmill.tasks.sft.conversations import drop_reason, load_conversations, oasst_threads
 
 N = None  # an unscored label position, in the spelled-out expectations below
 
@@ -435,7 +435,7 @@ def test_tokens_per_step_needs_packing(pretrain_manifest, tmp_path):
 
 
 def test_lora_and_packing_from_pipeline_overrides():
-    from flows.config import load_config
+    from gristmill.flows.config import load_config
 
     cfg = load_config(None, ["sft.lora.rank=4", "sft.packing=true"]).sft
     assert cfg.packing and cfg.lora == LoraConfig(rank=4) and cfg.lora.alpha == 16

@@ -14,11 +14,11 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-import tasks.tokenize.stage as tokenize
-from core.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, render_with_mask
-from core.files import iter_jsonl
-from core.stage import Manifest, SerialEngine, StageResult
-from tasks.tokenize.config import fingerprint
+import gristmill.tasks.tokenize.stage as tokenize
+from gristmill.core.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, render_with_mask
+from gristmill.core.files import iter_jsonl
+from gristmill.core.stage import Manifest, SerialEngine, StageResult
+from gristmill.tasks.tokenize.config import fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +323,7 @@ def test_output_does_not_depend_on_worker_order(stage_run, tmp_path):
 
 @pytest.mark.slow
 def test_ray_workers_write_the_same_shards(stage_run, tmp_path):
-    from infra.ray_engine import RayEngine
+    from gristmill.infra.ray_engine import RayEngine
 
     collect, config, out = stage_run.collect, stage_run.config, stage_run.out
     engine = RayEngine(num_workers=2)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from gristmill.infra import env
 
 if TYPE_CHECKING:
-    from gristmill.flows.dag import PlannedStage
+    pass
 
 # What `run` prints when a signal stopped it.
 RESUME_NOTE = "finished stages and checkpoints are kept, run the same command again to resume"
@@ -72,8 +72,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     import yaml
 
     from gristmill.flows.config import ConfigError, load_config
-    from gristmill.flows.dag import launch_problems_of, open_store, plan, writing_problem
+    from gristmill.flows.dag import demo_corpus, launch_problems_of, open_store, plan, writing_problem
     from gristmill.flows.launch import per_node_command
+    from gristmill.tasks.collect.read.demo_crawl import DEMO_SOURCE
 
     artifacts = env.artifacts_root(env.home_path())
     try:
@@ -84,10 +85,15 @@ def _dry_run(args: argparse.Namespace) -> int:
         return _fail(error)
     if problem := writing_problem(store, env.home_path()):  # as the run would: it could not commit
         return _fail(problem)
+    if problems := env.requirement_problems():  # an older torch, a dependency removed since the install
+        return _fail("; ".join(problems))
     if not args.explain:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
-    if note := _demo_corpus_note(planned):
-        print(note)
+    if demo := demo_corpus(planned):  # before the plan, whose rows scripts read up to the end
+        digest, difference = demo
+        print(f"\n# {DEMO_SOURCE} (collect): {digest}")
+        if difference:
+            print(f"gristmill: {difference}", file=sys.stderr)
     print(f"\n# plan (artifacts under {artifacts})")
     for stage in planned:
         print(f"{stage.spec.name:<9} {stage.key}  {'reuse' if stage.complete else 'run'}")
@@ -105,19 +111,6 @@ def _dry_run(args: argparse.Namespace) -> int:
     if problems := launch_problems_of(planned):
         return _fail("; ".join(problems))
     return 0
-
-
-def _demo_corpus_note(planned: list[PlannedStage]) -> str | None:
-    """What the collect stage's demo source reads, as its key digests it: the same on every machine
-    with the pinned distributions (tasks/collect/read/demo_crawl.py). Printed before the plan, whose rows
-    scripts read up to the end."""
-    from gristmill.flows.stages import COLLECT
-    from gristmill.tasks.collect.read import demo_crawl
-
-    collect = next((stage.config for stage in planned if stage.spec.name == COLLECT.name), None)
-    if not isinstance(collect, COLLECT.config) or demo_crawl.DEMO_SOURCE not in collect.sources:
-        return None
-    return f"\n# {demo_crawl.DEMO_SOURCE} (collect): {demo_crawl.corpus_digest()}"
 
 
 def _serve(args: argparse.Namespace) -> int:

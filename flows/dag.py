@@ -15,10 +15,11 @@ from typing import Any
 from gristmill.core.launch import LaunchConfig, launch_problems, sharding_problems
 from gristmill.core.stage import Engine, Manifest, StageConfig, StageResult
 from gristmill.flows.config import PipelineConfigBase
-from gristmill.flows.stages import StageSpec, contracts, stages_until
+from gristmill.flows.stages import COLLECT, StageSpec, contracts, stages_until
 from gristmill.infra import env
 from gristmill.infra.artifacts import ArtifactStore, home_store, stage_key
 from gristmill.model.config import LoopConfig
+from gristmill.tasks.collect.read import demo_crawl
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +80,18 @@ def writing_problem(store: ArtifactStore, home: Path) -> str | None:
     if problem := env.unwritable(store.root):
         return f"artifact store {store.root}: {problem}"
     return None
+
+
+def demo_corpus(planned: list[PlannedStage]) -> tuple[demo_crawl.CorpusDigest, str | None] | None:
+    """What the collect stage's demo source reads, as its key digests it, and the line saying how
+    that differs from the reference corpus (None when it is the reference); None when the plan
+    reads no demo source (tasks/collect/read/demo_crawl.py)."""
+    collect = next((stage.config for stage in planned if stage.spec.name == COLLECT.name), None)
+    if not isinstance(collect, COLLECT.config) or demo_crawl.DEMO_SOURCE not in collect.sources:
+        return None
+    packages = demo_crawl.list_packages()
+    digest = demo_crawl.corpus_digest(packages)
+    return digest, demo_crawl.reference_difference(packages, digest)
 
 
 def launch_problems_of(planned: list[PlannedStage]) -> list[str]:

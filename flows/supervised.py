@@ -58,7 +58,7 @@ def _gates(error: Exception) -> int:
 def run(config: str, overrides: list[str], until: str | None = None, approve_gates: bool = False) -> int:
     """Plan the run, start the embedded services a run needs and run the pipeline flow."""
     from gristmill.flows.config import ConfigError
-    from gristmill.flows.dag import launch_problems_of, open_store, plan, writing_problem
+    from gristmill.flows.dag import demo_corpus, launch_problems_of, open_store, plan, writing_problem
 
     home = env.gristmill_home()
     try:
@@ -71,8 +71,12 @@ def run(config: str, overrides: list[str], until: str | None = None, approve_gat
         return _fail(error)
     if problem := writing_problem(store, home):  # a read-only store: not at the first commit
         return _fail(problem)
+    if problems := env.requirement_problems():  # an older torch, a dependency removed since the install
+        return _fail("; ".join(problems))
     if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
         return _fail("; ".join(problems))
+    if (demo := demo_corpus(planned)) and demo[1]:  # not the reference corpus: the run goes on
+        print(f"gristmill: {demo[1]}", file=sys.stderr)
     services = EmbeddedServices(home)
     services.launch()  # Prefect's server boots beside the imports below (docs/benchmarks.md)
     return _run(pipeline_config, services, until, approve_gates)

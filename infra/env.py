@@ -171,3 +171,30 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{base}+{commit}" if commit else base
+
+
+def requirement_problems(distribution: str = "gristmill") -> list[str]:
+    """Each of `distribution`'s installed requirements (not its extras') that this environment
+    does not meet, one line each naming the requirement: a torch older than the lowest tested, a
+    dependency removed after the install. Empty when `distribution` is not installed (the lean
+    GPU check runs the training path from a checkout) or everything is met."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        requires = metadata.requires(distribution) or []
+    except metadata.PackageNotFoundError:
+        return []
+    problems = []
+    for requirement in map(Requirement, requires):
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue  # an extra's, or another platform's
+        try:
+            version = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{distribution} needs {requirement.name}{requirement.specifier} (not installed)")
+            continue
+        if not requirement.specifier.contains(version, prereleases=True):
+            problems.append(f"{distribution} needs {requirement.name}{requirement.specifier} (installed: {version})")
+    return problems

@@ -77,7 +77,7 @@ def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path):
 
 
 def test_the_compute_budget_command_imports_no_heavy_module(tmp_path):
-    script = ("import contextlib, io, json, sys\nfrom flows.cli import main\n"
+    script = ("import contextlib, io, json, sys\nfrom gristmill.flows.cli import main\n"
               "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
               "    code = main(['plan', '125m'])\n"
               "print(json.dumps({'code': code, 'flops': 'flops' in out.getvalue(), 'loaded': "

@@ -35,7 +35,7 @@ print(json.dumps({{
 """
 # The deployment entrypoint of prefect.yaml: configures, then imports the flow module, whose
 # first import is Prefect.
-ENTRYPOINT = "import flows.deployment"
+ENTRYPOINT = "import gristmill.flows.deployment"
 
 
 def _settings(tmp_path: Path, first: str) -> dict:

@@ -129,7 +129,7 @@ def test_the_supervisor_removes_its_childs_scratch_folder_however_it_stops(stop,
     """The child dies by itself (SIGKILL) or is stopped through the supervisor (SIGTERM, Ctrl-C)
     without cleaning up: the scratch folder it was given is gone when `supervise` returns."""
     out = tmp_path / "scratch-path"
-    runner = ("import sys; from infra.supervisor import supervise; "
+    runner = ("import sys; from gristmill.infra.supervisor import supervise; "
               f"sys.exit(supervise([sys.executable, '-c', {CHILD!r}, {stop!r}, {str(out)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", runner], cwd=REPO, start_new_session=True,
                             stderr=subprocess.DEVNULL)

@@ -2,24 +2,27 @@
 
 The text is real, human-written English that every gristmill install has on disk: the long
 description in a distribution's METADATA (its PyPI page) and the Markdown, reStructuredText and
-HTML documents it ships. Which distributions are read is fixed here (`CORPUS`) and their versions
-are the ones gristmill's own requirements pin exactly (pyproject.toml), so installing or removing
-any other package changes neither the corpus nor an artifact key, and every machine with those pins
-reads the same bytes. A corpus distribution that is missing or at another version stops a run when it
-is planned (`list_packages`), in one line naming each.
+HTML documents it ships. Which distributions are read is fixed here (`CORPUS`), so installing or
+removing any other package changes neither the corpus nor an artifact key. Their versions are the
+environment's: the corpus is named by its digest, not by a frozen environment. Installed from the
+lock (uv.lock), it is the reference corpus (`REFERENCE_FILE`: its digest and versions), the one
+docs/benchmarks.md's figures were measured on. Any other environment runs too, and the plan says
+so in one line (`reference_difference`): its corpus, and so its artifact keys and figures, differ.
 
 Records come as the readers' `RawDoc` (HTML through the same trafilatura path as a web crawl), in
 a deterministic order: packages sorted by normalized name, then METADATA, then the package's files
 sorted. URLs look like `python-package://<name>/<version>/<file>`. `corpus_digest` digests what a
 run would read (the plan's key for the source; `gristmill run --dry-run` prints it).
 
-    python -m gristmill.tasks.collect.read.demo_crawl      # the corpus's distributions and its digest
+    python -m gristmill.tasks.collect.read.demo_crawl      # the corpus's distributions, its digest, the reference's
+    python -m gristmill.tasks.collect.read.demo_crawl --write-reference   # after `uv lock` moved a corpus version
 """
 from __future__ import annotations
 
 import csv
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import sys
@@ -37,15 +40,17 @@ TEXT_SUFFIXES = (".md", ".rst")
 # Licence texts are legal boilerplate repeated across packages, not documentation.
 _LEGAL_NAME = re.compile(r"licen[cs]e|copying|notice", re.IGNORECASE)
 MAX_FILE_BYTES = 2_000_000  # larger shipped files are generated dumps, not prose
-# The distribution whose requirements pin the corpus's versions (pyproject.toml's `dependencies`).
-PINNED_BY = "gristmill"
+# The reference corpus: the digest and the versions of the corpus's distributions as the lock
+# installs them (on Python 3.11, as the README and CI install), written by `--write-reference`;
+# tests/tasks/collect/test_demo_corpus.py checks them against uv.lock and this environment.
+REFERENCE_FILE = Path(__file__).with_name("demo_reference.json")
 # The corpus: distributions every install of gristmill brings on every platform (its direct
 # requirements, and the transitive ones no environment marker makes optional), normalized names:
 # the direct ones but torch, whose build (CPU, CUDA), and so its version string and files, differs
 # per machine; and the transitive ones whose documents each kept at least 1.5 KB of text through
 # the tiny preset's cleaning when the list was drawn, which is nearly all the text all of them give
-# (docs/benchmarks.md#figures-behind-defaults). Each needs an exact pin (`name==version`) in
-# pyproject.toml; changing the list or a pin changes the corpus and every key downstream.
+# (docs/benchmarks.md#figures-behind-defaults). Changing the list changes the corpus and every key
+# downstream.
 CORPUS = (
     "accelerate", "aioitertools", "aiosignal", "aiosqlite", "alembic", "amplitude-analytics", "annotated-doc",
     "annotated-types", "anyio", "apprise", "asgi-lifespan", "asyncpg", "attrs", "blis", "botocore",
@@ -64,12 +69,6 @@ CORPUS = (
     "transformers", "trl", "typing-extensions", "tzlocal", "uncalled-for", "urllib3", "uvicorn", "warcio",
     "weasel", "websockets", "werkzeug", "whenever", "wrapt", "wtforms", "zstandard",
 )
-# `name[extras]==version` with no environment marker: the only form of pin that fixes a version
-# on every machine.
-_EXACT_PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*==\s*([^\s;,]+)\s*$")
-INSTALL_HINT = "install gristmill again (`uv pip install -e .`, docs/stages.md#the-data-of-the-default-run)"
-
-
 def normalize_name(name: str) -> str:
     """PEP 503 normalization, so `Foo_Bar` and `foo-bar` are one package."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -90,38 +89,15 @@ def _distribution(name: str) -> importlib.metadata.Distribution | None:
     return next(iter(importlib.metadata.distributions(name=name, path=_environment_path())), None)
 
 
-def pinned_versions() -> dict[str, str]:
-    """normalized name -> version of each exact, unconditional pin in gristmill's installed
-    requirements (pyproject.toml's `dependencies` as they were when it was installed: what the
-    installer resolved against); ValueError when gristmill itself is not installed."""
-    dist = _distribution(PINNED_BY)
-    if dist is None:
-        raise ValueError(f"{DEMO_SOURCE}: its versions are {PINNED_BY}'s pins, and {PINNED_BY} is not "
-                         f"installed: {INSTALL_HINT}")
-    pins = (_EXACT_PIN.match(requirement) for requirement in dist.requires or [])
-    return {normalize_name(pin[1]): pin[2] for pin in pins if pin}
-
-
 def list_packages() -> list[tuple[str, str]]:
-    """(name as the distribution spells it, version) of each corpus distribution, sorted by
-    normalized name. ValueError in one line naming every one that is not pinned exactly, not
-    installed or installed at another version than its pin."""
-    pins = pinned_versions()
-    found, problems = [], []
+    """(name as the distribution spells it, version) of each corpus distribution installed here,
+    sorted by normalized name; one that is missing is not read (`reference_difference` counts it)."""
+    found = []
     for name in sorted(CORPUS):
         dist = _distribution(name)
-        metadata = dist.metadata if dist is not None else None  # parsed on each access: once here
-        if name not in pins:
-            problems.append(f"{name} (pyproject.toml pins no exact version)")
-        elif metadata is None:
-            problems.append(f"{name} {pins[name]} (not installed)")
-        elif metadata["Version"] != pins[name]:
-            problems.append(f"{name} {pins[name]} (installed: {metadata['Version']})")
-        else:
-            found.append((metadata["Name"] or name, pins[name]))
-    if problems:
-        raise ValueError(f"{DEMO_SOURCE} reads {len(CORPUS)} distributions at the versions {PINNED_BY} pins; "
-                         f"not so here: {', '.join(problems)}; {INSTALL_HINT}")
+        if dist is not None:
+            metadata = dist.metadata  # parsed on each access: once here
+            found.append((metadata["Name"] or name, metadata["Version"]))
     return found
 
 
@@ -135,15 +111,15 @@ class CorpusDigest:
     sha256: str
 
     def __str__(self) -> str:
-        return (f"{self.packages} distributions at the versions {PINNED_BY} pins (pyproject.toml), "
-                f"{self.documents} documents, {self.nbytes / 1e6:.2f} MB, sha256 {self.sha256[:16]}")
+        return (f"{self.packages} distributions, {self.documents} documents, {self.nbytes / 1e6:.2f} MB, "
+                f"sha256 {self.sha256[:16]}")
 
 
-def corpus_digest() -> CorpusDigest:
-    """Digest of the records the crawl would read now (0.13 s on 2 cores; planning calls it): the
-    pinned versions fix them, but a corpus distribution installed from a source tree (editable)
-    changes its files in place."""
-    packages = list_packages()
+def corpus_digest(packages: Sequence[tuple[str, str]] | None = None) -> CorpusDigest:
+    """Digest of the records the crawl would read now of `packages` (default: `list_packages()`;
+    planning calls it): the bytes read, not the versions, since a corpus distribution installed
+    from a source tree (editable) changes its files in place."""
+    packages = list_packages() if packages is None else packages
     digest, documents, nbytes = hashlib.sha256(), 0, 0
     for record in iter_records(packages):
         documents += 1
@@ -154,6 +130,44 @@ def corpus_digest() -> CorpusDigest:
         nbytes += len(payload)
         digest.update(f"{record.url} {hashlib.sha256(payload).hexdigest()}\n".encode())
     return CorpusDigest(packages=len(packages), documents=documents, nbytes=nbytes, sha256=digest.hexdigest())
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The corpus as the lock installs it: its digest and each distribution's version."""
+
+    sha256: str
+    versions: dict[str, str]  # normalized name -> version
+
+
+def reference() -> Reference:
+    return Reference(**json.loads(REFERENCE_FILE.read_text()))
+
+
+def reference_difference(packages: Sequence[tuple[str, str]], digest: CorpusDigest) -> str | None:
+    """None when this environment reads the reference corpus; otherwise one line saying how it
+    differs (a run goes on: only its keys and figures are its own)."""
+    known = reference()
+    if digest.sha256 == known.sha256:
+        return None
+    installed = {normalize_name(name): version for name, version in packages}
+    moved = [name for name, version in known.versions.items() if installed.get(name, version) != version]
+    missing = [name for name in known.versions if name not in installed]
+    return (f"demo corpus {digest.sha256[:16]} differs from the reference {known.sha256[:16]}: "
+            f"{len(moved)} distributions at other versions, {len(missing)} missing; "
+            "artifact keys and figures will differ")
+
+
+def write_reference() -> Reference:
+    """Record this environment's corpus as the reference (run it in an environment installed from
+    the lock, after a change to the lock moved a corpus distribution)."""
+    packages = list_packages()
+    if missing := sorted(set(CORPUS) - {normalize_name(name) for name, _ in packages}):
+        raise ValueError(f"{DEMO_SOURCE}: not installed here, so not a reference: {', '.join(missing)}")
+    known = Reference(sha256=corpus_digest(packages).sha256,
+                      versions={normalize_name(name): version for name, version in packages})
+    REFERENCE_FILE.write_text(json.dumps(known.__dict__, indent=1, sort_keys=True) + "\n")
+    return known
 
 
 def _description(metadata) -> str:
@@ -218,6 +232,14 @@ def iter_records(packages: Sequence[tuple[str, str]]) -> Iterator[ReadEvent]:
 
 
 if __name__ == "__main__":
-    for name, version in list_packages():
-        print(f"{name}=={version}")
-    print(corpus_digest())
+    if sys.argv[1:] == ["--write-reference"]:
+        write_reference()
+    known, packages = reference(), list_packages()
+    for name, version in packages:
+        expected = known.versions.get(normalize_name(name))
+        print(f"{name}=={version}" + ("" if version == expected else f"  (reference: {expected})"))
+    for name in sorted(set(known.versions) - {normalize_name(name) for name, _ in packages}):
+        print(f"{name}: not installed (reference: {known.versions[name]})")
+    digest = corpus_digest(packages)
+    print(digest)
+    print(reference_difference(packages, digest) or f"the reference corpus, sha256 {known.sha256[:16]}")

@@ -1,6 +1,7 @@
-"""The default run's text (`demo:python-docs`, tasks/collect/read/demo_crawl.py) is fixed by gristmill's pins:
-installing or removing any other package leaves every artifact key as it was, and a pinned
-distribution missing or at another version stops the run when it is planned, in one line.
+"""The default run's text (`demo:python-docs`, tasks/collect/read/demo_crawl.py) is named by its digest:
+installed from the lock it is the reference corpus, installing or removing any other package
+leaves every artifact key as it was, and an environment whose corpus distributions differ runs
+with one line at plan time saying so, and plans keys of its own.
 
 Other environments are real venvs made in a second (`python -m venv --without-pip`) whose
 site-packages links to this one's entries, less some, plus a package of our own."""
@@ -25,11 +26,10 @@ PROBE_README = ("probe-pkg is a small package that a user installs beside gristm
                 "enough to pass every cleaning rule of the tiny preset, and it ships a README as well.\n") * 20
 
 
-def _pins() -> dict[str, str]:
-    """normalized name -> version of each `name==version` pin in pyproject.toml's dependencies."""
-    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = (re.fullmatch(r"([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==([^;\s]+)", d.strip()) for d in dependencies)
-    return {demo_crawl.normalize_name(pin[1]): pin[2] for pin in pins if pin}
+def _locked_versions() -> dict[str, str]:
+    """normalized name -> version of each distribution in uv.lock."""
+    lock = tomllib.loads((REPO / "uv.lock").read_text())
+    return {demo_crawl.normalize_name(package["name"]): package["version"] for package in lock["package"]}
 
 
 def _dist_info(site_packages: Path, name: str) -> Path | None:
@@ -100,17 +100,24 @@ def _installed(python: Path, names: tuple[str, ...]) -> dict[str, str | None]:
                                check=True).stdout)
 
 
-def test_the_corpus_is_the_pinned_distributions():
-    pins = _pins()
-    assert set(demo_crawl.CORPUS) <= set(pins), set(demo_crawl.CORPUS) - set(pins)
+def test_the_lock_installs_the_reference_corpus():
+    """The reference's versions are the lock's, and this environment (installed from the lock, as
+    the README's commands and CI install) reads the reference's bytes."""
+    known, locked = demo_crawl.reference(), _locked_versions()
+    assert sorted(known.versions) == sorted(demo_crawl.CORPUS)
     assert "torch" not in demo_crawl.CORPUS  # its build, and so its version string, differs per machine
-    packages = [(demo_crawl.normalize_name(name), version) for name, version in demo_crawl.list_packages()]
-    assert packages == [(name, pins[name]) for name in sorted(demo_crawl.CORPUS)]
+    assert known.versions == {name: locked.get(name) for name in demo_crawl.CORPUS}
+    packages = demo_crawl.list_packages()
+    assert {demo_crawl.normalize_name(name): version for name, version in packages} == known.versions
+    digest = demo_crawl.corpus_digest(packages)
+    assert digest.sha256 == known.sha256 and digest.packages == len(demo_crawl.CORPUS)
+    assert demo_crawl.reference_difference(packages, digest) is None
 
 
 def test_other_packages_installed_or_removed_leave_every_key(tmp_path):
     """A base install lacks the test tools; a user adds packages of their own. Neither changes the
-    demo's digest or any stage's key, as `--dry-run` prints them."""
+    demo's digest or any stage's key, as `--dry-run` prints them: two environments with the lock's
+    corpus plan equal keys."""
     ours = Path(site.getsitepackages()[0])
     removed = {name for name in NOT_CORPUS if _dist_info(ours, name)}
     assert removed, "none of the test-only distributions is installed here"
@@ -124,15 +131,40 @@ def test_other_packages_installed_or_removed_leave_every_key(tmp_path):
     assert there.stdout == here.stdout  # the config, the demo's digest, every stage's key
 
 
-def test_a_pinned_distribution_missing_or_at_another_version_stops_the_plan_in_one_line(tmp_path):
-    pins = _pins()
-    python = _venv(tmp_path / "venv", hide={"wtforms"}, changed={"tqdm": "0.0.1"})
-    proc = _gristmill(python, tmp_path / "home", "run", "configs/tiny.yaml", "--until", "collect")
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gristmill: demo:python-docs"), proc.stderr
-    assert f"tqdm {pins['tqdm']} (installed: 0.0.1)" in lines[0]
-    assert f"wtforms {pins['wtforms']} (not installed)" in lines[0]
+def _keys(stdout: str) -> dict[str, str]:
+    """stage -> artifact key, from a `--dry-run`'s plan rows."""
+    plan = stdout[stdout.index("\n# plan"):].splitlines()[1:]
+    return {row.split()[0]: row.split()[1] for row in plan if len(row.split()) == 3}
+
+
+def test_another_corpus_runs_with_one_line_and_keys_of_its_own(tmp_path):
+    """A corpus distribution at another version and one missing: the plan says so in one line and
+    goes on, with another collect key (and so every key downstream); the run computes it."""
+    python = _venv(tmp_path / "venv", hide={"wtforms"}, changed={"jmespath": "0.0.1"})
+    here = _gristmill(sys.executable, tmp_path / "home", "run", "configs/tiny.yaml", "--dry-run")
+    there = _gristmill(python, tmp_path / "home", "run", "configs/tiny.yaml", "--dry-run")
+    assert here.returncode == there.returncode == 0, there.stderr
+    assert here.stderr == ""
+    known = demo_crawl.reference().sha256[:16]
+    line = re.fullmatch(r"gristmill: demo corpus ([0-9a-f]{16}) differs from the reference ([0-9a-f]{16}): "
+                        r"1 distributions at other versions, 1 missing; artifact keys and figures will differ\n",
+                        there.stderr)
+    assert line and line[2] == known and line[1] != known, there.stderr
+    ours, theirs = _keys(here.stdout), _keys(there.stdout)
+    assert list(ours) == list(theirs) and all(ours[stage] != theirs[stage] for stage in ours)
+    run = _gristmill(python, tmp_path / "home", "run", "configs/tiny.yaml", "--until", "collect")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert there.stderr in run.stderr  # said once at plan time, and the run went on
+    assert (tmp_path / "home" / "artifacts" / "collect" / f"collect-{theirs['collect']}" / "manifest.json").is_file()
+
+
+def test_a_requirement_the_environment_does_not_meet_stops_the_plan_in_one_line(tmp_path):
+    """A torch older than the lowest one tested: one line naming the requirement, before anything runs."""
+    python = _venv(tmp_path / "venv", changed={"torch": "2.10.0"})
+    for args in (["--dry-run"], ["--until", "collect"]):
+        proc = _gristmill(python, tmp_path / "home", "run", "configs/tiny.yaml", *args)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.stderr == "gristmill: gristmill needs torch>=2.11 (installed: 2.10.0)\n"
     assert not (tmp_path / "home" / "artifacts").exists()  # stopped before anything ran
 
 
@@ -162,7 +194,7 @@ def test_the_demo_reads_the_environment_wherever_a_run_starts(tmp_path):
     info = checkout / f"{name}.egg-info"
     info.mkdir(parents=True)
     (info / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nA checkout.\n")
-    probe = "from tasks.collect.read.demo_crawl import corpus_digest; print(corpus_digest())"
+    probe = "from gristmill.tasks.collect.read.demo_crawl import corpus_digest; print(corpus_digest())"
     seen = [subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True,
                            check=True).stdout for cwd in (checkout, tmp_path)]
     assert seen[0] == seen[1] == f"{demo_crawl.corpus_digest()}\n"

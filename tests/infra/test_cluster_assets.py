@@ -199,17 +199,18 @@ def _copy_sources(dockerfile: str) -> list[str]:
     return sources
 
 
-def test_dockerfile_copies_what_exists_and_installs_the_pinned_torch():
+def test_dockerfile_copies_what_exists_installs_the_readmes_torch_then_the_lock():
     text = DOCKERFILE.read_text()
     sources = _copy_sources(text)
-    assert {"pyproject.toml", "core", "flows", "infra", "tasks", "model", "configs"} <= set(sources)
+    assert {"pyproject.toml", "uv.lock", "gristmill", "core", "flows", "infra", "tasks", "model",
+            "configs"} <= set(sources)
     assert [s for s in sources if not (REPO / s).exists()] == []
     ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
     assert not ignored & set(sources)  # excluded from the context, COPY would fail
-    pyproject = (REPO / "pyproject.toml").read_text()
-    pin = re.search(r'"(torch==[\d.]+)"', pyproject).group(1)
+    pin = re.search(r"pip install (?:-q )?(torch==[\d.]+) uv", (REPO / "README.md").read_text()).group(1)
     assert f"pip install {pin};" in text  # CPU: the README's exact install
     assert re.search(rf"pip install {re.escape(pin)} --index-url \"\$CUDA_INDEX\"", text)  # CUDA
+    assert "uv export --locked" in text and "uv pip install --system --no-deps ." in text
     assert _image_tags() == {"gristmill:cpu", "gristmill:cuda"}
 
 

@@ -41,7 +41,7 @@ TEXT_SUFFIXES = (".md", ".rst")
 _LEGAL_NAME = re.compile(r"licen[cs]e|copying|notice", re.IGNORECASE)
 MAX_FILE_BYTES = 2_000_000  # larger shipped files are generated dumps, not prose
 # The reference corpus: the digest and the versions of the corpus's distributions as the lock
-# installs them (on Python 3.11, as the README and CI install), written by `--write-reference`;
+# installs them (on Python 3.11, as the two commands and CI install), written by `--write-reference`;
 # tests/tasks/collect/test_demo_corpus.py checks them against uv.lock and this environment.
 REFERENCE_FILE = Path(__file__).with_name("demo_reference.json")
 # The corpus: distributions every install of gristmill brings on every platform (its direct

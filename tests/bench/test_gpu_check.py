@@ -1,5 +1,6 @@
 """`python -m bench gpu` runs on a bare GPU image: here on the CPU, in a fresh venv holding only what
-such an image has (CPU torch 2.13 standing in for its torch, transformers 5.17) plus the wheels the
+such an image has, each at the lowest version pyproject.toml allows (CPU torch 2.13, the oldest this
+machine installs without a CUDA download, standing in for its torch 2.11), plus the wheels the
 check carries. An import of Prefect, Ray, MLflow or anything else off that list from the training
 path fails this test."""
 from __future__ import annotations
@@ -9,14 +10,23 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from gristmill.core.gpu_image import CARRIED
 
 REPO = Path(__file__).resolve().parents[2]
-# The GPU image's packages (docs/development.md#the-gpu-check), at this machine's CPU torch.
-IMAGE = ["torch==2.13.0", "transformers==5.17.0", "accelerate==1.15.0", "tokenizers==0.23.3", "numpy",
-         "safetensors", "pyyaml", "psutil"]
+# The GPU image's packages (docs/development.md#the-gpu-check) but torch.
+IMAGE = ("transformers", "accelerate", "tokenizers", "numpy", "safetensors", "pyyaml", "psutil")
+
+
+def _lowest(names: tuple[str, ...]) -> list[str]:
+    """`name==<lower bound>` of each of `names`, as pyproject.toml declares them."""
+    declared = map(Requirement, tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
+    bounds = {r.name.lower(): s.version for r in declared for s in r.specifier if s.operator == ">="}
+    return [f"{name}=={bounds[name]}" for name in names]
 
 
 def _bare_venv(root: Path) -> Path:
@@ -26,7 +36,7 @@ def _bare_venv(root: Path) -> Path:
     uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     installer = ([uv, "pip", "install", "-q", "--python", str(python)] if uv
                  else [python, "-m", "pip", "install", "-q"])
-    subprocess.run([*installer, *IMAGE, *CARRIED], check=True)
+    subprocess.run([*installer, *_lowest(IMAGE), *CARRIED], check=True)
     return python
 
 

@@ -1,8 +1,8 @@
 """Training stages launched as several processes from the DAG (`<stage>.launch`, core/launch.py):
 Accelerate's launcher started and supervised by the stage (2 ranks over gloo), a rank killed and
-the stage resumed, the per-node command of a cluster without Ray (two machine ranks on this
-machine), no checkpoint left in the folder a launched stage commits, and launches that cannot
-start refused at plan time."""
+the stage resumed, from a folder whose own `model.py` and `tasks/` no process may import; the
+per-node command of a cluster without Ray (two machine ranks on this machine), no checkpoint left
+in the folder a launched stage commits, and launches that cannot start refused at plan time."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pipeline_helpers import REPO, TinyRun, checkpoint_steps, cli_env, committed_dir, gristmill
+from pipeline_helpers import (
+    REPO,
+    TinyRun,
+    checkpoint_steps,
+    cli_env,
+    committed_dir,
+    committed_files,
+    gristmill,
+    manifest_files,
+)
 from pydantic import ValidationError
 
 from gristmill.core.launch import LaunchConfig, launch_problems
@@ -73,12 +82,35 @@ def _ranks(pid: int) -> dict[int, psutil.Process]:
     return ranks
 
 
+# The names our packages had before they lived under gristmill.* (the repository's top-level
+# folders): a run's processes start with their working directory first on sys.path (`python -m`),
+# and Ray's workers put the driver's there too, so any import of these names would find the decoys.
+DECOYS = ("model.py", "tasks/__init__.py", "core/__init__.py", "flows/__init__.py", "infra/__init__.py")
+DECOY = """import os, pathlib, sys
+pathlib.Path({marker!r}, f"{name}-{{os.getpid()}}").write_text(" ".join(sys.argv))
+raise ImportError("the decoy {name} of " + {folder!r} + " was imported")
+"""
+
+
+def _decoy_folder(folder: Path) -> tuple[Path, Path]:
+    """`folder` holding the DECOYS, each of which, imported, records the importing process's command
+    line in a file of the returned marker folder (empty while none was) and raises."""
+    marker = folder.parent / f"{folder.name}-imported"
+    marker.mkdir(parents=True)
+    for decoy in DECOYS:
+        path = folder / decoy
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(DECOY.format(marker=str(marker), name=decoy.split("/")[0].removesuffix(".py"),
+                                     folder=str(folder)))
+    return folder, marker
+
+
 def _start_and_await_a_checkpoint(args: list[str], home: Path, env: dict[str, str],
                                   ranks: Callable[[subprocess.Popen], dict[int, psutil.Process]],
-                                  ) -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
-    """`args` started, once a checkpoint newer than those in `home` is written: the run and its ranks."""
+                                  cwd: Path = REPO) -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
+    """`args` started in `cwd`, once a checkpoint newer than those in `home` is written: the run and its ranks."""
     before = max(checkpoint_steps(home), default=0)
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while max(checkpoint_steps(home), default=0) <= before and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
@@ -101,25 +133,33 @@ def _stops_on(signum: signal.Signals, proc: subprocess.Popen, ranks: dict[int, p
 
 @pytest.mark.slow
 def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(tiny_run, prefect_server, tmp_path):
-    """Against the shared (inline, one-process) run, in a home holding its collect and tokenize:
+    """Against the shared (inline, one-process) run, in a home holding its collect:
 
-    1. pretrain with 2 Accelerate processes from the DAG: Ctrl-C after a checkpoint stops the
-       run, the launcher and both ranks within 10 s; the next run resumes, and rank 1 is killed
-       (-9) after a newer checkpoint: the stage fails with one line naming the rank;
+    1. tokenize (on Ray), then pretrain with 2 Accelerate processes from the DAG: Ctrl-C after a
+       checkpoint stops the run, the launcher and both ranks within 10 s; the next run resumes,
+       and rank 1 is killed (-9) after a newer checkpoint: the stage fails with one line naming
+       the rank;
     2. the re-run resumes from the checkpoint; the loss curve and validation loss are the shared
-       run's within 1e-4, under the same key, and the manifest records the launch;
+       run's within 1e-4, under the same key, and the manifest records the launch. These runs
+       start in a folder holding its own `model.py` and `tasks/` (DECOYS): no process of theirs,
+       the CLI's, its pipeline child, a Ray worker or a rank, imports one;
     3. SFT by hand on a cluster without Ray, sharded: the per-node command `--dry-run` prints, as
        two machine ranks on this machine (gloo, one process each) with `sft.fsdp=true`, trains the
        shared run's SFT curve, exports the gathered model and commits what the pipeline then reuses."""
-    home = tiny_run.home_with(tmp_path / "home", ("collect", "tokenize"))
+    home = tiny_run.home_with(tmp_path / "home", ("collect",))
+    elsewhere, imported = _decoy_folder(tmp_path / "elsewhere")
     two = ["pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
-    args = [sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *tiny_run.overrides, *two,
-            "pretrain.checkpoint_every=20", "--until", "pretrain"]
+    run = [sys.executable, "-m", "gristmill", "run", str(REPO / "configs" / "tiny.yaml"), *tiny_run.overrides, *two]
+    args = [*run, "pretrain.checkpoint_every=20", "--until", "pretrain"]
 
     def start_and_await_a_checkpoint() -> tuple[subprocess.Popen, dict[int, psutil.Process]]:
-        return _start_and_await_a_checkpoint(args, home, cli_env(home, prefect_server), lambda proc: _ranks(proc.pid))
+        return _start_and_await_a_checkpoint(args, home, cli_env(home, prefect_server), lambda proc: _ranks(proc.pid),
+                                             cwd=elsewhere)
 
     _stops_on(signal.SIGINT, *start_and_await_a_checkpoint())
+    assert committed_files(home, "tokenize") == manifest_files(tiny_run.committed["tokenize"])
+    tokenized = json.loads((committed_dir(home, "tokenize") / "manifest.json").read_text())
+    assert tokenized["stats"]["units_per_node"]  # its shards were encoded by Ray's workers, here
     proc, ranks = start_and_await_a_checkpoint()  # a rank killed: the stage fails in one line
     killed_at = max(checkpoint_steps(home))
     ranks[1].kill()
@@ -130,10 +170,12 @@ def test_ranks_train_as_one_process_does_resume_after_a_kill_and_commit_by_hand(
     assert "resuming from step" in out + err  # from the checkpoint the Ctrl-C left
     assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
 
-    rerun = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *two, "--until", "pretrain",
-                      services=prefect_server)
+    rerun = subprocess.run([*run, "--until", "pretrain"], cwd=elsewhere, env=cli_env(home, prefect_server),
+                           capture_output=True, text=True, timeout=1200)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
     _resumed_to_the_shared_result(rerun.stdout + rerun.stderr, home, tiny_run, killed_at,
                                   {"backend": "accelerate", "processes": 2, "nodes": 1, "world_size": 2})
+    assert {path.name: path.read_text() for path in imported.iterdir()} == {}
 
     # SFT from the shared run's own pretrained weights, so its curve can be compared step by step.
     home = tiny_run.home_with(tmp_path / "sft-home", ("collect", "tokenize", "pretrain"))

@@ -64,8 +64,8 @@ def test_signatures_pinned_and_same_in_a_fresh_process():
     assert sig.shape == (1, CFG.bands * CFG.rows) and sig.dtype == np.uint32
     assert sig[0, :6].tolist() == [112999632, 81728182, 1475216617, 18663248, 100027817,
                                    190312850]
-    code = (f"from gristmill.tasks.collect.dedup import config as dedup, minhash; print(minhash.minhash_signatures([{TEXT!r}], "
-            "dedup.DedupConfig())[0].tolist())")
+    code = ("from gristmill.tasks.collect.dedup import config as dedup, minhash; "
+            f"print(minhash.minhash_signatures([{TEXT!r}], dedup.DedupConfig())[0].tolist())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True).stdout
     assert out.strip() == str(sig[0].tolist())

@@ -159,12 +159,16 @@ def test_another_corpus_runs_with_one_line_and_keys_of_its_own(tmp_path):
 
 
 def test_a_requirement_the_environment_does_not_meet_stops_the_plan_in_one_line(tmp_path):
-    """A torch older than the lowest one tested: one line naming the requirement, before anything runs."""
-    python = _venv(tmp_path / "venv", changed={"torch": "2.10.0"})
+    """A torch older than the lowest one tested, or the S3 backend removed after the install: one
+    line naming the requirement, before anything runs."""
+    older_torch = _venv(tmp_path / "older-torch", changed={"torch": "2.10.0"})
     for args in (["--dry-run"], ["--until", "collect"]):
-        proc = _gristmill(python, tmp_path / "home", "run", "configs/tiny.yaml", *args)
+        proc = _gristmill(older_torch, tmp_path / "home", "run", "configs/tiny.yaml", *args)
         assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert proc.stderr == "gristmill: gristmill needs torch>=2.11 (installed: 2.10.0)\n"
+    no_s3 = _venv(tmp_path / "no-s3", hide={"s3fs"})
+    proc = _gristmill(no_s3, tmp_path / "home", "run", "configs/tiny.yaml", "--dry-run")
+    assert (proc.returncode, proc.stderr) == (2, "gristmill: gristmill needs s3fs>=2026.9 (not installed)\n")
     assert not (tmp_path / "home" / "artifacts").exists()  # stopped before anything ran
 
 

@@ -1,6 +1,6 @@
 """Learning claims over seeds: how much each alignment method gains over its measured "before".
 
-    GRISTMILL_HOME=... python -m bench claims [--seeds 0,1,2,3,4] [--methods grpo,dpo,ppo] [overrides ...]
+    GRISTMILL_HOME=... python -m bench claims [--seeds 0,1,2,3,4] [--methods grpo,dpo,ppo] [--smoke] [overrides ...]
 
 Needs a GRISTMILL_HOME where `gristmill run configs/tiny.yaml --until sft` (with the same
 overrides) has finished: the align stage runs on that SFT model once per method and seed, with the
@@ -13,6 +13,9 @@ run, and as min/median/max per claim (the end-to-end tests' thresholds sit below
     ppo   heldout_rm_accuracy                  trained reward model vs its untrained head (this
                                                seed's draw, and the mean over 32 random heads)
           heldout_rm_score                     reward-model score of greedy replies, PPO vs SFT
+
+`--smoke`: seed 0, each method a step or two on a few pairs (bench/smoke.py ALIGN, after the
+overrides given: they leave the SFT model the same).
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import smoke
 
 CLAIMS = {"grpo": ("heldout_accuracy", "heldout_format"), "dpo": ("heldout_logp_acc", "heldout_logp_margin"),
           "ppo": ("heldout_rm_accuracy", "heldout_rm_score")}
@@ -61,7 +66,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--methods", default="grpo,dpo,ppo")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, seeds="0", note="each method a step or two on a few pairs")
+    if args.smoke:
+        args.overrides = [*args.overrides, *smoke.ALIGN]
 
     import torch
 

@@ -1,6 +1,6 @@
 """Cleaning throughput: our chain against datatrove's executor, and from 1 to 2 Ray workers.
 
-    python -m bench clean [--docs 2000] [--repeats 3] [--chunks 8]
+    python -m bench clean [--docs 2000] [--repeats 3] [--chunks 8] [--smoke]
 
 Documents: the text of every page in the shared WARC files and JSONL documents
 (../shared/data/{warc,jsonl}), extracted once with the collect stage's readers before any timing,
@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import gristmill.tasks.collect.stage as collect
+from bench import smoke
 from gristmill.tasks.collect.clean.cleaning import CleanOutcome, clean_documents
 from gristmill.tasks.collect.clean.langid import bundled_ft176
 from gristmill.tasks.collect.read.pages import Page, shared_pages
@@ -222,7 +223,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--docs", type=int, default=2000, help="documents per timed run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=8, help="work units per map (all methods)")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, docs=40, repeats=1, chunks=2)
     from gristmill.infra.env import OFFLINE_AND_QUIET
 
     for name, value in OFFLINE_AND_QUIET.items():  # read by ray at import

@@ -1,7 +1,8 @@
 """Cluster benchmark: the tiny preset's pretrain on two Ray nodes (one worker each), the nodes
 sharing only a bucket against the same nodes sharing a disk, side by side:
 
-    python -m bench cluster [--repeats 3] [--steps 100] [--checkpoint-every 25]
+    python -m bench cluster [--repeats 3] [--steps 100] [--checkpoint-every 25] [--upstream HOME] [--smoke]
+                            [overrides ...]
 
 One cluster serves both sides: the head and a second node on this machine (tests/ray_cluster.py),
 the second in a mount namespace of its own with an empty tmpfs over the system temp dir.
@@ -13,11 +14,15 @@ the second in a mount namespace of its own with an empty tmpfs over the system t
 
 Each repeat runs both sides (in turns, a different one first each round, so a noisy shared machine
 weighs on both alike) in a fresh home holding the same collect and tokenize artifacts, computed once
-beforehand. Per side: the median seconds of the pretrain stage (its manifest's meta.seconds: the
-Ray Train launch, training, checkpoints, and for `bucket` rank 0's outputs through the bucket) and
-the median of its mean seconds a checkpoint (the stage's `checkpoint_s` stat: writing, and for
-`bucket` uploading). The last line is one JSON object: wall_ratio (bucket / shared) and
-checkpoint_s per side.
+beforehand (or copied from `--upstream HOME`, a run of the same overrides that holds them). Per
+side: the median seconds of the pretrain stage (its manifest's meta.seconds: the Ray Train launch,
+training, checkpoints, and for `bucket` rank 0's outputs through the bucket) and the median of its
+mean seconds a checkpoint (the stage's `checkpoint_s` stat: writing, and for `bucket` uploading).
+The last line is one JSON object: wall_ratio (bucket / shared) and checkpoint_s per side. Overrides
+given apply to every run (the upstream and both sides).
+
+`--smoke`: one round of 4 steps, a checkpoint every 2, the preset shrunk to seconds a stage
+(bench/smoke.py RUN) unless overrides are given.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench"
@@ -107,16 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=100, help="pretrain.max_steps")
     parser.add_argument("--checkpoint-every", type=int, default=25)
-    args = parser.parse_args(argv)
-    pretrain = [f"pretrain.max_steps={args.steps}", f"pretrain.checkpoint_every={args.checkpoint_every}",
-                "pretrain.launch.backend=ray", "pretrain.launch.processes=1", "pretrain.launch.nodes=2",
-                "--until", "pretrain"]
+    parser.add_argument("--upstream", type=Path, help="a GRISTMILL_HOME holding collect and tokenize of the same "
+                        "overrides (default: computed first)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides of every run")
+    args = smoke.parse(parser, argv, repeats=1, steps=4, checkpoint_every=2, overrides=smoke.RUN)
+    pretrain = [*args.overrides, f"pretrain.max_steps={args.steps}",
+                f"pretrain.checkpoint_every={args.checkpoint_every}", "pretrain.launch.backend=ray",
+                "pretrain.launch.processes=1", "pretrain.launch.nodes=2", "--until", "pretrain"]
     private_root = Path(tempfile.mkdtemp(prefix="gristmill-bench-cluster-"))  # the second node has none of it
     shared_root = Path(tempfile.mkdtemp(prefix="gristmill-bench-cluster-", dir="/var/tmp"))  # both nodes see it
     runs: dict[str, list[dict[str, float]]] = {"bucket": [], "shared": []}
     try:
-        seed = shared_root / "seed"
-        _run(seed, ["--until", "tokenize"], {})  # on this machine's own Ray: the upstream both sides reuse
+        seed = args.upstream or shared_root / "seed"
+        if args.upstream is None:  # on this machine's own Ray: the upstream both sides reuse
+            _run(seed, [*args.overrides, "--until", "tokenize"], {})
         with _s3_server() as aws, _cluster(private_root / "ray") as cluster:
             for round_ in range(args.repeats):
                 sides = list(runs) if round_ % 2 == 0 else list(reversed(runs))

@@ -2,7 +2,7 @@
 
     python -m bench dedup [--docs 2000] [--repeats 3] [--shared-data DIR] [--seeds 0,1,2,3]
                           [--bands 18 --rows 6 --band-layouts 2 --threshold 0.55]
-                          (default: DedupConfig's)
+                          (default: DedupConfig's) [--smoke]
 
 The labelled set (tasks/collect/dedup/neardup_set.py): real documents of ../shared/data, ~15% of them with 1-3
 edited copies, written once as a JSONL file in a temp dir. Every method reads that file and
@@ -45,6 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 COPIED_FRACTION = 0.15  # originals among the source documents
@@ -170,7 +172,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         parser.add_argument(f"--{name.replace('_', '-')}",
                             type=float if name == "threshold" else int,
                             help="DedupConfig field for ours and the peers (default: its default)")
-    return parser.parse_args(argv)
+    return smoke.parse(parser, argv, docs=200, repeats=1)
 
 
 def _measure(texts: list[str], truth: set[tuple[int, int]], cfg, repeats: int, root: Path):

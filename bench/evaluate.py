@@ -1,7 +1,7 @@
 """Items per second of gristmill's benchmark engine against lm-evaluation-harness on the same
 model, items and device, log-likelihood tasks and generation (GSM8K) measured separately.
 
-    python -m bench evaluate [--model DIR] [--items 40] [--gen-items 8] [--repeats 3] [--device cpu]
+    python -m bench evaluate [--model DIR] [--items 40] [--gen-items 8] [--repeats 3] [--device cpu] [--smoke]
 
 Without --model, a random Llama (hidden 256, 4 layers, a 4k BPE trained on tinyshakespeare) is
 built in a temp dir. Both sides run in this process on one loaded copy of the tasks: ours via
@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 LOGLIK = {"hellaswag/hellaswag_val_part1.jsonl": "gristmill_hellaswag",
@@ -79,7 +81,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads for both sides (1: steadier on a shared machine)")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, items=1, gen_items=1, batch_size=2, repeats=1)
     import torch
 
     torch.set_num_threads(args.threads)

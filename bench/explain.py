@@ -1,6 +1,6 @@
 """`gristmill run --dry-run --explain` over a store that holds many runs.
 
-    python -m bench explain [--runs 100] [--repeats 5]
+    python -m bench explain [--runs 100] [--repeats 5] [--smoke]
 
 Fills a fresh store with the manifests of `--runs` earlier runs of the tiny preset (each run a
 different pretrain.lr and seed, so every training stage has `--runs` artifacts, and collect and
@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, runs=2, repeats=1)
     with tempfile.TemporaryDirectory(prefix="bench-explain-") as home:
         env = {**os.environ, "GRISTMILL_HOME": home}
         os.environ["GRISTMILL_HOME"] = home

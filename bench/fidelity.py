@@ -1,7 +1,7 @@
 """gristmill's benchmark scores against lm-evaluation-harness's own standard tasks on the shared
 files, and the effect of each difference: the ones this engine removed and the ones that remain.
 
-    python -m bench fidelity [--model DIR] [--items 50] [--device cpu]
+    python -m bench fidelity [--model DIR] [--items 50] [--device cpu] [--smoke]
 
 The files are converted to each standard task's schema (tasks/evaluate/lm_eval_tasks/standard.py)
 and lm-eval 0.4.13 runs its own task definitions on them, in this process, offline. Each row sets
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import smoke
 from bench.evaluate import build_model, model_and_data_arguments
 
 FILES = {"copa": "copa/copa_part1.jsonl", "boolq": "boolq/boolq_part1.jsonl", "piqa": "piqa/valid_part1.jsonl",
@@ -103,7 +104,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--train-steps", type=int, default=300, help="training of the default model (0: random)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    # 3 items: MMLU's first two records are flagged, and a task with no item left is refused
+    args = smoke.parse(parser, argv, items=3, train_steps=1)
     import torch
 
     torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """The GPU check: the training stages' own code on every visible GPU of a bare machine, in minutes.
 
-    python -m bench gpu [--steps 30] [--work DIR]
+    python -m bench gpu [--steps 30] [--work DIR] [--smoke]
     python -m bench gpu --fetch-wheels [--python-version 3.12]     # where pip can download
 
 It needs only Python >= 3.11 with torch >= 2.11, accelerate, transformers >= 5.17, tokenizers,
@@ -43,6 +43,7 @@ from pathlib import Path
 
 import yaml
 
+from bench import smoke
 from gristmill.core.gpu_image import CARRIED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,7 +198,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--work", type=Path, help="where the parts write (default: a temporary directory)")
     parser.add_argument("--fetch-wheels", action="store_true", help="download the carried wheels into .whl/")
     parser.add_argument("--python-version", default="3.12", help="with --fetch-wheels: the GPU image's Python")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, steps=2)
     if args.fetch_wheels:
         return _fetch_wheels(args.python_version)
     cuda, processes, device = _device()

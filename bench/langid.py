@@ -1,6 +1,6 @@
 """Language-ID accuracy of the cleaning chain's fastText model (lid.176.ftz) per language.
 
-    python -m bench langid [--data DIR]
+    python -m bench langid [--data DIR] [--smoke]
 
 DIR holds `<code>.txt` files of labelled sentences, one a line (default: ../shared/data/
 multilingual/lingua_sentences, 300 sentences for each of 75 languages). Prints a table, weakest
@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import smoke
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -24,7 +26,7 @@ def main(argv: list[str]) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path,
                         default=REPO.parent / "shared" / "data" / "multilingual" / "lingua_sentences")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, note="the whole labelled set still: about a second")
     from gristmill.tasks.collect.clean.langid import accuracy_by_language, load_model, overall_accuracy
 
     load_model()  # time the predictions, not the one-off load

@@ -1,7 +1,7 @@
 """Memory of the collect stage against corpus size: the tiny preset's collect config on the demo
 corpus (1x) and on four times as many distinct documents (4x).
 
-    python -m bench memory [--repeats 3] [--workers 2]
+    python -m bench memory [--repeats 3] [--workers 2] [--max-docs-per-source N] [--smoke]
 
 Corpora. 1x: the tiny preset's collect config as it is (`demo:python-docs`). 4x: the same config
 with three more sources, JSONL files of spliced copies of the demo's documents (their extracted
@@ -9,7 +9,8 @@ text, read once before any measurement): copy k (1-3) of document i is the first
 lines followed by the second half of the lines of document (i + k*n/4) mod n, so every copy is
 real package documentation, distinct from every other document (exact dedup keeps it) and shares
 about a third of its shingles with its two parents (near dedup, at Jaccard 0.55, keeps most of
-them; the table says how many it removed).
+them; the table says how many it removed). `--max-docs-per-source N` reads at most N documents of
+each source (`collect.max_docs_per_source`), so 4x stays four times 1x.
 
 Each run is a fresh process (`--child`) that runs `gristmill.tasks.collect.stage.run` as the pipeline does:
 on RayEngine(--workers) inside infra.memory.PeakRSS, whose figure the pipeline records as the
@@ -33,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = (1, 4)
@@ -98,7 +101,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from gristmill.infra.ray_engine import RayEngine
 
     config = collect.Config.model_validate({**_tiny_collect().model_dump(), "sources": spec["sources"],
-                                            "num_workers": spec["workers"]})
+                                            "num_workers": spec["workers"],
+                                            "max_docs_per_source": spec["max_docs_per_source"]})
     out = Path(spec["out"])
     out.mkdir(parents=True)
     before = _rss_bytes()
@@ -123,9 +127,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "docs_out": stats["docs_out"], "bytes_out": stats["bytes_out"]}
 
 
-def _run_child(sources: list[str], workers: int, trace: bool, work: Path) -> dict[str, Any]:
+def _run_child(sources: list[str], workers: int, trace: bool, work: Path,
+               max_docs_per_source: int | None = None) -> dict[str, Any]:
     out = work / "out"
-    spec = {"sources": sources, "workers": workers, "trace": trace, "out": str(out)}
+    spec = {"sources": sources, "workers": workers, "trace": trace, "out": str(out),
+            "max_docs_per_source": max_docs_per_source}
     try:
         proc = subprocess.run([sys.executable, "-m", "bench.memory", "--child", json.dumps(spec)],
                               cwd=REPO, capture_output=True, text=True)
@@ -145,8 +151,9 @@ def main(argv: list[str]) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=_tiny_collect().num_workers)
+    parser.add_argument("--max-docs-per-source", type=int, help="documents read of each source (default: all)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, repeats=1, workers=1, max_docs_per_source=30)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
@@ -157,7 +164,8 @@ def main(argv: list[str]) -> int:
         for repeat in range(args.repeats):
             for scale in SCALES:  # interleaved, so a busier moment of the machine hits both
                 for trace in (False, True):
-                    runs[scale].append(_run_child(sources[scale], args.workers, trace, work))
+                    runs[scale].append(_run_child(sources[scale], args.workers, trace, work,
+                                                  args.max_docs_per_source))
                     print(f"repeat {repeat} {scale}x trace={trace}: {runs[scale][-1]}",
                           file=sys.stderr, flush=True)
     print(f"{'corpus':>6} {'docs in':>8} {'exact-dedup':>11} {'near-dups':>9} {'docs out':>8} "

@@ -1,6 +1,6 @@
 """Pipeline benchmark: the tiny pipeline cold vs fully reused, and what the orchestration adds.
 
-    python -m bench pipeline [--repeats 2] [--noop-stages 6] [overrides ...]
+    python -m bench pipeline [--repeats 2] [--noop-stages 6] [--smoke] [overrides ...]
 
 1. `cold_s`: `gristmill run configs/tiny.yaml` in a fresh GRISTMILL_HOME (new process each time);
    `reused_s`: the same command again over the finished store (every stage reused), with the
@@ -16,6 +16,9 @@
 3. Per-stage overhead of Prefect task + MLflow child run + artifact store, on a stage that does
    nothing: inside one flow, N no-op stages computed (fresh keys) and then reused, against calling
    the no-op stage function directly.
+
+`--smoke`: one repeat of each, two no-op stages, the preset shrunk to seconds a stage (bench/smoke.py
+RUN) unless overrides are given.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,6 +93,8 @@ def new_home_services(repeats: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats + 1):  # the first, unrecorded, builds the templates
             for name, templates in (("new_home_services", "1"), ("new_home_services_unseeded", "0")):
+                if not repeat and templates == "0":
+                    continue  # builds nothing
                 home = Path(tmp) / f"home-{repeat}-{templates}"
                 env = {**os.environ, "GRISTMILL_HOME": str(home), "GRISTMILL_CACHE": str(Path(tmp) / "cache"),
                        "GRISTMILL_SCHEMA_TEMPLATES": templates}
@@ -117,7 +124,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--noop-stages", type=int, default=6)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, repeats=1, noop_stages=2, overrides=smoke.RUN)
     times = pipeline_times(args.repeats, args.overrides) | new_home_services(args.repeats)
     overhead = noop_overhead(args.noop_stages)
     median = {name: statistics.median(runs) for name, runs in times.items()}

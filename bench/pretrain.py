@@ -1,7 +1,7 @@
 """Training-loop throughput: our `gristmill.model.loop.train` against a minimal plain-PyTorch loop.
 
     python -m bench pretrain [--preset tiny] [--seq-len 256] [--batch-size 8] [--steps 30] [--repeats 3]
-                             [--threads 2] [--device cpu|cuda] [--compile] [--optimizer adamw|muon]
+                             [--threads 2] [--device cpu|cuda] [--compile] [--optimizer adamw|muon] [--smoke]
 
 Both train the same freshly seeded model on the same random-token batches with the same AdamW
 (same parameter groups, fused on CUDA), LR schedule, gradient clipping, precision (bf16 autocast
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from bench import smoke
 from gristmill.core.stage import MetricsLog
 from gristmill.model.loop import (
     LoopConfig,
@@ -121,8 +122,10 @@ class _Clock:
 
 
 def _plain(model: torch.nn.Module, get_batch: Callable, cfg: LoopConfig, device: torch.device) -> None:
-    """The minimal loop: forward, backward, clip, AdamW step, schedule step, read the loss."""
-    optimizer = make_optimizer(model, cfg)
+    """The minimal loop: forward, backward, clip, optimizer step, schedule step, read the loss."""
+    # the model's own parameter groups (Muon asks the model for its embeddings), not DDP's wrapper
+    optimizer = make_optimizer(model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                               else model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(
         s, cfg.max_steps, cfg.schedule, cfg.warmup_frac, cfg.decay_frac, cfg.min_lr_ratio))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -156,6 +159,8 @@ def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) ->
             clock = _Clock([{k: v[rank::world] for k, v in b.items()} for b in batches])
             model = torch.nn.parallel.DistributedDataParallel(model)
         _plain(model, clock, cfg, device)
+    elif args.work:  # one rank of a launch: every rank writes its share of a checkpoint where rank 0 does
+        train(model, clock, cfg, args.work, MetricsLog(args.work))
     else:
         with tempfile.TemporaryDirectory() as work:
             train(model, clock, cfg, Path(work), MetricsLog(Path(work)))
@@ -172,14 +177,15 @@ def _launched(mode: str, processes: int, argv: list[str], args: argparse.Namespa
     from gristmill.core.launch import LaunchConfig
     from gristmill.infra.launch import accelerate_argv
 
-    worker = ["-m", "bench", "pretrain", *argv, "--rank-of", mode]
-    if mode == "ours":
-        command = accelerate_argv(LaunchConfig(backend="accelerate", processes=processes), worker,
-                                  cuda=args.device == "cuda")
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                   str(processes), *worker]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with tempfile.TemporaryDirectory() as work:  # one folder for all ranks, as a stage's launch shares its own
+        worker = ["-m", "bench", "pretrain", *argv, "--rank-of", mode, "--work", work]
+        if mode == "ours":
+            command = accelerate_argv(LaunchConfig(backend="accelerate", processes=processes), worker,
+                                      cuda=args.device == "cuda")
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                       str(processes), *worker]
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     said = [line.split('{"rank_tokens_per_s"', 1)[1] for line in done.stdout.splitlines()
             if '{"rank_tokens_per_s"' in line]
     if done.returncode or not said:
@@ -226,7 +232,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--processes", type=int, default=1, help="data-parallel: ours launched as a stage "
                                                                   "launches it against torchrun, 1 and N processes")
     parser.add_argument("--rank-of", choices=["ours", "plain"], help=argparse.SUPPRESS)  # one rank of a launch
-    args = parser.parse_args(argv)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)  # the launch's folder, shared by its ranks
+    args = smoke.parse(parser, argv, steps=3, warmup_steps=0, repeats=1, seq_len=16, batch_size=2, vocab_size=256)
     if not 0 <= args.warmup_steps < args.steps - 1:
         parser.error("--warmup-steps must be below --steps - 1")
     return args

@@ -1,6 +1,6 @@
 """Cost of the progress display: the tiny preset's SFT stage with progress on and off.
 
-    python -m bench progress [--steps N] [--repeats 3] [--threads 2] [--corpus DIR]
+    python -m bench progress [--steps N] [--repeats 3] [--threads 2] [--corpus DIR] [--smoke]
 
 Inputs, built once: the tiny preset's model (configs/tiny.yaml `pretrain.model`, randomly
 initialised: its weights do not change what a step costs), a byte-level BPE of the preset's
@@ -35,6 +35,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,7 +141,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     shared = Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
     parser.add_argument("--corpus", type=Path, default=shared / "corpus")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, steps=2, repeats=1)
 
     scratch = Path(tempfile.mkdtemp(prefix="gristmill-bench-progress-"))
     os.environ["GRISTMILL_HOME"] = str(scratch / "home")  # before anything reads it

@@ -1,14 +1,15 @@
 """The pretraining recipe against compressors: val_bpb per change and per FLOP budget.
 
-    python -m bench recipe TOKENIZE_DIR [--changes NAME ...] [--seeds 0,1,2,3,4]
+    python -m bench recipe TOKENIZE_DIR [--changes NAME ...] [--seeds 0,1,2,3,4] [--change-steps N]
                            [--steps 150 300 600 1200] [--val-windows 160] [--target-bpb 1.891] [--out DIR]
+                           [--smoke]
 
 TOKENIZE_DIR is a tokenize artifact (`gristmill run configs/tiny.yaml --until tokenize`). Each run
 is `python -m gristmill.tasks.pretrain TOKENIZE_DIR OUT --config JSON`, one at a time: first each change in
 `CHANGES` on top of `RECIPE` (the best recipe measured, docs/benchmarks.md) over the tiny preset's
-`pretrain:` section (configs/tiny.yaml), once per seed of `--seeds` (default 0), with each change's
-val_bpb minus the recipe's per seed, then the recipe at each of `--steps`, seed 0
-(the FLOP curve; the cosine schedule spans each run's own length).
+`pretrain:` section (configs/tiny.yaml; its steps unless `--change-steps`), once per seed of `--seeds`
+(default 0), with each change's val_bpb minus the recipe's per seed, then the recipe at each of
+`--steps`, seed 0 (the FLOP curve; the cosine schedule spans each run's own length).
 Pretraining FLOPs are the manifest's (`gristmill.model.plan.flops_per_token` × tokens). `--target-bpb` is
 the figure to cross, e.g. the evaluate stage's `compression_xz_given_train_bpb` on the same split;
 the crossing is interpolated (or extrapolated, and said so) linearly in log FLOPs between the two
@@ -30,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from bench import smoke
 from gristmill.model.config import ModelConfig
 from gristmill.model.plan import flops_per_token
 
@@ -111,10 +113,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--target-bpb", type=float, default=1.891)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--seeds", default="0", help="comma-separated pretraining seeds of the changes")
-    args = ap.parse_args(argv)
+    ap.add_argument("--change-steps", type=int, help="steps of each change's run (default: the preset's)")
+    args = smoke.parse(ap, argv, changes=["recipe", "layers3"], seeds="0", change_steps=2, steps=[2, 3],
+                       val_windows=2)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-recipe-"))
     seeds = [int(s) for s in args.seeds.split(",")]
-    recipe, rows = with_change(preset_pretrain(None, args.val_windows), RECIPE), []
+    recipe, rows = with_change(preset_pretrain(args.change_steps, args.val_windows), RECIPE), []
     for seed, name in itertools.product(seeds, args.changes):
         cfg = {**with_change(recipe, CHANGES[name]), "seed": seed}
         r = pretrain(args.tokenize_dir, cfg, out / f"{name}-seed{seed}")

@@ -3,6 +3,7 @@ datatrove's equivalent pipeline on the same files, and from 1 to 2 workers.
 
     python -m bench scale --docs 10000,30000,100000 [--workers 1,2] [--sweep-docs 10000,30000]
                           [--datatrove-docs 10000] [--repeats 1] [--seed 0] [--keep DIR]
+                          [--docs-per-file 500] [--smoke]
 
 Corpus (one per N and seed, written to a temp dir, or under --keep): every document is distinct,
 made of whole paragraphs of the English text of ../shared/data (tasks/collect/dedup/neardup_set.py's
@@ -15,9 +16,9 @@ the filters must drop, in turn: foreign (10-16 lingua sentences of one non-Engli
 short (15-35 words of a paragraph), spam (a line repeated 12-25 times above a paragraph) and
 lorem (a document with a lorem-ipsum paragraph). Half the documents, at random, are HTML pages
 (a nav bar, an article, a footer) in WARC response records (warc/part-*.warc.gz), the rest
-dolma-style JSON lines (jsonl/part-*.jsonl.gz), 500 documents a file, so both systems get many
-files to share out. Bad input beside the N documents: each JSONL file has a line that is not JSON
-and a record without text, each WARC file an image response.
+dolma-style JSON lines (jsonl/part-*.jsonl.gz), 500 documents a file (`--docs-per-file`), so both
+systems get many files to share out. Bad input beside the N documents: each JSONL file has a line
+that is not JSON and a record without text, each WARC file an image response.
 
   ours       `gristmill run configs/tiny.yaml collect.sources=[warc dir, jsonl dir]
              collect.num_workers=W --until collect` in a fresh GRISTMILL_HOME (a new process:
@@ -95,7 +96,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.scale_corpus import write_corpus
+from bench import smoke
+from bench.scale_corpus import DOCS_PER_FILE, write_corpus
 from bench.scale_runs import (
     MB,
     _log,
@@ -126,7 +128,7 @@ def measure(args: argparse.Namespace, work: Path) -> Results:
     top = max(args.workers)
     for n in args.docs:
         started = time.perf_counter()
-        corpus = write_corpus(n, args.seed, work / f"corpus-{n}-{args.seed}")
+        corpus = write_corpus(n, args.seed, work / f"corpus-{n}-{args.seed}", docs_per_file=args.docs_per_file)
         res.corpus[n] = {"mb": round(corpus.nbytes / MB, 1), "planted_pairs": len(corpus.truth),
                          "junk": len(corpus.junk), "bad_records": corpus.bad_records,
                          "build_s": round(time.perf_counter() - started, 1)}
@@ -293,9 +295,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", type=Path, help="write corpora, homes and logs here and keep them")
     parser.add_argument("--ceiling-rounds", type=int, default=3,
                         help="rounds of the units' own 1 -> 2 ceiling at the largest sweep size (0: skip)")
+    parser.add_argument("--docs-per-file", type=int, default=DOCS_PER_FILE,
+                        help="documents a corpus file holds, of each kind (WARC, JSONL)")
     parser.add_argument("--datatrove-child", help=argparse.SUPPRESS)
     parser.add_argument("--units-child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    # Smoke: two sizes (the fits), both worker counts and datatrove at the smaller (the ratios, the
+    # 1 -> 2 pair, the ceiling, whose units need two files of each kind), the larger at 2 workers.
+    args = smoke.parse(parser, argv, docs=[100, 200], workers=[1, 2], sweep_docs=[100], datatrove_docs=[100],
+                       ceiling_rounds=1, docs_per_file=25)
     if args.datatrove_child:
         print(json.dumps(datatrove_child(json.loads(args.datatrove_child))))
         return 0

@@ -173,7 +173,8 @@ def _warc_record(writer, url: str, payload: bytes, content_type: str, n: int):
                                      http_headers=http, warc_headers_dict=headers)
 
 
-def write_corpus(n_docs: int, seed: int, root: Path, shared: Path = SHARED) -> Corpus:
+def write_corpus(n_docs: int, seed: int, root: Path, shared: Path = SHARED,
+                 docs_per_file: int = DOCS_PER_FILE) -> Corpus:
     from warcio.warcwriter import WARCWriter
 
     texts, truth, junk = build_texts(n_docs, seed, shared)
@@ -185,8 +186,8 @@ def write_corpus(n_docs: int, seed: int, root: Path, shared: Path = SHARED) -> C
     for kind in ("warc", "jsonl"):
         (root / kind).mkdir(parents=True)
         chosen = [i for i in range(n_docs) if is_html[i] == (kind == "warc")]
-        for f, start in enumerate(range(0, len(chosen), DOCS_PER_FILE)):
-            part = chosen[start:start + DOCS_PER_FILE]
+        for f, start in enumerate(range(0, len(chosen), docs_per_file)):
+            part = chosen[start:start + docs_per_file]
             bad_at = rng.randrange(len(part))
             if kind == "warc":
                 with open(root / kind / f"part-{f:05d}.warc.gz", "wb") as out:

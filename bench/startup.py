@@ -2,6 +2,7 @@
 the start-up saves.
 
     python -m bench startup [--rounds 5] [--cold-rounds 3] [--against REV] [--variant NAME=CHECKOUT ...]
+                            [--home HOME] [--smoke] [overrides ...]
 
 Each variant is a checkout of this repository (a folder: `--variant NAME=PATH`; or a commit:
 `--against REV`, checked out into a temporary git worktree), run with this interpreter and its
@@ -9,14 +10,19 @@ venv. The first variant, the reference, is this checkout (`--variant this=PATH` 
 Two measures, the variants interleaved in every round (a different one first each round), so a
 noisy shared machine weighs on all alike:
 
-- `reused`: the tiny preset shortened as the end-to-end tests run it (flows/runs.py `SHORT`),
-  fully reused over one finished GRISTMILL_HOME (made first, by this checkout), embedded services;
+- `reused`: the tiny preset shortened as the end-to-end tests run it (flows/runs.py `SHORT`; the
+  overrides given instead, if any), fully reused over one finished GRISTMILL_HOME (made first, by
+  this checkout; or `--home`, a finished run of those overrides, which the runs then add to),
+  embedded services;
 - `cold`: `--until collect` in a fresh home (the schema templates built beforehand, as on any
   machine after its first run): a cold run's start-up and its first Ray stage, which is all a
   start-up change can touch of a cold run (later stages start no Ray and import nothing new).
 
 Per variant: median seconds, and per round its difference from (and ratio to) the reference's run
 of the same round (negative, below 1: faster than the reference), with their medians.
+
+`--smoke`: one round of each measure, the preset shrunk to seconds a stage (bench/smoke.py RUN)
+unless overrides are given.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench import smoke
 from gristmill.flows.runs import REPO, SHORT
 
 
@@ -75,23 +82,25 @@ def interleaved(variants: dict[str, Path], rounds: int, run) -> dict[str, list[f
     return times
 
 
-def measure(variants: dict[str, Path], rounds: int, cold_rounds: int) -> dict[str, dict[str, list[float]]]:
+def measure(variants: dict[str, Path], rounds: int, cold_rounds: int, overrides: list[str] = SHORT,
+            finished: Path | None = None) -> dict[str, dict[str, list[float]]]:
     reference = next(iter(variants.values()))
     measures = {}
     with tempfile.TemporaryDirectory(prefix="gristmill-startup-") as tmp:
         work = Path(tmp)
-        cache, home = work / "cache", work / "reused"
+        cache, home = work / "cache", finished or work / "reused"
         if rounds:
-            _seconds(reference, home, cache, SHORT)  # the finished home every reused run reuses
+            if finished is None:
+                _seconds(reference, home, cache, overrides)  # the finished home every reused run reuses
             for checkout in variants.values():  # untimed: a checkout's first run over a home is slower
-                _seconds(checkout, home, cache, SHORT)
+                _seconds(checkout, home, cache, overrides)
             measures["reused"] = interleaved(variants, rounds,
-                                             lambda name, checkout, _: _seconds(checkout, home, cache, SHORT))
+                                             lambda name, checkout, _: _seconds(checkout, home, cache, overrides))
 
         def cold(name: str, checkout: Path, round_: int) -> float:
             fresh = work / f"cold-{name}-{round_}"
             try:
-                return _seconds(checkout, fresh, cache, [*SHORT, "--until", "collect"])
+                return _seconds(checkout, fresh, cache, [*overrides, "--until", "collect"])
             finally:
                 shutil.rmtree(fresh, ignore_errors=True)
 
@@ -125,7 +134,10 @@ def main(argv: list[str]) -> int:
                         help="a commit to compare with, checked out into a temporary worktree")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKOUT",
                         help="a checkout folder to compare with")
-    args = parser.parse_args(argv)
+    parser.add_argument("--home", type=Path, help="a finished run of the overrides, for the reused runs "
+                        "(default: one made first)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"the runs' (default: {' '.join(SHORT)})")
+    args = smoke.parse(parser, argv, rounds=1, cold_rounds=1, overrides=smoke.RUN)
     with contextlib.ExitStack() as stack:
         variants = {"this": REPO}
         for item in args.variant:
@@ -133,7 +145,7 @@ def main(argv: list[str]) -> int:
             variants[name] = Path(path).resolve()
         for rev in args.against:
             variants[rev] = stack.enter_context(_worktree(rev))
-        rows = table(measure(variants, args.rounds, args.cold_rounds))
+        rows = table(measure(variants, args.rounds, args.cold_rounds, args.overrides or SHORT, args.home))
     print(f"{'measure':<8}{'variant':<20}{'median s':>9}{'median Δ s':>11}{'median ratio':>13}   runs / Δ per round")
     for row in rows:
         print(f"{row['measure']:<8}{row['variant']:<20}{row['median_s']:>9.2f}{row['median_delta_s']:>+11.2f}"

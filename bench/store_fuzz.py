@@ -1,6 +1,6 @@
 """Store fuzzing: random damage to a copy of a finished run's artifact store, each one found.
 
-    python -m bench store-fuzz [--trials 240] [--seed 0] [--home HOME] [--runs K] [key=value ...]
+    python -m bench store-fuzz [--trials 240] [--seed 0] [--home HOME] [--runs K] [--smoke] [key=value ...]
 
 The store is a copy of HOME's artifacts (a finished `gristmill run configs/tiny.yaml` with the
 overrides given, which the bench makes first, shortened as the end-to-end tests are, when no
@@ -29,6 +29,9 @@ into a fresh home and run the pipeline there: it must end with every stage's fil
 the undamaged store (step metrics aside, which carry tokens/s).
 
 An output deleted whole is not among the kinds: nothing is left to name, and a run computes it.
+`--smoke`: one trial of each kind and one run, over a home of the preset shrunk to seconds a stage
+(bench/smoke.py RUN) when no --home is given.
+
 It prints a table per kind and ends with one JSON line: {"trials", "detected", "undetected",
 "reused_by_size", "seconds", "runs", "identical"}. The trials are flows/store_fuzz.py's, which
 tests/infra/test_store_fuzz.py runs in CI.
@@ -48,6 +51,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import smoke
 from gristmill.flows.runs import REPO, SHORT, STAGES, cli_env, committed_dir, manifest_files
 from gristmill.flows.store_damage import KINDS
 from gristmill.flows.store_fuzz import Trial, run_trials
@@ -129,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", type=Path, help="a finished run's GRISTMILL_HOME (its overrides after the options)")
     parser.add_argument("--runs", type=int, default=0, help="run the pipeline over the first K damaged stores")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, trials=len(KINDS), runs=1)
     logging.getLogger("gristmill.store").setLevel(logging.ERROR)  # each refusal's warning: the table says it
-    overrides = args.overrides if args.home else [*SHORT, *args.overrides]
+    overrides = args.overrides if args.home else [*(smoke.RUN if args.smoke else SHORT), *args.overrides]
     with tempfile.TemporaryDirectory(prefix="store-fuzz-") as tmp:
         work = Path(tmp)
         home = args.home.resolve() if args.home else _reference(work, overrides)

@@ -1,6 +1,6 @@
 """Tokenize-to-shards throughput against its ceiling and against datatrove.
 
-    python -m bench tokenize [--corpus DIR_OR_FILE] [--mb 20] [--threads 2] [--repeats 3]
+    python -m bench tokenize [--corpus DIR_OR_FILE] [--mb 20] [--threads 2] [--repeats 3] [--smoke]
 
 Builds ~`--mb` MB of documents from real text (default: every file of ../shared/data/corpus, split
 into paragraphs-sized documents and repeated), trains the stage's tokenizer on it once, writes
@@ -33,6 +33,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from bench import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_CHARS = 4000  # documents of about a web page's length
@@ -140,7 +142,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="tokenizer threads (all methods)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, mb=0.2, threads=1, vocab_size=512, repeats=1)
     # Read by the tokenizers library when it first runs in parallel: set before any encoding.
     os.environ.update(TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS=str(args.threads))
     from gristmill.tasks.tokenize.stage import save_tokenizer, train_tokenizer

@@ -1,6 +1,6 @@
 """`gristmill verify`'s hashing speed against `sha256sum` on the same files.
 
-    python -m bench verify [--mb 512] [--files 8] [--repeats 3]
+    python -m bench verify [--mb 512] [--files 8] [--repeats 3] [--smoke]
 
 Commits one artifact of `--files` files of real text (../shared/data/corpus repeated up to `--mb`
 MB in all) into a fresh store, then times, in turn within each repeat, on the same files:
@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import smoke
 from bench.tokenize import REPO, build_docs
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=int, default=512)
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = smoke.parse(parser, argv, mb=1, files=2, repeats=1)
     from gristmill.infra.artifacts import ArtifactStore
 
     with tempfile.TemporaryDirectory(prefix="bench-verify-") as tmp:

@@ -13,7 +13,7 @@ are named in the plan, the report and its JSON line; `--dry-run` prints the plan
                    moment of a stage; the j-th kill9 trial hits stage j (mod 6), so 6 cover all
   sigint           Ctrl-C to the terminal's process group: exit 130 within 10 s, nothing left running
   concurrent       two identical runs at once in a fresh home: both succeed, each stage once
-  fuzz             25 damaged input sets through collect (tasks/collect/read/fuzz.py): no escape, books balance
+  fuzz             25 damaged input sets through collect (bench/harness/fuzz.py): no escape, books balance
   ray_worker       a Ray worker SIGKILLed mid-collect: the stage finishes by itself, same output
   commit           SIGKILL between a stage's manifest write and its rename (GRISTMILL_FAULT)
   disk_full        the stage's artifact folder on a small tmpfs: one clear error, then resume
@@ -49,7 +49,7 @@ from pathlib import Path
 from bench import smoke
 from bench.chaos_faults import ANY_STAGE, FAULTS
 from bench.chaos_suite import Suite, Trial
-from gristmill.flows.runs import SHORT, STAGES
+from bench.harness.runs import SHORT, STAGES
 
 # The trials' runs and homes are in bench/chaos_suite.py, the faults in bench/chaos_faults.py; this
 # module plans the trials, runs them and reports (its docstring is --help's text).

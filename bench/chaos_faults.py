@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from bench.chaos_suite import Run, Suite, Trial, _free_port, _said, _tail, _wait_for
-from gristmill.flows.runs import STAGES, committed_dir
+from bench.harness.runs import STAGES, committed_dir
 from gristmill.infra.processes import alive, kill_all, process_tree
 
 # -- the faults ------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def sigint(suite: Suite, name: str, stage: str) -> Trial:
 
 
 def fuzz(suite: Suite, name: str, stage: str) -> Trial:
-    from gristmill.tasks.collect.read.fuzz import run_fuzz
+    from bench.harness.fuzz import run_fuzz
 
     logging.getLogger("gristmill").setLevel(logging.ERROR)  # each quarantined file says so
     result = run_fuzz(25, suite.rng.randrange(1 << 30), suite.work / name)

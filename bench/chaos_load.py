@@ -7,7 +7,7 @@ serve` registers the `pipeline` deployment and its runner runs the flow runs cre
 (create_flow_run_from_deployment), up to N at a time. Half the runs keep the deployment's defaults;
 the other half split between two evaluate-only variants (VARIANTS), so every stage but evaluate
 has one key all N runs race for and evaluate has three, each raced for by several runs. The plan
-and the checks below, on plain data, are flows/load_trial.py's.
+and the checks below, on plain data, are bench/harness/load_trial.py's.
 
 When every run has ended it checks, from the artifact store's manifests (the truth: each names
 the Prefect flow run and MLflow run that computed it), MLflow's stage runs and each run's
@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gristmill.flows.load_trial import overrides_of, summary_statuses, tally
-from gristmill.flows.runs import REPO, STAGES, cli_env
+from bench.harness.load_trial import overrides_of, summary_statuses, tally
+from bench.harness.runs import REPO, STAGES, cli_env
 from gristmill.infra.processes import interrupt
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from gristmill.flows.runs import REPO, STAGES, cli_env, committed_dir, committed_files
+from bench.harness.runs import REPO, STAGES, cli_env, committed_dir, committed_files
 from gristmill.infra.processes import process_tree
 
 

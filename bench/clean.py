@@ -55,9 +55,9 @@ from typing import Any
 
 import gristmill.tasks.collect.stage as collect
 from bench import smoke
+from bench.harness.pages import Page, shared_pages
 from gristmill.tasks.collect.clean.cleaning import CleanOutcome, clean_documents
 from gristmill.tasks.collect.clean.langid import bundled_ft176
-from gristmill.tasks.collect.read.pages import Page, shared_pages
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

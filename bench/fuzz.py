@@ -1,5 +1,5 @@
 """Fuzzing the collect stage's readers and cleaning chain with damaged input files
-(tasks/collect/read/fuzz.py says what a trial checks).
+(bench/harness/fuzz.py says what a trial checks).
 
     python -m bench.fuzz [--trials 20] [--seed 0] [--workdir DIR]
 
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gristmill.tasks.collect.read.fuzz import run_fuzz
+from bench.harness.fuzz import run_fuzz
 
 
 def main(argv: list[str]) -> int:

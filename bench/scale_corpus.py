@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from gristmill.flows.runs import REPO
+from bench.harness.runs import REPO
 
 SHARED = REPO.parent / "shared" / "data"
 DOCS_PER_FILE = 500

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+from bench.harness.runs import REPO, cli_env, committed_dir
 from bench.scale_corpus import Corpus
-from gristmill.flows.runs import REPO, cli_env, committed_dir
 
 REVIEW_ALL = 10**9  # collect.review_samples for the labelled run: every drop with its reason
 SAMPLE_S = 0.2

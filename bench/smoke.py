@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-# The tiny preset shrunk to seconds a stage (flows/runs.py SHORT, the end-to-end tests', still takes
+# The tiny preset shrunk to seconds a stage (bench/harness/runs.py SHORT, the end-to-end tests', still takes
 # a minute or more a run): what a smoke run gives `gristmill run configs/tiny.yaml` when it runs the
 # pipeline itself.
 RUN = ["collect.max_docs_per_source=40", "tokenize.vocab_size=512", "pretrain.max_steps=2", "pretrain.val_windows=2",

@@ -10,7 +10,7 @@ venv. The first variant, the reference, is this checkout (`--variant this=PATH` 
 Two measures, the variants interleaved in every round (a different one first each round), so a
 noisy shared machine weighs on all alike:
 
-- `reused`: the tiny preset shortened as the end-to-end tests run it (flows/runs.py `SHORT`; the
+- `reused`: the tiny preset shortened as the end-to-end tests run it (bench/harness/runs.py `SHORT`; the
   overrides given instead, if any), fully reused over one finished GRISTMILL_HOME (made first, by
   this checkout; or `--home`, a finished run of those overrides, which the runs then add to),
   embedded services;
@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import smoke
-from gristmill.flows.runs import REPO, SHORT
+from bench.harness.runs import REPO, SHORT
 
 
 def _seconds(checkout: Path, home: Path, cache: Path, args: list[str]) -> float:

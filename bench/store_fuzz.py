@@ -33,7 +33,7 @@ An output deleted whole is not among the kinds: nothing is left to name, and a r
 (bench/smoke.py RUN) when no --home is given.
 
 It prints a table per kind and ends with one JSON line: {"trials", "detected", "undetected",
-"reused_by_size", "seconds", "runs", "identical"}. The trials are flows/store_fuzz.py's, which
+"reused_by_size", "seconds", "runs", "identical"}. The trials are bench/harness/store_fuzz.py's, which
 tests/infra/test_store_fuzz.py runs in CI.
 """
 from __future__ import annotations
@@ -52,9 +52,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import smoke
-from gristmill.flows.runs import REPO, SHORT, STAGES, cli_env, committed_dir, manifest_files
-from gristmill.flows.store_damage import KINDS
-from gristmill.flows.store_fuzz import Trial, run_trials
+from bench.harness.runs import REPO, SHORT, STAGES, cli_env, committed_dir, manifest_files
+from bench.harness.store_damage import KINDS
+from bench.harness.store_fuzz import Trial, run_trials
 
 
 def _copy_home(root: Path, home: Path) -> None:

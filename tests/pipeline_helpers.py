@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from gristmill.flows.runs import REPO, STAGES, cli_env, committed_dir, committed_files, manifest_files
-from gristmill.flows.runs import SHORT as FAST
+from bench.harness.runs import REPO, STAGES, cli_env, committed_dir, committed_files, manifest_files
+from bench.harness.runs import SHORT as FAST
 
-# What end-to-end tests import from here: flows/runs.py's helpers, shared with the benchmarks, and these.
+# What end-to-end tests import from here: bench/harness/runs.py's helpers, shared with the benchmarks, and these.
 __all__ = ["FAST", "REPO", "STAGES", "TinyRun", "checkpoint_steps", "cli_env", "committed_dir", "committed_files",
            "gristmill", "manifest_files", "plan_of"]
 

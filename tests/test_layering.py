@@ -2,7 +2,10 @@
 
 Every import counts: at module top, inside functions, and `importlib.import_module("...")` with a
 literal name. Layers, top to bottom: flows → infra → tasks → model → core; arrows only point
-down, stage packages do not import each other, and there is no cycle anywhere.
+down, stage packages do not import each other, and there is no cycle anywhere. Inside the collect
+stage its folders and modules are layers too (COLLECT_LAYERS). The product imports nothing of
+bench/ or tests/, which are not installed; tests import of bench/ only what the two share,
+bench/harness/.
 """
 from __future__ import annotations
 
@@ -104,6 +107,24 @@ def _stage(module: str) -> str | None:
     return parts[1] if parts[0] == "tasks" and len(parts) > 1 else None
 
 
+# The collect stage's layers, bottom to top: reading the sources, cleaning one document, what the
+# stage holds and writes (spool, spill, funnel, gates, mixing), dedup over what it holds, then the
+# stage's config, its corpus-level steps and `run`.
+COLLECT_LAYERS = ("read", "clean", "output", "dedup", "config", "corpus", "stage")
+# Upward imports still in collect, each with where its target belongs; one removed leaves this list.
+COLLECT_UPWARD = {
+    ("gristmill.tasks.collect.clean.cleaning", "gristmill.tasks.collect.config"):
+        "CleaningConfig belongs in clean/, as DedupConfig is dedup/config.py's",
+    ("gristmill.tasks.collect.clean.quality_model", "gristmill.tasks.collect.output.spool"):
+        "cross-fitting takes lazy views of the spooled texts (`take`); they belong below clean/",
+}
+
+
+def _collect_layer(module: str) -> str | None:
+    parts = _in_package(module)
+    return parts[2] if parts[:2] == ["tasks", "collect"] and len(parts) > 2 else None
+
+
 def test_every_layer_imports_only_layers_below_it():
     graph = import_graph()
     offenders = {m: sorted(t for t in targets if _layer(t) not in ALLOWED[_layer(m)])
@@ -123,6 +144,17 @@ def test_the_graph_sees_modules_imported_by_registered_name():
     assert methods <= graph["gristmill.tasks.align.stage"]
     stage_modules = {"gristmill.tasks.collect.stage", "gristmill.tasks.evaluate.stage", "gristmill.flows.reports"}
     assert stage_modules <= graph["gristmill.flows.stages"]
+
+
+def test_collect_imports_only_its_layers_below():
+    graph = import_graph()
+    assert "gristmill.tasks.collect.read.readers" in graph["gristmill.tasks.collect.stage"]  # it sees collect
+    layers = {layer for m in graph if (layer := _collect_layer(m))}
+    assert layers <= set(COLLECT_LAYERS), "give each folder or module of collect its place in COLLECT_LAYERS"
+    rank = {layer: i for i, layer in enumerate(COLLECT_LAYERS)} | {None: -1}  # None: not in collect
+    upward = {(m, t) for m, targets in graph.items() for t in targets
+              if rank[_collect_layer(m)] >= 0 and rank[_collect_layer(t)] > rank[_collect_layer(m)]}
+    assert upward == set(COLLECT_UPWARD)
 
 
 def test_stage_packages_do_not_import_each_other():
@@ -185,12 +217,27 @@ def test_each_stage_package_exposes_the_contract():
         assert len(init.body) == 1 and ast.get_docstring(init), spec.name
 
 
-def test_no_test_imports_a_benchmark():
-    """What tests and benchmarks share lives in the product's modules: a test runs a benchmark only
-    as `python -m bench ...`, never by importing it."""
-    importers = {str(p.relative_to(REPO)) for p in sorted((REPO / "tests").rglob("*.py"))
-                 if any(n.split(".")[0] == "bench" for n in _imported_names(p))}
-    assert importers == set()
+def test_the_product_imports_no_benchmark_or_test_code():
+    """bench/ and tests/ are not installed: a product module importing them would fail where the
+    product is. Tests import their helpers by module name (tests/ is on the path when they run)."""
+    not_installed = {"bench", "tests", *(p.stem for p in (REPO / "tests").glob("*.py"))}
+    assert {"bench", "conftest", "pipeline_helpers"} <= not_installed
+    offenders = {str(p.relative_to(REPO)): sorted(n for n in _imported_names(p) if n.split(".")[0] in not_installed)
+                 for p in _sources(*PRODUCT, "gristmill")}
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_tests_import_of_bench_only_its_harness():
+    """What tests and benchmarks share is bench/harness/, which imports no benchmark: a test runs a
+    benchmark only as `python -m bench ...`, never by importing it."""
+    def benchmarks(paths: list[Path]) -> dict[str, list[str]]:
+        found = {str(p.relative_to(REPO)): sorted(n for n in _imported_names(p) if n.split(".")[0] == "bench"
+                                                  and n.split(".")[:2] != ["bench", "harness"])
+                 for p in paths}
+        return {path: names for path, names in found.items() if names}
+
+    assert benchmarks(_sources("tests")) == {}
+    assert benchmarks(_sources("bench/harness")) == {}
 
 
 def test_mlflow_is_imported_only_by_infra_tracking():

@@ -1,10 +1,10 @@
-"""The load trial's checks (`python -m bench chaos --load N`, flows/load_trial.py) on plain data:
+"""The load trial's checks (`python -m bench chaos --load N`, bench/harness/load_trial.py) on plain data:
 a key computed twice, a run whose record or summary says computed for what another run computed,
 and a missing record are each caught; the plan splits the runs between the defaults and the
 evaluate-only variants."""
 from __future__ import annotations
 
-from gristmill.flows.load_trial import VARIANTS, overrides_of, summary_statuses, tally
+from bench.harness.load_trial import VARIANTS, overrides_of, summary_statuses, tally
 
 TRUTH = {("collect", "c1"): {"flow_run": "A", "mlflow_run": "a-collect"},
          ("evaluate", "e1"): {"flow_run": "B", "mlflow_run": "b-evaluate"}}

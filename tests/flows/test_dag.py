@@ -136,8 +136,6 @@ SPELLS_STAGE_NAMES = {
     "infra/store_records.py": "the corpus-version chain (collect_dir) sits below the table's layer",
     "flows/reports.py": "the table's publishers: importing the table back would close an import cycle",
     "flows/cli.py": "the `gristmill evaluate` command's name: a command of its own, not the stage",
-    "flows/runs.py": "the tiny preset shortened for tests and benchmarks: overrides as a person types them",
-    "flows/load_trial.py": "the load trial's evaluate-only variants: overrides as a person types them",
 }
 
 

@@ -67,7 +67,7 @@ def test_unknown_override_is_an_error_naming_the_key(tiny_run):
 
 
 # SFT mixes pretraining text into its batches (sft.pretrain_mix) so that the model keeps its
-# language. Measured on this shortened run (`flows/runs.py` SHORT, then the same with sft.seed=S,
+# language. Measured on this shortened run (`bench/harness/runs.py` SHORT, then the same with sft.seed=S,
 # 2026-12-03, 2-core machine): validation perplexity of the SFT model over the Muon-pretrained base
 # model's (200.0): x1.298, 1.266, 1.295, 1.279 for seeds 0-3. On the AdamW base (1114, 2026-12-01) it was
 # x1.278 to x1.323 over seeds 0-3, and x2.02 with sft.pretrain_mix=0 (seeds 0, 1). The bound sits

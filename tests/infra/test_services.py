@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from gristmill.flows.runs import REPO, cli_env
+from bench.harness.runs import REPO, cli_env
 
 LAUNCH = textwrap.dedent("""
     import json, os, sys, urllib.request

@@ -1,4 +1,4 @@
-"""The store fuzzer (flows/store_fuzz.py) at store level, on a copy of the tiny run's store: 260
+"""The store fuzzer (bench/harness/store_fuzz.py) at store level, on a copy of the tiny run's store: 260
 seeded trials of random damage (20 of each kind), each named by `verify` and refused for reuse,
 nothing else reported (how long that takes is for `python -m bench store-fuzz` to measure). And
 the fuzzer can fail: with a check of the store switched off, the kinds of damage only that check
@@ -11,8 +11,8 @@ import pytest
 
 import gristmill.infra.artifacts as artifacts
 import gristmill.infra.integrity as integrity
-from gristmill.flows.store_damage import KINDS
-from gristmill.flows.store_fuzz import run_trials
+from bench.harness.store_damage import KINDS
+from bench.harness.store_fuzz import run_trials
 
 TRIALS = 20 * len(KINDS)
 

@@ -379,7 +379,7 @@ def datatrove_reasons(pages: list[tuple[str, str]], languages: tuple[str, ...]) 
 @pytest.fixture(scope="module")
 def shared_pages(shared_data) -> list[tuple[str, str]]:
     """(text, url) of every page of the shared WARC files and document of the shared JSONL files."""
-    from gristmill.tasks.collect.read.pages import shared_pages as read_pages
+    from bench.harness.pages import shared_pages as read_pages
 
     return read_pages(shared_data)
 

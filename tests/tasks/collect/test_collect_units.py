@@ -16,7 +16,7 @@ from collect_helpers import KilledAfter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gristmill.tasks.collect.read.fuzz as fuzz
+import bench.harness.fuzz as fuzz
 import gristmill.tasks.collect.stage as collect
 from gristmill.core.stage import SerialEngine
 from gristmill.tasks.collect.read.readers import WHOLE, Part, RawDoc, Skipped, read_file, split_file
@@ -151,7 +151,7 @@ def test_a_damaged_row_group_is_one_error_and_the_next_is_read(shared_data, tmp_
 @given(kind=st.sampled_from(sorted(fuzz.FAULTS)), seed=st.integers(0, 2**16),
        n_parts=st.integers(2, 12))
 def test_fuzzed_inputs_read_the_same_in_parts(tmp_path_factory, kind, seed, n_parts):
-    """Damaged and odd files of every kind (tasks/collect/read/damaged.py's faults): whatever a file holds, its
+    """Damaged and odd files of every kind (bench/harness/damaged.py's faults): whatever a file holds, its
     parts read the whole file's events."""
     made = fuzz.FAULTS[kind](random.Random(seed), fuzz.PROSE)
     path = tmp_path_factory.mktemp("fuzz") / made.name

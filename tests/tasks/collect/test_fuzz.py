@@ -7,7 +7,7 @@ Hypothesis runs derandomized (the same examples on every run, so CI cannot turn 
 it never met before; `python -m bench.fuzz --seed N` explores further) without an example
 database (nothing written into the repo), with max_examples that keep this file near 30 s on two
 cores. Byte- and text-level inputs are hypothesis strategies (they shrink to a minimal case);
-the structured fault kinds are tasks/collect/read/damaged.py's generators, fed a seed hypothesis draws.
+the structured fault kinds are bench/harness/damaged.py's generators, fed a seed hypothesis draws.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gristmill.tasks.collect.read.fuzz as fuzz
+import bench.harness.fuzz as fuzz
 import gristmill.tasks.collect.read.readers as readers
 from gristmill.tasks.collect.config import Config
 from gristmill.tasks.collect.read.readers import (
@@ -84,7 +84,7 @@ def test_random_bytes_in_any_format_are_counted_not_raised(workdir, data, suffix
 @given(kind=st.sampled_from(sorted(fuzz.FAULTS)), seed=st.integers(0, 2**32 - 1))
 def test_every_fault_kind_is_read_and_counted(workdir, kind, seed):
     """Truncated/corrupt gzip and zstd, broken WARC headers, multi-MB lines, encodings, empty
-    files, odd JSON lines, Parquet/Arrow garbage (tasks/collect/read/damaged.py)."""
+    files, odd JSON lines, Parquet/Arrow garbage (bench/harness/damaged.py)."""
     f = fuzz.FAULTS[kind](random.Random(seed), fuzz.PROSE)
     path = workdir / f"{kind}-{f.name}"
     path.write_bytes(f.data)

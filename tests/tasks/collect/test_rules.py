@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import gristmill.tasks.collect.clean.filters as text_filters
 import gristmill.tasks.collect.clean.rules as rules
 import gristmill.tasks.collect.stage as collect
-from gristmill.tasks.collect.read.pages import shared_pages
+from bench.harness.pages import shared_pages
 
 CFG = collect.Config()
 REPO = Path(__file__).resolve().parents[3]

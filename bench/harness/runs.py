@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gristmill.flows.stages import STAGE_NAMES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STAGES = list(STAGE_NAMES)
 # The tiny preset, shortened so a training stage takes seconds, not minutes.
 SHORT = ["pretrain.max_steps=60", "sft.max_steps=30", "align.grpo.max_steps=10",

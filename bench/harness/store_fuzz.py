@@ -1,5 +1,5 @@
 """Store fuzzing at store level: random damage to a copy of a finished run's artifact store
-(flows/store_damage.py's KINDS, one trial each), and whether `gristmill verify` names it and reuse
+(bench/harness/store_damage.py's KINDS, one trial each), and whether `gristmill verify` names it and reuse
 refuses what it touched, and nothing else. `python -m bench store-fuzz` runs these trials (and
 pipeline runs over the damaged stores); tests/infra/test_store_fuzz.py runs them in CI."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.harness.store_damage import KINDS, Harm, Output, manifest_of
 from gristmill.flows.stages import contracts
-from gristmill.flows.store_damage import KINDS, Harm, Output, manifest_of
 from gristmill.infra.artifacts import ArtifactStore, Entry
 from gristmill.infra.integrity import VerifyMode
 

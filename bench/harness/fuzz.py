@@ -1,7 +1,7 @@
 """Fuzzing the collect stage's readers and cleaning chain with damaged input files
 (`python -m bench.fuzz` runs `run_fuzz`; tests/tasks/collect/test_fuzz.py runs single trials).
 
-A trial generates one to four input files, each from a fault kind in FAULTS (tasks/collect/read/damaged.py:
+A trial generates one to four input files, each from a fault kind in FAULTS (bench/harness/damaged.py:
 random bytes, truncated or corrupted gzip and zstd, broken WARC headers, multi-MB lines, mixed and invalid
 encodings, empty files, JSON lines that are not objects or lack `text`, Parquet/Arrow garbage),
 adds one intact JSONL source (so the stage has documents to finish with, and a damaged copy of
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gristmill.tasks.collect.read.damaged import (
+from bench.harness.damaged import (
     BOM,
     FAULTS,
     MAX_DOC_BYTES,

@@ -1,5 +1,5 @@
 """Damaged and odd input files of every kind the collect stage's readers meet, for fuzzing them
-(tasks/collect/read/fuzz.py, tests/tasks/collect/test_fuzz.py,
+(fuzz.py beside this one, tests/tasks/collect/test_fuzz.py,
 tests/tasks/collect/test_collect_units.py): one generator per fault kind in FAULTS,
 `KIND(rng, texts) -> FuzzFile`, each drawing everything from `rng`, so a seed gives
 the same bytes (gzip with mtime 0, zstd, Parquet/Arrow written in memory). The generators are one

@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gristmill.flows.runs import STAGES
+from bench.harness.runs import STAGES
 
 # Each changes only the evaluate stage's key: the load costs one shared pipeline plus two evaluations.
 VARIANTS = (["evaluate.arith_problems=10"], ["evaluate.arith_problems=30"])

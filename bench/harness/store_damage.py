@@ -1,5 +1,5 @@
-"""The kinds of damage `python -m bench store-fuzz` (bench/store_fuzz.py, flows/store_fuzz.py) does to a copy of a
-finished store, one function each: `KIND(store, output, rng) -> Harm`, where `output` is the
+"""The kinds of damage `python -m bench store-fuzz` (bench/store_fuzz.py, store_fuzz.py beside this one) does
+to a copy of a finished store, one function each: `KIND(store, output, rng) -> Harm`, where `output` is the
 committed output it was drawn to hit and `Harm` says what a check must find: the entries (and the
 files in them) `gristmill verify` must name, the outputs reuse must refuse, and the top-level
 entries to restore afterwards. Everything random comes from `rng`, so a seed replays a trial."""
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gristmill.flows.runs import STAGES
+from bench.harness.runs import STAGES
 from gristmill.infra.artifacts import MANIFEST, ArtifactStore
 from gristmill.infra.integrity import FIELDS, SEAL, SMALL_FILE_BYTES, manifest_text, read_manifest
 

@@ -7,8 +7,8 @@ A source is a string of one of three kinds:
     anything else                     a file, directory or glob, local or any fsspec URL (s3://, memory://, ...)
 
 `parse_source` tells the kind, `source_files` expands a file source into its files (errors name the
-source), and `fingerprint_sources` digests what a list of sources currently holds, so an edited
-input file changes a stage's artifact key.
+source; `source_sizes` gives their sizes too), and `fingerprint_sources` digests what a list of
+sources currently holds, so an edited input file changes a stage's artifact key.
 """
 from __future__ import annotations
 
@@ -152,6 +152,12 @@ def source_files(source: str, suffixes: tuple[str, ...] | None = None) -> list[P
     only files ending in one of them (case-insensitive). Local files come back as Path, others as
     URLs ('memory://...', 's3://...'). ValueError naming the source when it is not a file source,
     does not exist or holds no matching file."""
+    return list(source_sizes(source, suffixes))
+
+
+def source_sizes(source: str, suffixes: tuple[str, ...] | None = None) -> dict[Path | str, int | None]:
+    """`source_files` with each file's size in bytes, as the listing gives it (None where a store's
+    does not)."""
     from fsspec.implementations.local import LocalFileSystem
 
     if parse_source(source).kind != "files":
@@ -163,23 +169,24 @@ def source_files(source: str, suffixes: tuple[str, ...] | None = None) -> list[P
     wanted = (lambda p: str(p).lower().endswith(suffixes)) if suffixes else (lambda p: True)
     expected = f" (expected {', '.join(suffixes)})" if suffixes else ""
     info: dict[str, Any] | None = _asking(source, lambda: fs.info(root), None)
+    found: dict[str, dict[str, Any]]  # path -> its fsspec info (type, size)
     if info is not None and info["type"] == "file":
         if not wanted(root):
             raise ValueError(f"source {source!r}: unsupported file type{expected}")
-        files = [root]
+        found = {root: info}
     elif info is not None and info["type"] == "directory":
-        files = [p for p in _asking(source, lambda: fs.find(root), []) if wanted(p)]
-        if not files:
+        found = {p: i for p, i in _asking(source, lambda: fs.find(root, detail=True), {}).items() if wanted(p)}
+        if not found:
             raise ValueError(f"source {source!r}: directory holds no input files{expected}")
     elif any(c in root for c in "*?["):  # a glob pattern
-        found = _asking(source, lambda: fs.glob(root, detail=True), {})
-        files = [p for p, info in found.items() if info["type"] == "file" and wanted(p)]
-        if not files:
+        found = {p: i for p, i in _asking(source, lambda: fs.glob(root, detail=True), {}).items()
+                 if i["type"] == "file" and wanted(p)}
+        if not found:
             raise ValueError(f"source {source!r} matches no input files{expected}")
     else:
         raise ValueError(f"source {source!r} does not exist")
     local = isinstance(fs, LocalFileSystem)
-    return [Path(p) if local else fs.unstrip_protocol(p) for p in sorted(files)]
+    return {Path(p) if local else fs.unstrip_protocol(p): found[p].get("size") for p in sorted(found)}
 
 
 def input_digest(path: str | Path) -> str:

@@ -45,6 +45,13 @@ ConfigT = TypeVar("ConfigT", bound="StageConfig", contravariant=True)
 _map_log = logging.getLogger("gristmill.map")
 
 
+class InputError(ValueError):
+    """A stage's inputs cannot give its output, found only when they are read (no source yielded a
+    document, a crawl the server does not know): the user's to fix, not a crash, so a run reports
+    it in one line (exit 2) without a traceback. Mistakes found without reading the data are the
+    plan's to report (core/sources.py, the configs' validation)."""
+
+
 class StageConfig(BaseModel):
     """Base of every stage config: frozen, unknown keys are errors that name the key."""
 

@@ -72,7 +72,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     import yaml
 
     from gristmill.flows.config import ConfigError, load_config
-    from gristmill.flows.dag import demo_corpus, launch_problems_of, open_store, plan, writing_problem
+    from gristmill.flows.dag import demo_corpus, open_store, plan, plan_problem
     from gristmill.flows.launch import per_node_command
     from gristmill.tasks.collect.read.demo_crawl import DEMO_SOURCE
 
@@ -83,10 +83,8 @@ def _dry_run(args: argparse.Namespace) -> int:
         planned = plan(config, store, args.until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
-    if problem := writing_problem(store, env.home_path()):  # as the run would: it could not commit
+    if problem := plan_problem(planned, store, env.home_path()):  # as the run would, before any output
         return _fail(problem)
-    if problems := env.requirement_problems():  # an older torch, a dependency removed since the install
-        return _fail("; ".join(problems))
     if not args.explain:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     if demo := demo_corpus(planned):  # before the plan, whose rows scripts read up to the end
@@ -108,8 +106,6 @@ def _dry_run(args: argparse.Namespace) -> int:
             print(f"\n# {stage.spec.name}-{stage.key} without Ray, on {launch.nodes} node(s) that share "
                   f"GRISTMILL_HOME: on each, NODE_RANK 0..{launch.nodes - 1}, HEAD_IP the address of node 0\n"
                   f"{per_node_command(stage, str(args.config), args.overrides, launch.nodes)}")
-    if problems := launch_problems_of(planned):
-        return _fail("; ".join(problems))
     return 0
 
 
@@ -147,7 +143,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from gristmill.flows.stages import STAGE_NAMES, contracts
-    from gristmill.flows.verify import verify
+    from gristmill.flows.verify import StoreNotWritable, verify
     from gristmill.infra.artifacts import home_store
 
     if args.stage is not None and args.stage not in STAGE_NAMES:
@@ -155,7 +151,10 @@ def _verify(args: argparse.Namespace) -> int:
     store = home_store(env.home_path(), contracts=contracts())
     if not store.root.is_dir():
         return _fail(f"no artifact store at {store.root}: point GRISTMILL_HOME at the home of your runs")
-    return verify(store, args.stage, args.repair)
+    try:
+        return verify(store, args.stage, args.repair)
+    except StoreNotWritable as error:
+        return _fail(error)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -71,6 +71,18 @@ def open_store(config: PipelineConfigBase, home: Path) -> ArtifactStore:
     return home_store(home, config.store.verify_on_reuse, contracts(config.stages))
 
 
+def plan_problem(planned: list[PlannedStage], store: ArtifactStore, home: Path) -> str | None:
+    """The one line saying why the planned run cannot start, or None: all a run checks before
+    it starts anything, and a dry run before it prints anything."""
+    if problem := writing_problem(store, home):  # a read-only store: not at the first commit
+        return problem
+    if problems := env.requirement_problems():  # an older torch, a dependency removed since the install
+        return "; ".join(problems)
+    if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
+        return "; ".join(problems)
+    return None
+
+
 def writing_problem(store: ArtifactStore, home: Path) -> str | None:
     """Why a run could not write its state or outputs: GRISTMILL_HOME or the store's folder is
     not a folder it can write in (a file in its place, a read-only mount). Checked when the run

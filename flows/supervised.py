@@ -7,15 +7,20 @@ it configures the process first (flows/entry.py), watches its supervisor, checks
 bad one: one line on stderr, exit 2, passed on by the supervisor) and does the work.
 `gristmill run --in-process` calls `run` here in the CLI's own process instead. A data gate that
 trips where no one can be asked (flows/gates.py) ends `run` and `refresh` with one line naming it,
-exit 3 (`GATE_EXIT`); a person's rejection with one line, exit 1.
+exit 3 (`GATE_EXIT`); a person's rejection with one line, exit 1. Inputs a stage finds unusable
+when it reads them (core/stage.InputError: no source yielded a document, an unknown crawl) end
+them with one line, exit 2, and Prefect's log of the failed task and flow keeps its lines but not
+their traceback.
 """
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gristmill.core.stage import InputError
 from gristmill.infra import env
 from gristmill.infra.services import EmbeddedServices
 
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from gristmill.flows.config import PipelineConfig
 
 GATE_EXIT = 3  # a data gate tripped: approve (--approve-gates) or loosen collect.gates
+PREFECT_RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")  # where Prefect logs a run's exception
 
 
 def _returned(value: dict[str, Any] | State) -> dict[str, Any]:
@@ -47,6 +53,20 @@ def _load(config: str, overrides: list[str]) -> PipelineConfig:
     return load_config(Path(config), overrides)
 
 
+def _no_input_error_traceback(record: logging.LogRecord) -> bool:
+    """A log filter: an InputError is the user's data, not a crash, and the one line this process
+    prints says all of it, so Prefect's record of it keeps its line without the traceback."""
+    if record.exc_info and isinstance(record.exc_info[1], InputError):
+        record.exc_info = None
+    return True
+
+
+def _quiet_input_errors() -> None:
+    """Prefect's logs of a failed task and flow without an InputError's traceback."""
+    for name in PREFECT_RUN_LOGGERS:
+        logging.getLogger(name).addFilter(_no_input_error_traceback)
+
+
 def _gates(error: Exception) -> int:
     """The one line of a run stopped at the data gates; its exit code."""
     from gristmill.flows.gates import GatesStopped
@@ -58,7 +78,7 @@ def _gates(error: Exception) -> int:
 def run(config: str, overrides: list[str], until: str | None = None, approve_gates: bool = False) -> int:
     """Plan the run, start the embedded services a run needs and run the pipeline flow."""
     from gristmill.flows.config import ConfigError
-    from gristmill.flows.dag import demo_corpus, launch_problems_of, open_store, plan, writing_problem
+    from gristmill.flows.dag import demo_corpus, open_store, plan, plan_problem
 
     home = env.gristmill_home()
     try:
@@ -69,12 +89,8 @@ def run(config: str, overrides: list[str], until: str | None = None, approve_gat
         planned = plan(pipeline_config, store, until)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         return _fail(error)
-    if problem := writing_problem(store, home):  # a read-only store: not at the first commit
+    if problem := plan_problem(planned, store, home):
         return _fail(problem)
-    if problems := env.requirement_problems():  # an older torch, a dependency removed since the install
-        return _fail("; ".join(problems))
-    if problems := launch_problems_of(planned):  # a stage's processes cannot start as asked
-        return _fail("; ".join(problems))
     if (demo := demo_corpus(planned)) and demo[1]:  # not the reference corpus: the run goes on
         print(f"gristmill: {demo[1]}", file=sys.stderr)
     services = EmbeddedServices(home)
@@ -90,6 +106,7 @@ def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str
     from gristmill.infra.launch import LaunchFailed
     from gristmill.infra.tracking import TrackingUnavailable, is_server, tracking_uri
 
+    _quiet_input_errors()
     try:
         services.ready()
         outputs = pipeline(config=pipeline_config, until=until, approve_gates=approve_gates)
@@ -97,6 +114,8 @@ def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str
         return 130
     except (GatesStopped, GatesRejected) as error:
         return _gates(error)
+    except InputError as error:  # finished stages and a stage's finished work units are kept
+        return _fail(error)
     except (TrackingUnavailable, DiskSpaceError, LaunchFailed) as error:  # after the log's traceback, one line
         cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
         print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
@@ -135,6 +154,7 @@ def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> i
     from gristmill.flows.gates import GatesRejected, GatesStopped
     from gristmill.flows.refresh import data_refresh
 
+    _quiet_input_errors()
     try:
         services.ready()
         outcome = _returned(data_refresh(config=pipeline_config, approve_gates=approve_gates))

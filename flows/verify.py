@@ -16,13 +16,16 @@ entry is a finding: the command exits 1, naming the command that repairs it.
 `--repair` moves each damaged output, with every output computed from it, aside
 (`<dir>.corrupt-<time>`), so the next run recomputes them, and each unknown entry too (nothing is
 deleted); an output whose one finding is a manifest committed before manifests were sealed, its
-files all checked, is sealed in place instead.
+files all checked, is sealed in place instead. A repair that would write where it cannot (a
+read-only store) is refused before anything is moved: `StoreNotWritable`, one line.
 """
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from pathlib import Path
 
+from gristmill.infra import env
 from gristmill.infra.artifacts import MANIFEST, ArtifactStore, Entry
 from gristmill.infra.integrity import UNSEALED
 
@@ -33,11 +36,17 @@ MEANING = {"partial": "work in progress: the next run of this key resumes it",
 COUNTED = ("lock", "gates", "corpus")  # counted in the summary, not listed
 COUNT_OF = {"partial": "partial", "set aside": "set aside", "download": "download(s)", "lock": "lock file(s)",
             "gates": "gate record(s)", "corpus": "corpus file(s)"}
+SEAL, SET_ASIDE = "seal", "set aside"  # what a repair does to a path
+
+
+class StoreNotWritable(Exception):
+    """--repair would write in a folder of the store that cannot be written; nothing was changed."""
 
 
 def verify(store: ArtifactStore, stage: str | None, repair: bool, out: Callable[[str], None] = print) -> int:
     """Print every entry of `store` (or of one stage's folder) and, with `repair`, repair each
-    finding; the exit code: 1 when something is wrong and was not repaired, else 0."""
+    finding; the exit code: 1 when something is wrong and was not repaired, else 0.
+    StoreNotWritable, before any repair, when one of them could not be written."""
     entries = store.survey(stage)
     command = f"gristmill verify{f' --stage {stage}' if stage else ''} --repair"
     findings = [entry for entry in entries if is_finding(entry)]
@@ -45,8 +54,10 @@ def verify(store: ArtifactStore, stage: str | None, repair: bool, out: Callable[
         if (line := describe(entry, store, command)) is not None:
             out(line)
     if repair:
-        for entry in findings:
-            for line in _repair(store, entry):
+        repairs = [step for entry in findings for step in _repairs(store, entry)]
+        _check_writable(repairs)  # all or nothing: a store is not left half repaired
+        for action, path in repairs:
+            if (line := _apply(store, action, path)) is not None:
                 out(line)
     out(summary(entries, store) + ("; repaired: the next run recomputes what was set aside"
                                    if findings and repair else ""))
@@ -85,13 +96,30 @@ def summary(entries: list[Entry], store: ArtifactStore) -> str:
             f"{kinds['unknown']} unknown" + (f"; {others}" if others else ""))
 
 
-def _repair(store: ArtifactStore, entry: Entry) -> Iterator[str]:
-    """Seal an old manifest whose files check out; else set the entry aside, with what depends on it."""
+def _repairs(store: ArtifactStore, entry: Entry) -> list[tuple[str, Path]]:
+    """What repairing a finding does: seal an old manifest whose files check out; else set the
+    entry aside, with what depends on it."""
     if entry.kind == "committed" and entry.problems == {MANIFEST: UNSEALED}:
-        store.reseal(entry.path)
-        yield f"  sealed {entry.path.name}: its files are the bytes its manifest records"
-        return
+        return [(SEAL, entry.path)]
     dependents = store.dependents(entry.stage, entry.key) if entry.kind == "committed" else []
-    for _, _, path in [(entry.stage, entry.key, entry.path), *dependents]:
-        if path.exists() or path.is_symlink():
-            yield f"  set aside {path.name} -> {store.set_aside(path).name}"
+    return [(SET_ASIDE, path) for _, _, path in [(entry.stage, entry.key, entry.path), *dependents]]
+
+
+def _check_writable(repairs: list[tuple[str, Path]]) -> None:
+    """StoreNotWritable naming the first folder a repair writes in that cannot be written: an
+    output's own to seal its manifest, its parent to move it aside."""
+    for folder in sorted({path if action == SEAL else path.parent for action, path in repairs}):
+        if problem := env.unwritable(folder):
+            raise StoreNotWritable(f"--repair writes in the artifact store, and {problem}: nothing was "
+                                   "set aside or sealed")
+
+
+def _apply(store: ArtifactStore, action: str, path: Path) -> str | None:
+    """Do one repair; the line saying what was done (None: set aside already, as a dependent of
+    an earlier finding)."""
+    if action == SEAL:
+        store.reseal(path)
+        return f"  sealed {path.name}: its files are the bytes its manifest records"
+    if path.exists() or path.is_symlink():
+        return f"  set aside {path.name} -> {store.set_aside(path).name}"
+    return None

@@ -52,7 +52,7 @@ class DiesPartWay(SerialEngine):
 
 
 DOLMA = Path("jsonl") / "dolma_cc"  # real Common Crawl documents (Dolma) in the shared data
-CRAWL = "CC-MAIN-TEST"
+CRAWL = "CC-MAIN-2024-22"  # a crawl id of the real shape; the local server serves the files below under it
 
 
 # (name in the crawl, file in shared data) in listing order

@@ -15,7 +15,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from gristmill.core.decontam import DecontamConfig
-from gristmill.core.sources import fingerprint_sources
+from gristmill.core.sources import fingerprint_sources, parse_source, source_sizes
 from gristmill.core.stage import StageConfig
 from gristmill.tasks.collect.clean.langid import model_languages
 from gristmill.tasks.collect.clean.pii import PII_KINDS, PiiKind
@@ -24,7 +24,7 @@ from gristmill.tasks.collect.dedup.config import DedupConfig
 from gristmill.tasks.collect.output.gates import GatesConfig
 from gristmill.tasks.collect.output.mixing import MixConfig
 from gristmill.tasks.collect.read import demo_crawl
-from gristmill.tasks.collect.read.common_crawl import DEFAULT_BASE_URL
+from gristmill.tasks.collect.read.common_crawl import DEFAULT_BASE_URL, CommonCrawlSource
 from gristmill.tasks.collect.read.readers import SUPPORTED_SUFFIXES
 
 VERSION = 6  # 3: language ID, C4/FineWeb, PII, quality model, near dedup, decontamination, mixing;
@@ -275,12 +275,21 @@ class Config(CleaningConfig):
             raise ValueError("sources: give at least one source")
         return self
 
+    @field_validator("sources")
+    @classmethod
+    def _check_crawls(cls, sources: list[str]) -> list[str]:
+        for source in sources:  # a 'cc:' source's mistakes are found at plan time, without the network
+            if parse_source(source).kind == "cc":
+                CommonCrawlSource.parse(source)
+        return sources
+
 
 def fingerprint(config: Config) -> str:
     """Digest of the inputs: every input file's content, the demo corpus's content (the pinned
     distributions' documents: demo_crawl.corpus_digest), the crawl files chosen ('cc:' files never
     change), eval sets, reference text (or the quality model trained before) and the earlier dedup
-    index."""
+    index. ValueError naming the sources when none has a byte to read."""
+    _check_something_to_read(config.sources)
     extra = [*config.decontam.eval_sets]
     if config.quality.enabled:
         extra += [config.quality.model] if config.quality.model else config.quality.reference
@@ -289,3 +298,16 @@ def fingerprint(config: Config) -> str:
     inputs = fingerprint_sources(config.sources, SUPPORTED_SUFFIXES,
                                  demo_digest=lambda _: demo_crawl.corpus_digest().sha256)
     return hashlib.sha256(f"{inputs} {fingerprint_sources(extra)}".encode()).hexdigest()
+
+
+def _check_something_to_read(sources: list[str]) -> None:
+    """The plan's share of the stage's rule that a source yielding no document is quarantined
+    while the others go on, and none yielding any is an error: sources whose files are all empty
+    are known before any is read. Usually decided by the first source's listing."""
+    def empty(source: str) -> bool:
+        return parse_source(source).kind == "files" and \
+            all(size == 0 for size in source_sizes(source, SUPPORTED_SUFFIXES).values())
+
+    if all(map(empty, sources)):
+        raise ValueError(f"collect.sources: nothing to read, every input file of {', '.join(map(repr, sources))} "
+                         "is empty (0 bytes)")

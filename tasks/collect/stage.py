@@ -62,7 +62,7 @@ from gristmill.core.files import (
     staging_path,
 )
 from gristmill.core.sources import file_size, parse_source
-from gristmill.core.stage import Engine, SerialEngine, StageResult, worker_dir
+from gristmill.core.stage import Engine, InputError, SerialEngine, StageResult, worker_dir
 from gristmill.tasks.collect.clean.cleaning import clean_document
 from gristmill.tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
 from gristmill.tasks.collect.clean.quality_model import (
@@ -316,11 +316,11 @@ def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Fun
 def _quarantine_empty_sources(sources: list[str], funnel: Funnel) -> None:
     """A source that yielded no document (an empty or corrupt file, requests only) is counted as
     `error_source_without_documents` and quarantined with what it held; the other sources go on.
-    Only when no source yields any is it an error, one line naming each source and why."""
+    Only when no source yields any is it an error (InputError), one line naming each source and why."""
     empty = {s: {k: v for k, v in sorted(funnel.source(s).items()) if k.startswith(("error_", "skipped_"))}
              for s in sources if funnel.source(s)["docs_in"] == 0}
     if len(empty) == len(sources):
-        raise ValueError("no source yielded a document: " + "; ".join(
+        raise InputError("no source yielded a document: " + "; ".join(
             f"{source!r} ({', '.join(f'{k} {v}' for k, v in why.items()) or 'nothing read'})"
             for source, why in empty.items()))
     for source, why in empty.items():

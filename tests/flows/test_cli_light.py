@@ -222,3 +222,48 @@ def test_an_unwritable_store_is_found_when_the_run_is_planned(tmp_path, monkeypa
                                        "written (Permission denied)\n")
     monkeypatch.setenv("GRISTMILL_STORE", str(tmp_path / "store"))  # the same check passes a folder
     assert main(["run", str(TINY), "--dry-run"]) == 0 and not (tmp_path / "store").exists()
+
+
+def _planned_in_one_line(capsys, *overrides: str) -> str:
+    """The one stderr line, exit 2 and nothing on stdout, of `--dry-run` and of a run's own plan
+    (before any service starts); the same line from both."""
+    from gristmill.flows import supervised
+    from gristmill.flows.cli import main
+
+    assert main(["run", str(TINY), *overrides, "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("gristmill: ") and err.count("\n") == 1, out[-2000:] + err
+    assert supervised.run(str(TINY), list(overrides)) == 2
+    assert capsys.readouterr() == ("", err)
+    return err
+
+
+def test_a_crawl_id_that_cannot_be_a_crawl_or_an_unknown_kind_is_found_without_the_network(
+        tmp_path, monkeypatch, capsys):
+    """Not fetched at all (a run used to retry a listing for 30 s): core/sources.py does not reach
+    out for 'cc:' sources, and the collect config parses them."""
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
+    for source, says in {"cc:CC-MAIN-1999-01": "crawl id 'CC-MAIN-1999-01' cannot be a Common Crawl crawl",
+                         "cc:NOTACRAWL": "crawl id 'NOTACRAWL' cannot be a Common Crawl crawl",
+                         "cc:CC-MAIN-2024-22?kind=zip": "kind must be one of ('warc', 'wet'), got 'zip'"}.items():
+        err = _planned_in_one_line(capsys, f"collect.sources={json.dumps([source])}")
+        assert err.startswith(f"gristmill: {TINY}: collect.sources: ") and f"source {source!r}: {says}" in err
+
+
+def test_a_source_of_only_empty_files_is_found_when_the_run_is_planned(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path / "home"))
+    for name in ("crawl.warc.gz", "docs.jsonl"):
+        folder = tmp_path / name.split(".")[0]
+        folder.mkdir()
+        (folder / name).write_bytes(b"")
+        err = _planned_in_one_line(capsys, f"collect.sources=[{folder}]")
+        assert err == (f"gristmill: collect.sources: nothing to read, every input file of '{folder}' is empty "
+                       "(0 bytes)\n")
+
+
+def test_a_config_the_plan_refuses_prints_no_plan_before_its_line(tmp_path, monkeypatch, capsys):
+    """A launch that cannot start is found once the plan is made; a dry run says so instead of
+    printing the resolved config and the plan first."""
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
+    err = _planned_in_one_line(capsys, "pretrain.fsdp=true")
+    assert err.startswith("gristmill: pretrain.fsdp: true shards over a launch's processes, and backend inline")

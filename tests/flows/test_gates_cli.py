@@ -2,7 +2,8 @@
 tripped gate stops `gristmill refresh` and `gristmill run` with one line naming it, exit 3;
 `--approve-gates` goes on and is remembered for that collect artifact, so a later refresh publishes
 it without asking. The decision logic is tests/tasks/collect/test_gates.py's; the Prefect UI's Resume is
-tests/flows/test_serve_browser.py's."""
+tests/flows/test_serve_browser.py's. Data collect finds unusable only once it reads it stops the run
+with one line too, exit 2."""
 from __future__ import annotations
 
 import json
@@ -88,3 +89,26 @@ def test_a_tripped_gate_stops_the_cli_with_exit_3_until_approved(shared_data, tm
     with sqlite3.connect(home / "mlflow.db") as db:
         [(refresh_run,)] = db.execute("select run_uuid from tags where key = 'gristmill.corpus.version'")
     assert _tags(home, refresh_run)["gristmill.gates.by"].startswith("an earlier approval (approve_gates")
+
+
+@pytest.mark.slow
+def test_data_found_unusable_when_read_stops_the_run_in_one_line_without_a_traceback(crawl_server, tmp_path):
+    """Not JSON at all, or a crawl the server has no listing of: exit 2, one line of gristmill's
+    and no traceback in Prefect's log; the work units collect finished are kept for the next run."""
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(bytes(range(256)) * 40)
+    unreadable = _cli(tmp_path / "a", "run", TINY, f"collect.sources=[{garbage}]", "--until", "collect")
+    assert unreadable.returncode == 2, unreadable.stderr[-3000:]
+    assert _own_lines(unreadable) == [f"gristmill: no source yielded a document: '{garbage}' (error_bad_json 1, "
+                                      "error_invalid_utf8 40)"]
+    assert "Traceback" not in unreadable.stdout + unreadable.stderr
+    [partial] = (tmp_path / "a" / "artifacts" / "collect").glob("collect-*.partial")
+    assert list((partial / "units").iterdir())
+
+    unknown = _cli(tmp_path / "b", "run", TINY, "collect.sources=[cc:CC-MAIN-2019-03]",
+                   f"collect.cc_base_url={crawl_server.base_url}", "--until", "collect")
+    assert unknown.returncode == 2, unknown.stderr[-3000:]
+    assert _own_lines(unknown) == [f"gristmill: {crawl_server.base_url}/crawl-data/CC-MAIN-2019-03/warc.paths.gz: "
+                                   "HTTP 404 Not Found: no warc listing for crawl 'CC-MAIN-2019-03'; is the crawl id "
+                                   "right?"]
+    assert "Traceback" not in unknown.stdout + unknown.stderr

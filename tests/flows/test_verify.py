@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import REPO, STAGES, cli_env, gristmill, plan_of
 
-from gristmill.flows.runs import TIMED_FILES
+from bench.harness.runs import TIMED_FILES
 from gristmill.flows.stages import contracts
 from gristmill.infra.artifacts import SMALL_FILE_BYTES, ArtifactStore
 
@@ -80,6 +80,25 @@ def test_every_entry_is_named_each_finding_exits_1_with_its_repair_and_repair_cl
     again = _cli(tmp_path, "verify")
     assert again.returncode == 0, again.stdout
     assert again.stdout.count("set aside ") == 2 and "verified 0 artifact(s)" in again.stdout
+
+
+def test_repair_on_a_read_only_store_is_one_line_and_moves_nothing(tmp_path):
+    """The store a read-only bind mount, in a mount namespace of this command's own (root writes
+    through a read-only mode, not through a read-only mount)."""
+    output = _tokenize_output(tmp_path)
+    (output / "tokens" / "train.bin").unlink()
+    (tmp_path / "artifacts" / "prtrain").mkdir()
+    store = tmp_path / "artifacts"
+    before = sorted(store.rglob("*"))
+    read_only = f"mount --bind {store} {store} && mount -o remount,bind,ro {store} && exec \"$@\""
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", read_only, "sh",
+                           sys.executable, "-m", "gristmill", "verify", "--repair"], cwd=REPO,
+                          env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (f"gristmill: --repair writes in the artifact store, and {store} cannot be written "
+                           "(Read-only file system): nothing was set aside or sealed\n")
+    assert f"DAMAGED tokenize-{KEY}: tokens/train.bin (missing)" in done.stdout  # the findings, still named
+    assert sorted(store.rglob("*")) == before
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@ Source syntax (one `sources` entry of the collect stage):
 
     cc:<crawl id>[?files=<N>][&kind=warc|wet][&seed=<S>]
 
-    crawl id  e.g. CC-MAIN-2024-22 (the list: https://data.commoncrawl.org/crawl-data/index.html)
+    crawl id  CC-MAIN-<year>-<ISO week>, e.g. CC-MAIN-2024-22 (the list:
+              https://data.commoncrawl.org/crawl-data/index.html); one of another shape, or of a
+              year or week no crawl can have, is refused when the source is parsed (at plan time),
+              and one the server has no listing for when the listing is fetched (UnknownCrawl)
     files     how many files to take (default 1). A WARC file is ~1 GB, a WET file ~150 MB.
     kind      warc (default: raw HTTP responses, text extracted here by trafilatura) or wet
               (Common Crawl's own extracted plain text)
@@ -41,10 +44,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from gristmill.core.sources import CC_PREFIX, parse_source
+from gristmill.core.stage import InputError
 
 DEFAULT_BASE_URL = "https://data.commoncrawl.org"
 KINDS = ("warc", "wet")
-CRAWL_ID = re.compile(r"CC-MAIN-[A-Za-z0-9-]+")
+CRAWL_ID = re.compile(r"CC-MAIN-(\d{4})-(\d{2})")  # CC-MAIN-<year>-<ISO week of the crawl>
+FIRST_CRAWL_YEAR = 2013  # the earliest CC-MAIN-<year>-<week> crawl (earlier ones are named otherwise)
 RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 MAX_BACKOFF_S = 60.0
 CHUNK_BYTES = 1 << 20
@@ -60,6 +65,11 @@ class DownloadError(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class UnknownCrawl(DownloadError, InputError):
+    """The server has no listing of a crawl's files of the kind asked for (HTTP 403/404): a crawl id
+    it does not know, or a mirror without it; the message names the crawl and the URL."""
 
 
 class _Transient(Exception):
@@ -90,9 +100,7 @@ class CommonCrawlSource:
         if parsed.kind != "cc":
             raise ValueError(f"source {source!r}: a Common Crawl source starts with {CC_PREFIX!r}")
         crawl_id, _, query = parsed.name.partition("?")
-        if not CRAWL_ID.fullmatch(crawl_id):
-            raise ValueError(f"source {source!r}: crawl id {crawl_id!r} is not like "
-                             "CC-MAIN-2024-22")
+        _check_crawl_id(source, crawl_id)
         try:
             options = dict(urllib.parse.parse_qsl(query, keep_blank_values=True,
                                                   strict_parsing=bool(query)))
@@ -122,6 +130,18 @@ class CommonCrawlSource:
             return paths[:self.files]
         picked = random.Random(self.seed).sample(range(len(paths)), self.files)
         return [paths[i] for i in sorted(picked)]
+
+
+def _check_crawl_id(source: str, crawl_id: str) -> None:
+    """ValueError naming the source unless `crawl_id` could be a crawl: CC-MAIN-<year>-<week>, a
+    year from FIRST_CRAWL_YEAR to this one and an ISO week (01-53). Whether the crawl exists is the
+    server's to say, when its listing is fetched."""
+    match = CRAWL_ID.fullmatch(crawl_id)
+    year, week = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if not (FIRST_CRAWL_YEAR <= year <= time.gmtime().tm_year and 1 <= week <= 53):
+        raise ValueError(f"source {source!r}: crawl id {crawl_id!r} cannot be a Common Crawl crawl: "
+                         f"CC-MAIN-<year>-<week>, a year from {FIRST_CRAWL_YEAR} to this one and a "
+                         "week 01-53, e.g. CC-MAIN-2024-22 (https://data.commoncrawl.org/crawl-data/index.html)")
 
 
 def _int_option(source: str, key: str, value: str, minimum: int) -> int:
@@ -193,15 +213,16 @@ def get_bytes(url: str, *, retries: int = 5, timeout_s: float = 60.0,
 
 def list_files(src: CommonCrawlSource, base_url: str = DEFAULT_BASE_URL, *, retries: int = 5,
                timeout_s: float = 60.0, backoff_s: float = 1.0) -> list[str]:
-    """URLs of the chosen files of a crawl (see CommonCrawlSource.choose)."""
+    """URLs of the chosen files of a crawl (see CommonCrawlSource.choose); UnknownCrawl when the
+    server has no listing of it."""
     url = src.paths_url(base_url)
     try:
         data = get_bytes(url, retries=retries, timeout_s=timeout_s, backoff_s=backoff_s)
     except DownloadError as exc:
         if exc.status not in (403, 404):  # S3 behind a CDN answers 403 for a missing key
             raise
-        raise DownloadError(f"{exc}: no {src.kind} listing for crawl {src.crawl_id!r}; is the "
-                            "crawl id right?", exc.status) from None
+        raise UnknownCrawl(f"{exc}: no {src.kind} listing for crawl {src.crawl_id!r}; is the "
+                           "crawl id right?", exc.status) from None
     try:
         lines = gzip.decompress(data).decode("utf-8").split()
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:

@@ -14,7 +14,7 @@ from collect_helpers import TINY_CLEANING
 import gristmill.tasks.collect.clean.filters as text_filters
 import gristmill.tasks.collect.read.demo_crawl as demo_crawl
 import gristmill.tasks.collect.stage as collect
-from gristmill.core.stage import SerialEngine
+from gristmill.core.stage import InputError, SerialEngine
 from gristmill.tasks.collect.clean.cleaning import clean_document
 from gristmill.tasks.collect.config import fingerprint
 from gristmill.tasks.collect.read.readers import (
@@ -268,8 +268,12 @@ def test_missing_or_empty_source_names_it(shared_data, tmp_path):
         _run(tmp_path, "a", sources=[missing])
     requests_only = str(shared_data / "warc" / "warcio_examples" / "example-digest.warc")
     no_document = r"no source yielded a document: .*example-digest\.warc.*skipped_record"
-    with pytest.raises(ValueError, match=no_document):
+    with pytest.raises(InputError, match=no_document):  # the user's data: one line, exit 2 (flows/supervised.py)
         _run(tmp_path, "b", sources=[requests_only])
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(InputError, match=r"^no source yielded a document: '.*garbage\.jsonl' \(error_"):
+        _run(tmp_path, "b2", sources=[str(garbage)])
     with pytest.raises(ValueError, match="demo:nothing"):
         _run(tmp_path, "c", sources=["demo:nothing"])
 
@@ -374,6 +378,27 @@ def test_fingerprint_follows_file_content(shared_data, tmp_path):
     assert fingerprint(config) != first
     assert fingerprint(CFG) == fingerprint(collect.Config())
     assert resolve_source(str(tmp_path)) == [path]
+
+
+def test_sources_of_only_empty_files_are_refused_when_the_run_is_planned(shared_data, tmp_path):
+    """Nothing to read in any source is known from the listings; one empty source among others
+    is quarantined when the stage runs (test_collect_corpus.py) while the others go on."""
+    import fsspec
+
+    (tmp_path / "crawl").mkdir()
+    for name in ("a.warc.gz", "b.jsonl"):
+        (tmp_path / "crawl" / name).write_bytes(b"")
+    empty_url = f"memory://empty-{tmp_path.name}/x.jsonl"  # an object store's listing gives sizes too
+    fsspec.filesystem("memory").pipe(empty_url, b"")
+    try:
+        for sources in ([str(tmp_path / "crawl")], [str(tmp_path / "crawl" / "b.jsonl"), empty_url]):
+            with pytest.raises(ValueError, match=r"^collect\.sources: nothing to read, every input file of "
+                                                 rf"{', '.join(map(repr, sources))} is empty \(0 bytes\)$"):
+                fingerprint(collect.Config(sources=sources))
+        good = str(shared_data / "jsonl" / "dolma_cc" / "cc_en_head-0174.jsonl")
+        assert fingerprint(collect.Config(sources=[str(tmp_path / "crawl"), empty_url, good]))
+    finally:
+        fsspec.filesystem("memory").rm(empty_url)
 
 
 # --- the demo crawl ------------------------------------------------------------------------

@@ -2,13 +2,15 @@
 resume with Range, retries, verification, and clear errors."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
 from corpus_helpers import CRAWL, WARC_FILES
 
 import gristmill.tasks.collect.read.common_crawl as cc
-from gristmill.tasks.collect.read.common_crawl import CommonCrawlSource, DownloadError
+from gristmill.core.stage import InputError
+from gristmill.tasks.collect.read.common_crawl import CommonCrawlSource, DownloadError, UnknownCrawl
 from gristmill.tasks.collect.read.readers import RawDoc, read_file
 
 FAST = {"retries": 3, "timeout_s": 5.0, "backoff_s": 0.01}  # tests must not sleep for seconds
@@ -43,6 +45,14 @@ def test_parse_source():
            "cc:CC-MAIN-2024-22?limit=3": "unknown option.*limit",
            "cc:CC-MAIN-2024-22?files": "expected key=value",
            "cc:../../etc": "crawl id",
+           "cc:NOTACRAWL": "crawl id 'NOTACRAWL' cannot be a Common Crawl crawl",
+           "cc:CC-MAIN-1999-01": "crawl id 'CC-MAIN-1999-01' cannot be",  # the first crawls are of 2013
+           "cc:CC-MAIN-2012-40": "cannot be",
+           f"cc:CC-MAIN-{time.gmtime().tm_year + 1}-10": "cannot be",  # not crawled yet
+           "cc:CC-MAIN-2024-00": "cannot be",
+           "cc:CC-MAIN-2024-54": "cannot be",  # ISO weeks: 01-53
+           "cc:CC-MAIN-2024-2": "cannot be",
+           "cc:CC-MAIN-2024-22?kind=zip": "kind must be one of",
            "CC-MAIN-2024-22": "starts with 'cc:'"}
     for source, message in bad.items():
         with pytest.raises(ValueError, match=message) as info:
@@ -153,10 +163,13 @@ def test_corrupt_download_refetched_once_then_error(crawl_server, tmp_path):
 
 
 def test_missing_listing_and_file_name_the_url(crawl_server, tmp_path):
-    listing = f"{crawl_server.base_url}/crawl-data/CC-MAIN-NOPE/warc.paths.gz"
-    with pytest.raises(DownloadError, match=f"{listing}: HTTP 404.*CC-MAIN-NOPE") as info:
-        cc.list_files(CommonCrawlSource.parse("cc:CC-MAIN-NOPE"), crawl_server.base_url, **FAST)
+    """A well-formed crawl id the server has no listing for is the user's input: an InputError,
+    which a run reports in one line (exit 2)."""
+    listing = f"{crawl_server.base_url}/crawl-data/CC-MAIN-2019-03/warc.paths.gz"
+    with pytest.raises(UnknownCrawl, match=f"{listing}: HTTP 404.*'CC-MAIN-2019-03'") as info:
+        cc.list_files(CommonCrawlSource.parse("cc:CC-MAIN-2019-03"), crawl_server.base_url, **FAST)
     assert info.value.status == 404
+    assert isinstance(info.value, InputError) and isinstance(info.value, DownloadError)
     assert len(crawl_server.requests) == 1  # a 404 is not retried
     missing = f"{crawl_server.base_url}/crawl-data/{CRAWL}/segments/nothing.warc.gz"
     with pytest.raises(DownloadError, match=f"{missing}: HTTP 404"):

@@ -11,21 +11,17 @@ size, least recently used evicted.
 Entries are content-addressed: whatever URL an object came from, its bytes are named by their
 sha256, which the record that listed it (a checkpoint marker, an artifact manifest) gives. So an
 entry is never stale, two URLs of the same bytes share one entry, and wiping the cache (or losing
-any entry to eviction) costs a download, never a wrong answer. A download is verified (size, then
-sha256) before it is renamed into place; one that differs is an `ObjectDamaged` naming the URL, and
-nothing is kept of it. Several processes of one node share the cache: downloads go to names of
-their own, the rename into place is atomic, and eviction runs under the lock. Using an entry
-refreshes its mtime, the age eviction goes by; the newest entries stay and the bound is
-`GRISTMILL_CACHE_MAX_GB` (default 20 GiB, what a small node's disk spares), checked after each
-download. The size counts each file once however many links it has, the folders of `keep_tree`
-included, and a tree goes whole (renamed aside as `.<name>.download-evicted-<pid>`, then deleted), so
-downloaded artifacts and checkpoints together stay within the bound. An entry evicted while a
-process still reads it stays readable to that process (POSIX keeps unlinked files open); callers
-that keep using a path link it first (`link_into`).
-
-Bucket calls go through `on_bucket`: a host that does not answer is tried `TRIES` times with a
-growing pause; that, refused credentials, or a bucket gone are an `BucketError` of one line naming
-the URL, raised as soon as retrying cannot help.
+any entry to eviction) costs a download, never a wrong answer. A download (core/object_store.py's,
+under its retry policy) is verified, size then sha256, before it is renamed into place; one that
+differs is an `ObjectDamaged` naming the URL, and nothing is kept of it. Several processes of one
+node share the cache: downloads go to names of their own, the rename into place is atomic, and
+eviction runs under the lock. Using an entry refreshes its mtime, the age eviction goes by; the
+newest entries stay and the bound is `GRISTMILL_CACHE_MAX_GB` (default 20 GiB, what a small node's
+disk spares), checked after each download. The size counts each file once however many links it has,
+the folders of `keep_tree` included, and a tree goes whole (renamed aside as `.<name>.download-
+evicted-<pid>`, then deleted), so downloaded artifacts and checkpoints together stay within the
+bound. An entry evicted while a process still reads it stays readable to that process (POSIX keeps
+unlinked files open); callers that keep using a path link it first (`link_into`).
 """
 from __future__ import annotations
 
@@ -36,13 +32,11 @@ import os
 import shutil
 import stat
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
 
-from gristmill.core.files import file_digest
-from gristmill.core.sources import host_unreachable
+from gristmill.core import object_store
+from gristmill.core.object_store import ObjectDamaged
 
 CACHE_ENV = "GRISTMILL_CACHE"
 MAX_GB_ENV = "GRISTMILL_CACHE_MAX_GB"
@@ -50,19 +44,6 @@ DEFAULT_MAX_GB = 20.0
 OBJECTS = "objects"
 LOCK = "cache.lock"
 TREES = "trees"
-TRIES = 3  # tries of a bucket call whose host does not answer
-PAUSE_S = 1.0  # pause after the first failed try; doubled after each next one
-
-T = TypeVar("T")
-
-
-class BucketError(OSError):
-    """A bucket call that cannot succeed (host unreachable after retries, credentials refused,
-    bucket gone), in one line naming the URL."""
-
-
-class ObjectDamaged(OSError):
-    """An object whose bytes are not those its record lists (truncated, changed, missing)."""
 
 
 def cache_root() -> Path:
@@ -74,39 +55,6 @@ def cache_root() -> Path:
 def max_bytes() -> int:
     """The bound on the objects' total size: `$GRISTMILL_CACHE_MAX_GB` GiB (default 20)."""
     return int(float(os.environ.get(MAX_GB_ENV) or DEFAULT_MAX_GB) * 2**30)
-
-
-def _unreachable(error: BaseException) -> bool:
-    return host_unreachable(error) is not None
-
-
-def on_bucket(url: str, what: str, call: Callable[[], T], *, missing_ok: bool = False) -> T:
-    """`call()`, which does `what` with the object or prefix at `url`. A host that does not answer
-    is asked again (TRIES in all, pausing PAUSE_S, then twice that...); a missing object raises
-    FileNotFoundError when `missing_ok` (the caller knows what absence means), and everything that
-    retrying cannot fix is a BucketError of one line naming the URL."""
-    for attempt in range(1, TRIES + 1):
-        try:
-            return call()
-        except FileNotFoundError as error:
-            if _unreachable(error) and attempt < TRIES:
-                time.sleep(PAUSE_S * 2 ** (attempt - 1))
-                continue
-            if missing_ok and not _unreachable(error):
-                raise
-            raise BucketError(f"{url}: {what} failed: not found ({error}); is the bucket there?") from None
-        except PermissionError as error:
-            raise BucketError(f"{url}: {what} refused: {error}; check AWS_ACCESS_KEY_ID / "
-                              "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
-        except Exception as error:  # clients raise their own types (botocore, aiohttp)
-            if not _unreachable(error):
-                raise BucketError(f"{url}: {what} failed: {type(error).__name__}: {error}") from None
-            if attempt == TRIES:
-                endpoint = os.environ.get("AWS_ENDPOINT_URL", "(unset: AWS S3)")
-                raise BucketError(f"{url}: {what} failed: its host did not answer in {TRIES} tries "
-                                  f"({type(error).__name__}); the endpoint is AWS_ENDPOINT_URL={endpoint}") from None
-            time.sleep(PAUSE_S * 2 ** (attempt - 1))
-    raise AssertionError("not reached: the last try returns or raises")
 
 
 class ObjectCache:
@@ -138,17 +86,16 @@ class ObjectCache:
         """The local copy of the object at `url`, whose record says it has `size` bytes of digest
         `sha256`: the cached entry when there is one, else downloaded, verified and put in place
         (then older entries evicted down to the bound). ObjectDamaged when the bucket's bytes
-        differ from the record; BucketError when the bucket cannot be read."""
+        differ from the record; ObjectStoreError when the bucket cannot be read."""
         entry = self.entry(sha256)
         if _size(entry) == size:
             _touch(entry)
             return entry
         with self._incoming(entry) as incoming:
-            self._download(url, incoming)
-            if (got := incoming.stat().st_size) != size:
-                raise ObjectDamaged(f"{url}: has {got} bytes, its record lists {size} (truncated or changed)")
-            if file_digest(incoming) != sha256:
-                raise ObjectDamaged(f"{url}: its bytes do not match the sha256 its record lists")
+            try:
+                object_store.get_file(url, incoming, size, sha256)
+            except FileNotFoundError:
+                raise ObjectDamaged(f"{url}: missing, its record lists {size} bytes") from None
         if evict:
             self.evict(keep=entry)
         return entry
@@ -194,12 +141,6 @@ class ObjectCache:
         link = self._tree_link(folder)
         with contextlib.suppress(FileNotFoundError):
             os.utime(link, follow_symlinks=False)
-
-    def _download(self, url: str, dest: Path) -> None:
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(url)
-        on_bucket(url, "download", lambda: fs.get_file(path, str(dest)), missing_ok=True)
 
     def entries(self) -> list[Path]:
         return [p for p in self.dir.glob("??/*") if p.is_file()] if self.dir.is_dir() else []

@@ -1,5 +1,6 @@
 """Small file helpers shared by the stages: content digests, JSON-lines reading (local paths and
-any fsspec URL), the free-space check made before large writes, and a lock file."""
+any fsspec URL), the free-space check made before large writes, a lock file, and a stage folder
+that is a local path or a bucket's URL (whose bytes go through core/object_store.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -46,10 +47,10 @@ def iter_jsonl(paths: Iterable[Path | str], *, objects_only: bool = False) -> It
     are skipped. A line that is not JSON raises JsonLinesError naming the file and line, and so does
     one that is not a JSON object when `objects_only` (else the caller decides what such a record
     is: a reader that counts it as a drop reason)."""
-    import fsspec
+    from fsspec.utils import infer_compression
 
     for path in paths:
-        with fsspec.open(str(path), "rt", encoding="utf-8", compression="infer") as f:
+        with _open_text(str(path), infer_compression(str(path))) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -103,10 +104,9 @@ def publish_file(finished: Path, dest: str, *, keep: bool = False) -> None:
             finished = Path(f"{dest}.tmp")
         Path(finished).replace(dest)
         return
-    import fsspec
+    from gristmill.core import object_store
 
-    fs, path = fsspec.core.url_to_fs(dest)
-    fs.put_file(str(finished), path)
+    object_store.put_file(finished, dest)
     if not keep:
         Path(finished).unlink()
 
@@ -116,20 +116,33 @@ def fetch_file(location: str, dest: Path) -> None:
     if not is_url(location):
         Path(location).replace(dest)
         return
-    import fsspec
+    from gristmill.core import object_store
 
-    fs, path = fsspec.core.url_to_fs(location)
-    fs.get_file(path, str(dest))
+    object_store.get_file(location, dest)
 
 
 def open_location(location: str | Path, mode: str = "rb") -> Any:
-    """A file at a local path or fsspec URL, opened (a context manager)."""
+    """A file at a local path or URL, opened (a context manager)."""
     if not is_url(location):
         return Path(location).open(mode)
-    import fsspec
+    from gristmill.core import object_store
 
-    # fsspec is untyped, and its `open` is inferred as possibly a list of files; it is one file.
-    return fsspec.open(str(location), mode).open()  # pyright: ignore[reportAttributeAccessIssue]
+    if object_store.is_object_store(location):
+        return object_store.open_object(str(location), mode)
+    fs, path = object_store.filesystem(str(location))
+    return fs.open(path, mode)
+
+
+def _open_text(location: str, compression: str | None) -> Any:
+    """A text file (UTF-8, decompressed by `compression`) at a local path or URL."""
+    import io
+
+    from fsspec.compression import compr
+
+    raw = open_location(location, "rb")
+    if compression is not None:
+        raw = compr[compression](raw, mode="rb")
+    return io.TextIOWrapper(raw, encoding="utf-8")
 
 
 def names_in(location: str, *, create: bool = False) -> set[str]:
@@ -140,13 +153,9 @@ def names_in(location: str, *, create: bool = False) -> set[str]:
         if create:
             Path(location).mkdir(parents=True, exist_ok=True)
         return {p.name for p in Path(location).iterdir()} if Path(location).is_dir() else set()
-    import fsspec
+    from gristmill.core import object_store
 
-    fs, path = fsspec.core.url_to_fs(location)
-    try:
-        return {name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(path, detail=False, refresh=True)}
-    except FileNotFoundError:
-        return set()
+    return set(object_store.names(location))
 
 
 def remove_tree(location: str) -> None:
@@ -154,8 +163,6 @@ def remove_tree(location: str) -> None:
     if not is_url(location):
         shutil.rmtree(location, ignore_errors=True)
         return
-    import fsspec
+    from gristmill.core import object_store
 
-    fs, path = fsspec.core.url_to_fs(location)
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm(path, recursive=True)
+    object_store.remove(location, recursive=True)

@@ -13,16 +13,15 @@ sources currently holds, so an edited input file changes a stage's artifact key.
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from gristmill.core import object_store
 from gristmill.core.files import file_digest
+from gristmill.core.object_store import ObjectStoreError
 
 DEMO_PREFIX = "demo:"
 CC_PREFIX = "cc:"
@@ -30,13 +29,6 @@ SourceKind = Literal["demo", "cc", "files"]
 T = TypeVar("T")
 # Files of records (conversations, preference pairs, prompts, benchmark items) in a folder or glob.
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".ndjson")
-# Tries to reach a source's host (each bounded by its client's own timeout and retries) before a
-# plan fails naming it; a wait of `attempt` seconds between tries.
-REACH_ATTEMPTS = 3
-# botocore's errors for a client that has no credentials or region to sign a request with.
-CREDENTIAL_ERRORS = frozenset({"NoCredentialsError", "PartialCredentialsError", "NoRegionError"})
-CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and AWS_ENDPOINT_URL "
-                    "for an S3-compatible store other than AWS")
 
 
 @dataclass(frozen=True)
@@ -66,79 +58,35 @@ def parse_source(text: str) -> Source:
 
 
 def filesystem(path: str):
-    """(fsspec filesystem, path inside it); errors name the path."""
-    from fsspec.core import url_to_fs
-
+    """(fsspec filesystem, path inside it) of a source (core/object_store.py's for a bucket);
+    errors name the source."""
     try:
-        return url_to_fs(path)
-    except ValueError as exc:  # e.g. "Protocol not known: foo"
+        return object_store.filesystem(path)
+    except (ValueError, ObjectStoreError) as exc:  # e.g. "Protocol not known: foo"
         raise ValueError(f"source {path!r}: {exc}") from None
-    except ImportError as exc:  # e.g. "Install s3fs to access S3"
+    except ImportError as exc:  # e.g. "Install ... to access ..."
         raise ImportError(f"source {path!r}: {exc}") from None
 
 
-def error_chain(error: BaseException) -> list[BaseException]:
-    """`error` and the errors it was raised from (fsspec's HTTP client turns a connection error
-    into FileNotFoundError from it)."""
-    chain: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and current not in chain:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
-
-
-def _is_connection_error(error: BaseException) -> bool:
-    """A host that does not answer: refused, reset, timed out, unresolvable (any client's names)."""
-    name = type(error).__name__
-    return (isinstance(error, (ConnectionError, TimeoutError, socket.gaierror))
-            or "Connect" in name or "Timeout" in name)
-
-
-def host_unreachable(error: BaseException) -> BaseException | None:
-    """The error in `error`'s chain saying its host did not answer, if one does."""
-    return next((e for e in error_chain(error) if _is_connection_error(e)), None)
-
-
-def _endpoint_hint(source: str) -> str:
-    """What decides the host of an s3:// source, which its URL does not name."""
-    if not source.startswith("s3://"):
-        return ""
-    return f"; the endpoint is AWS_ENDPOINT_URL={os.environ.get('AWS_ENDPOINT_URL', '(unset: AWS S3)')}"
-
-
 def _asking(source: str, call: Callable[[], T], missing: T) -> T:
-    """`call()`, the store being asked about `source`; `missing` when it says nothing is there.
-    A host that does not answer is asked REACH_ATTEMPTS times; it, missing credentials and any
-    other refusal are a ValueError naming the source: found at plan time, in one line, not as a
-    client's traceback."""
-    for attempt in range(1, REACH_ATTEMPTS + 1):
-        try:
-            return call()
-        except (ValueError, ImportError):  # filesystem()'s own, naming the source already
-            raise
-        except Exception as error:  # clients raise their own types (botocore, aiohttp, ftplib)
-            causes = error_chain(error)
-            if any(type(e).__name__ in CREDENTIAL_ERRORS for e in causes):
-                raise ValueError(f"source {source!r}: no credentials for its object store ({error}): "
-                                 f"{CREDENTIALS_HINT}") from None
-            unreachable = host_unreachable(error)
-            if unreachable is None and isinstance(error, FileNotFoundError):
-                return missing
-            if unreachable is None:
-                raise ValueError(f"source {source!r}: {type(error).__name__}: {error}") from None
-            if attempt == REACH_ATTEMPTS:
-                raise ValueError(f"source {source!r}: its host did not answer in {REACH_ATTEMPTS} tries "
-                                 f"({type(unreachable).__name__}: {unreachable}){_endpoint_hint(source)}") from None
-            time.sleep(attempt)
-    return missing  # not reached: the last try returns or raises
+    """`call()`, the store being asked about `source`, under the one retry policy
+    (core/object_store.py); `missing` when it says nothing is there. What retrying cannot fix is a
+    ValueError naming the source: found at plan time, in one line, not as a client's traceback."""
+    try:
+        return object_store.POLICY.call(source, "", call, object_store.backend_if_any(source), missing_ok=True)
+    except FileNotFoundError:
+        return missing
+    except ObjectStoreError as error:
+        raise ValueError(f"source {source!r}: {str(error).removeprefix(f'{source}: ')}") from None
 
 
 def bucket_exists(url: str) -> bool:
-    """Whether the object store at `url` (s3://bucket) has it; unreachable hosts and missing
-    credentials are a ValueError naming it, as for a source."""
-    fs, path = filesystem(url)
-    return _asking(url, lambda: fs.exists(path), False)
+    """Whether the object store at `url` (s3://bucket, gs://bucket) has it; unreachable hosts and
+    missing credentials are a ValueError naming it, as for a source."""
+    try:
+        return object_store.bucket_exists(url)
+    except ObjectStoreError as error:
+        raise ValueError(str(error)) from None
 
 
 def file_size(path: str | Path) -> int:
@@ -198,8 +146,7 @@ def input_digest(path: str | Path) -> str:
     fs, fs_path = filesystem(str(path))
     if isinstance(fs, LocalFileSystem):
         return file_digest(Path(fs_path))
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return f"{protocol}:{fs.checksum(fs_path):x}"
+    return object_store.version_of(str(path))
 
 
 def fingerprint_sources(sources: Iterable[str], suffixes: tuple[str, ...] | None = None,

@@ -24,9 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import fsspec
-
-from gristmill.core import progress
+from gristmill.core import object_store, progress
 from gristmill.core.launch import REPO, LaunchConfig, on_cuda
 from gristmill.core.stage import StageResult
 from gristmill.flows.config import PipelineConfig
@@ -95,9 +93,9 @@ def _outputs(partial: Path) -> list[str]:
 def upload_outputs(store: ArtifactStore, partial: Path) -> list[str]:
     """Rank 0's outputs in `partial` (on its own node) to the partial folder's place on the store's
     bucket, for the driver on another node to commit; returns what it uploaded."""
-    fs, remote = fsspec.core.url_to_fs(store.remote_location(partial))
+    remote = store.remote_location(partial)
     files = _outputs(partial)
-    fs.put([str(partial / rel) for rel in files], [f"{remote}/{rel}" for rel in files])
+    object_store.put_files([(partial / rel, f"{remote}/{rel}") for rel in files], "uploading rank 0's outputs")
     return files
 
 
@@ -107,15 +105,16 @@ def download_outputs(store: ArtifactStore, partial: Path, files: list[str]) -> N
     try on this node may have written it, and the stage's metrics follower reads it meanwhile."""
     if not files:
         return
-    fs, remote = fsspec.core.url_to_fs(store.remote_location(partial))
+    remote = store.remote_location(partial)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=partial) as fetched:
         for rel in files:
             (Path(fetched) / rel).parent.mkdir(parents=True, exist_ok=True)
-        fs.get([f"{remote}/{rel}" for rel in files], [f"{fetched}/{rel}" for rel in files])
+        object_store.get_files([(f"{remote}/{rel}", Path(fetched) / rel) for rel in files],
+                               "downloading rank 0's outputs")
         for rel in files:
             (partial / rel).parent.mkdir(parents=True, exist_ok=True)
             os.replace(Path(fetched) / rel, partial / rel)
-    fs.rm([f"{remote}/{rel}" for rel in files])
+    object_store.remove_files([f"{remote}/{rel}" for rel in files])
 
 
 def _relay(line: str, relayed: progress.Relayed, logger: logging.Logger | logging.LoggerAdapter) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import psutil
 
+from gristmill.core import object_store
 from gristmill.core.files import locked
 from gristmill.core.sources import bucket_exists
 from gristmill.infra import env, processes
@@ -142,13 +143,14 @@ def ray_temp_dir(home: Path) -> Path:
 
 def artifacts_destination(home: Path, requested: str | None = None) -> str:
     """Where `up`'s MLflow server keeps artifacts (logged models among them): `requested`; else,
-    when GRISTMILL_STORE is an s3:// URL, the `mlflow-artifacts` prefix of its bucket, so a
+    when GRISTMILL_STORE is a bucket's URL (s3://, gs://), the `mlflow-artifacts` prefix of it, so a
     node with no shared disk serves the registry's models from the bucket; else under the home."""
     if requested:
         return requested.rstrip("/")
     store = os.environ.get(STORE_ENV, "")
-    if store.startswith("s3://"):
-        return f"s3://{store.removeprefix('s3://').split('/', 1)[0]}/{MLFLOW_BUCKET_PREFIX}"
+    if object_store.is_object_store(store):  # the bucket's own scheme: MLflow writes s3:// and gs:// alike
+        scheme, _, rest = store.partition("://")
+        return f"{scheme}://{rest.split('/', 1)[0]}/{MLFLOW_BUCKET_PREFIX}"
     return env.mlflow_artifacts_root(home).as_uri()
 
 

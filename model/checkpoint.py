@@ -60,16 +60,32 @@ from gristmill.model.checkpoint_files import Barrier, WriteFn, damage, gather, r
 from gristmill.model.checkpoint_local import LocalPlace
 
 # what the trainers, stages and tests import from here (`damage` and `read_marker` live with the marker)
-__all__ = ["CHECKPOINTS_DIR", "CHECKPOINT_STATS", "ROW_KEY", "STORE_ENV", "Place", "checkpoint_place",
-           "checkpoint_stats", "clear_partial_checkpoints", "complete_checkpoints", "damage",
-           "latest_good_checkpoint", "read_marker", "remove_checkpoints", "restore_rows", "resume_point",
-           "rewrite_marker", "save_checkpoint", "store_env"]
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "CHECKPOINT_STATS",
+    "CHECKPOINT_STORE_ENV",
+    "ROW_KEY",
+    "Place",
+    "checkpoint_place",
+    "checkpoint_stats",
+    "clear_partial_checkpoints",
+    "complete_checkpoints",
+    "damage",
+    "latest_good_checkpoint",
+    "read_marker",
+    "remove_checkpoints",
+    "restore_rows",
+    "resume_point",
+    "rewrite_marker",
+    "save_checkpoint",
+    "store_env",
+]
 
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_STATS = ("checkpoint_s", "checkpoint_bytes", "checkpoints")  # what checkpoint_stats summarises
 METRICS_COPY = "metrics.jsonl"  # in a checkpoint: the metrics rows written before it (`restore_rows`)
 ROW_KEY = "metrics_row"  # in a saved state: the metrics row of its step (`restore_rows`)
-STORE_ENV = "GRISTMILL_CHECKPOINT_STORE"  # {"root": local folder, "url": its place on a bucket}
+CHECKPOINT_STORE_ENV = "GRISTMILL_CHECKPOINT_STORE"  # {"root": local folder, "url": its place on a bucket}
 
 
 class Place(Protocol):
@@ -89,7 +105,7 @@ def checkpoint_place(work_dir: Path) -> Place:
     """The place of `work_dir`'s checkpoints: on the bucket when `$GRISTMILL_CHECKPOINT_STORE` maps a
     folder above it there, else under `work_dir/checkpoints`."""
     work_dir = Path(work_dir)
-    if mapping := os.environ.get(STORE_ENV):
+    if mapping := os.environ.get(CHECKPOINT_STORE_ENV):
         store = json.loads(mapping)
         below = os.path.relpath(work_dir.resolve(), Path(store["root"]).resolve())
         if below != ".." and not below.startswith("../"):
@@ -100,7 +116,7 @@ def checkpoint_place(work_dir: Path) -> Place:
 
 def store_env(root: Path, url: str) -> dict[str, str]:
     """The environment that maps work directories under `root` onto `url` (see the module doc)."""
-    return {STORE_ENV: json.dumps({"root": str(Path(root).resolve()), "url": url})}
+    return {CHECKPOINT_STORE_ENV: json.dumps({"root": str(Path(root).resolve()), "url": url})}
 
 
 # ---------------------------------------------------------------- the functions the trainers call

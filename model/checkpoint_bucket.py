@@ -2,7 +2,7 @@
 gives a work directory that `GRISTMILL_CHECKPOINT_STORE` maps onto the artifact store's bucket. The
 functions the trainers call, and the layout on the local disk, are model/checkpoint.py's.
 
-With `GRISTMILL_STORE=s3://...` (so that a training stage's ranks on nodes that share
+With `GRISTMILL_STORE=s3://...` or `gs://...` (so that a training stage's ranks on nodes that share
 nothing but the bucket, or a run restarted on another node, resume from the same checkpoints):
 
     <url of work_dir>/checkpoints/step-0000050/<files>            uploaded by the ranks that wrote them
@@ -24,16 +24,17 @@ complete checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from gristmill.core.cache import BucketError, ObjectCache, ObjectDamaged, link_into, on_bucket
+from gristmill.core import object_store
+from gristmill.core.cache import ObjectCache, link_into
 from gristmill.core.faults import fault_point
 from gristmill.core.files import describe_files, ensure_free_space
+from gristmill.core.object_store import ObjectDamaged, ObjectStoreError
 from gristmill.model.checkpoint_files import (
     FILES_KEY,
     MARKER,
@@ -70,46 +71,22 @@ class BucketPlace:
     staging folders and views of downloaded checkpoints."""
 
     def __init__(self, local: Path, url: str, cache: ObjectCache | None = None):
-        import fsspec
-
         self.local, self.url = Path(local), url.rstrip("/")
-        self.fs, self.path = fsspec.core.url_to_fs(self.url)
-        self.path = self.path.rstrip("/")
         self.cache = cache or ObjectCache()
 
     def _url(self, *parts: str) -> str:
         return "/".join([self.url, *parts])
 
-    def _key(self, *parts: str) -> str:
-        return "/".join([self.path, *parts])
-
     def _steps(self) -> list[int]:
         """Every step with anything under its prefix, complete or not, oldest first."""
-        def listing() -> list[str]:
-            try:
-                return self.fs.ls(self.path, detail=False, refresh=True)
-            except FileNotFoundError:
-                bucket = self.path.split("/", 1)[0]
-                if not self.fs.exists(bucket):
-                    raise
-                return []
-
-        names = on_bucket(self.url, "listing checkpoints", listing)
-        steps = []
-        for name in names:
-            base = name.rstrip("/").rsplit("/", 1)[-1]
-            if base.startswith("step-") and base[5:].isdigit():
-                steps.append(int(base[5:]))
-        return sorted(steps)
+        names = object_store.names(self.url)
+        if not names and not object_store.bucket_exists(self.url):
+            raise ObjectStoreError(f"{self.url}: listing checkpoints failed: not found; is the bucket there?")
+        return sorted(int(name[5:]) for name in names if name.startswith("step-") and name[5:].isdigit())
 
     def _marker(self, step: int) -> dict[str, Any] | None:
-        url = self._url(step_name(step), MARKER)
-        try:
-            text = on_bucket(url, "reading a checkpoint marker",
-                             lambda: self.fs.cat_file(self._key(step_name(step), MARKER)), missing_ok=True)
-        except FileNotFoundError:
-            return None
-        return json.loads(text)
+        text = object_store.read_bytes(self._url(step_name(step), MARKER))
+        return None if text is None else json.loads(text)
 
     def complete(self) -> list[tuple[int, Path]]:
         return [(step, self._view(step)) for step in self._steps() if self._marker(step) is not None]
@@ -152,11 +129,8 @@ class BucketPlace:
 
     def _delete(self, step: int) -> None:
         """Marker first: a checkpoint is never complete with files missing."""
-        prefix = step_name(step)
-        for key, recursive in ((self._key(prefix, MARKER), False), (self._key(prefix), True)):
-            with contextlib.suppress(FileNotFoundError):
-                on_bucket(self._url(prefix), "deleting a checkpoint",
-                          lambda key=key, recursive=recursive: self.fs.rm(key, recursive=recursive), missing_ok=True)
+        object_store.remove(self._url(step_name(step), MARKER))
+        object_store.remove(self._url(step_name(step)), recursive=True)
 
     def clear_partial(self) -> None:
         for step in self._steps():
@@ -182,14 +156,11 @@ class BucketPlace:
         if failure is not None:
             raise disk_full(failure, staging) from failure
         if failed := [why for _, why in everyone if why]:
-            raise BucketError(f"{self._url(step_name(step))}: another rank's upload failed: {failed[0]}")
+            raise ObjectStoreError(f"{self._url(step_name(step))}: another rank's upload failed: {failed[0]}")
         merged = {rel: record for share, _ in everyone for rel, record in share.items()}
         if main:
             fault_point(f"checkpoint-files:{step}")
-            url = self._url(step_name(step), MARKER)
-            on_bucket(url, "uploading a checkpoint marker",
-                      lambda: self.fs.pipe_file(self._key(step_name(step), MARKER),
-                                                marker_text(state, merged).encode()))
+            object_store.put_bytes(self._url(step_name(step), MARKER), marker_text(state, merged).encode())
             for old, _ in self.complete()[:-keep]:
                 self._delete(old)
             fault_point(f"checkpoint:{step}")
@@ -204,21 +175,15 @@ class BucketPlace:
         write(staging)
         files = describe_files(staging, exclude=MARKER)
         for rel, record in files.items():
-            key = self._key(step_name(step), rel)
-            on_bucket(self._url(step_name(step), rel), "uploading a checkpoint file",
-                      lambda rel=rel, key=key: self.fs.put_file(str(staging / rel), key))
+            object_store.put_file(staging / rel, self._url(step_name(step), rel))
             self.cache.put(staging / rel, record["sha256"])
         return files
 
     def rewrite_marker(self, path: Path, state: dict[str, Any]) -> None:
         files = replace_marker(path, state)
         if _rank() == 0:
-            step = step_name(state["step"])
-            on_bucket(self._url(step, MARKER), "rewriting a checkpoint marker",
-                      lambda: self.fs.pipe_file(self._key(step, MARKER), marker_text(state, files).encode()))
+            object_store.put_bytes(self._url(step_name(state["step"]), MARKER), marker_text(state, files).encode())
 
     def remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            on_bucket(self.url, "deleting checkpoints", lambda: self.fs.rm(self.path, recursive=True),
-                      missing_ok=True)
+        object_store.remove(self.url, recursive=True)
         shutil.rmtree(self.local, ignore_errors=True)

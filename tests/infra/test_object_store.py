@@ -24,10 +24,11 @@ from collect_helpers import TINY_CLEANING, KilledAfter
 from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, plan_of
 
 import gristmill.tasks.collect.stage as collect
+from gristmill.core import object_store
 from gristmill.core.stage import SerialEngine
 from gristmill.infra.artifacts import ArtifactStore
 from gristmill.infra.remote_store import Holder, RemoteStore, StoreURLError
-from gristmill.tasks.collect.output.spool import Texts
+from gristmill.tasks.collect.read.texts import Texts
 
 FILES = {"warc/a.warc.gz": "warc/dolma_wget/sample-0000.warc.gz",
          "warc/b.warc.gz": "warc/dolma_wget/sample-0001.warc.gz",
@@ -272,25 +273,28 @@ def _objects(prefix: str) -> list[str]:
 
 
 def test_an_output_exists_on_the_store_once_its_manifest_object_does_and_another_machine_downloads_it(
-        s3_server, tmp_path, monkeypatch):
-    url = "s3://crawl/store-commit"
-    one, other = _machine(tmp_path, "one", url), _machine(tmp_path, "other", url)
+        bucket_url, tmp_path, monkeypatch):
+    one, other = _machine(tmp_path, "one", bucket_url), _machine(tmp_path, "other", bucket_url)
     calls: list[float] = []
+    uploads = object_store.put_file
 
-    def refuses_the_manifest(local: str, remote: str, **kw):  # the store refusing a write
-        raise PermissionError(f"AccessDenied: {remote}")
+    def refuses_the_manifest(local: Path, url: str) -> None:  # the store refusing a write
+        if url.endswith("/manifest.json"):
+            raise PermissionError(f"AccessDenied: {url}")
+        uploads(local, url)
 
-    monkeypatch.setattr(one.remote.fs, "put_file", refuses_the_manifest)
+    monkeypatch.setattr(object_store, "put_file", refuses_the_manifest)
     with pytest.raises(PermissionError):
         one.materialize("collect", KEY, _compute(calls))
-    assert _objects("store-commit/collect/") == [f"collect-{KEY}/config.json",
-                                                  f"collect-{KEY}/docs/part-00000.bin",
-                                                  f"collect-{KEY}/stats.json"]  # no manifest, no lease
+    assert object_store.find(f"{bucket_url}/collect") == [f"collect-{KEY}/config.json",
+                                                         f"collect-{KEY}/docs/part-00000.bin",
+                                                         f"collect-{KEY}/stats.json"]  # no manifest, no lease
     assert other.load("collect", KEY) is None and not other.has("collect", KEY)
     monkeypatch.undo()
 
     manifest, reused = one.materialize("collect", KEY, _compute(calls))  # the commit finished
-    assert not reused and len(calls) == 1 and (f"collect-{KEY}/manifest.json" in _objects("store-commit/collect/"))
+    assert not reused and len(calls) == 1
+    assert f"collect-{KEY}/manifest.json" in object_store.find(f"{bucket_url}/collect")
     assert other.has("collect", KEY) and not other.final_dir("collect", KEY).exists()
     copy, reused = other.materialize("collect", KEY, _compute(calls))
     assert reused and len(calls) == 1 and copy.path == other.final_dir("collect", KEY)
@@ -299,37 +303,30 @@ def test_an_output_exists_on_the_store_once_its_manifest_object_does_and_another
     assert copy.key == KEY and copy.stats == {"n": 1}
 
 
-def test_a_manifest_on_the_bucket_listing_a_path_outside_its_artifact_writes_nothing(s3_server, tmp_path):
-    import boto3
-
-    url = "s3://crawl/store-escape"
-    one, other = _machine(tmp_path, "one", url), _machine(tmp_path, "other", url)
+def test_a_manifest_on_the_bucket_listing_a_path_outside_its_artifact_writes_nothing(bucket_url, tmp_path):
+    one, other = _machine(tmp_path, "one", bucket_url), _machine(tmp_path, "other", bucket_url)
     one.materialize("collect", KEY, _compute([]))
-    name = f"store-escape/collect/collect-{KEY}/manifest.json"
-    s3 = boto3.client("s3")
-    manifest = json.loads(s3.get_object(Bucket="crawl", Key=name)["Body"].read())
+    name = f"{bucket_url}/collect/collect-{KEY}/manifest.json"
+    manifest = json.loads(object_store.read_bytes(name) or b"")
     manifest["files"]["../../../escaped.bin"] = manifest["files"].pop("docs/part-00000.bin")
-    s3.put_object(Bucket="crawl", Key=name, Body=json.dumps(manifest).encode())
-    s3.put_object(Bucket="crawl", Key=f"store-escape/collect/collect-{KEY}/../../../escaped.bin", Body=b"x")
+    object_store.put_bytes(name, json.dumps(manifest).encode())
     with pytest.raises(StoreURLError, match="a path outside the artifact"):
         other.remote.download("collect", KEY, list(manifest["files"]), tmp_path / "into")
     assert not list(tmp_path.rglob("escaped.bin"))
 
 
-def test_an_output_committed_before_the_store_had_a_bucket_goes_there_when_used(s3_server, tmp_path):
-    url = "s3://crawl/store-before"
+def test_an_output_committed_before_the_store_had_a_bucket_goes_there_when_used(bucket_url, tmp_path):
     ArtifactStore(tmp_path / "one").materialize("collect", KEY, _compute([]))  # no bucket yet
-    assert _machine(tmp_path, "other", url).load("collect", KEY) is None
-    here = _machine(tmp_path, "one", url)
+    assert _machine(tmp_path, "other", bucket_url).load("collect", KEY) is None
+    here = _machine(tmp_path, "one", bucket_url)
     assert here.load("collect", KEY) is not None  # reused here, and uploaded
-    copy = _machine(tmp_path, "other", url).load("collect", KEY)
+    copy = _machine(tmp_path, "other", bucket_url).load("collect", KEY)
     assert copy is not None and (copy.path / "docs" / "part-00000.bin").read_bytes() == \
         (here.final_dir("collect", KEY) / "docs" / "part-00000.bin").read_bytes()
 
 
-def test_two_runs_at_once_on_two_machines_compute_a_key_once(s3_server, tmp_path):
-    url = "s3://crawl/store-race"
-    stores = [_machine(tmp_path, f"m{i}", url) for i in range(3)]
+def test_two_runs_at_once_on_two_machines_compute_a_key_once(bucket_url, tmp_path):
+    stores = [_machine(tmp_path, f"m{i}", bucket_url) for i in range(3)]
     calls: list[float] = []
     results: dict[int, tuple] = {}
 
@@ -343,28 +340,24 @@ def test_two_runs_at_once_on_two_machines_compute_a_key_once(s3_server, tmp_path
         thread.join(timeout=120)
     assert len(calls) == 1 and sorted(reused for _, reused in results.values()) == [False, True, True]
     assert len({(m.path / "docs" / "part-00000.bin").read_bytes() for m, _ in results.values()}) == 1
-    assert _objects("store-race/tokenize/")[-1] == f"tokenize-{KEY}/stats.json"  # the lease is gone
+    assert object_store.find(f"{bucket_url}/tokenize")[-1] == f"tokenize-{KEY}/stats.json"  # the lease is gone
 
 
-def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_waited_for(s3_server, tmp_path):
+def test_a_lease_whose_holder_is_gone_is_taken_over_and_a_live_one_waited_for(bucket_url, tmp_path):
     """A lease left by a killed process of this host is taken over at once; one held by another
     host is waited for until it expires, since its holder was not seen to renew it."""
-    import boto3
-
-    url = "s3://crawl/store-lease"
     killed = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                             text=True, check=True)
-    store = _machine(tmp_path, "m", url)
-    bucket, name = store.remote._lease_key("collect", KEY)
+    store = _machine(tmp_path, "m", bucket_url)
+    assert store.remote is not None
     dead = Holder(Holder.me(60).host, int(killed.stdout), time.time() - 5, time.time() + 600)
-    boto3.client("s3").put_object(Bucket=bucket, Key=name, Body=b"{}", Metadata=dead.metadata())
+    assert object_store.create(store.remote.lease_url("collect", KEY), b"{}", dead.metadata()) is not None
     calls: list[float] = []
     store.materialize("collect", KEY, _compute(calls))
     assert len(calls) == 1
 
     expires = time.time() + 3
     elsewhere = Holder("another-host", 1, 0.0, expires)
-    name = store.remote._lease_key("tokenize", KEY)[1]
-    boto3.client("s3").put_object(Bucket=bucket, Key=name, Body=b"{}", Metadata=elsewhere.metadata())
+    assert object_store.create(store.remote.lease_url("tokenize", KEY), b"{}", elsewhere.metadata()) is not None
     store.materialize("tokenize", KEY, _compute(calls))
     assert len(calls) == 2 and calls[1] >= expires

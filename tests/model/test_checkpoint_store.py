@@ -20,9 +20,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gristmill.core import cache
-from gristmill.core.cache import BucketError, ObjectCache, ObjectDamaged, on_bucket
+from gristmill.core import cache, object_store
+from gristmill.core.cache import ObjectCache
 from gristmill.core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault
+from gristmill.core.object_store import ObjectDamaged, ObjectStoreError, RetryPolicy
 from gristmill.core.stage import MetricsLog, read_metrics
 from gristmill.model import presets
 from gristmill.model.checkpoint import complete_checkpoints, store_env
@@ -37,11 +38,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture
 def bucket(s3_server, monkeypatch, tmp_path) -> str:
-    """A fresh prefix of the test bucket; s3fs made anew so that it reads this test's variables."""
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    monkeypatch.setattr(cache, "PAUSE_S", 0.01)
+    """A fresh prefix of the test bucket; the backends made anew so that they read this test's variables."""
+    object_store.forget()
+    monkeypatch.setattr(object_store, "POLICY", RetryPolicy(attempts=2, first_pause_s=0.01))
     monkeypatch.setenv("GRISTMILL_CACHE", str(tmp_path / "cache-a"))
     return f"s3://crawl/store-{uuid.uuid4().hex[:8]}"
 
@@ -192,11 +191,8 @@ def test_wiping_the_cache_between_runs_changes_nothing_but_time(tok, straight, b
 
 
 def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_path, monkeypatch):
-    import s3fs
-
-    monkeypatch.setattr(cache, "TRIES", 2)
     gone = _node(monkeypatch, tmp_path / "gone", "s3://no-such-bucket/store", tmp_path / "cache")
-    with pytest.raises(BucketError, match=r"^s3://no-such-bucket/store/pretrain/.*/checkpoints: listing "
+    with pytest.raises(ObjectStoreError, match=r"^s3://no-such-bucket/store/pretrain/.*/checkpoints: listing "
                                           r"checkpoints failed: not found") as found:
         _fit(tok, gone)
     assert "\n" not in str(found.value)
@@ -205,13 +201,14 @@ def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_pat
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    s3fs.S3FileSystem.clear_instance_cache()
+    object_store.forget()
     work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache")
     try:
-        with pytest.raises(BucketError, match=r"host did not answer in 2 tries.*AWS_ENDPOINT_URL=http://127") as found:
+        with pytest.raises(ObjectStoreError,
+                           match=r"host did not answer in 2 tries.*AWS_ENDPOINT_URL=http://127") as found:
             _fit(tok, work)
     finally:
-        s3fs.S3FileSystem.clear_instance_cache()
+        object_store.forget()
     assert str(found.value).startswith(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints: ")
     assert "\n" not in str(found.value)
 
@@ -221,12 +218,10 @@ def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_r
     """The endpoint stops answering after checkpoint 2: checkpoint 4's first call to the bucket fails
     after its tries in one line naming the object; no marker of step 4 exists, and once the bucket answers
     again the next run resumes from step 2 to the uninterrupted curve."""
-    import s3fs
 
     from gristmill.infra.launch import free_port
 
     _, curve, _ = straight
-    monkeypatch.setattr(cache, "TRIES", 2)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
     endpoint = os.environ["AWS_ENDPOINT_URL"]
@@ -235,17 +230,17 @@ def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_r
     def lose_the_bucket_after_step_2(step: int) -> dict:
         if step == 3:  # step 4's batch: checkpoint 2 is on the bucket
             os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"  # nothing listens
-            s3fs.S3FileSystem.clear_instance_cache()
+            object_store.forget()
         return _batch(step)
 
     torch.manual_seed(0)
     cfg = LoopConfig(max_steps=6, batch_size=4, checkpoint_every=2, log_every=100, keep_checkpoints=2)
     try:
-        with pytest.raises(BucketError) as lost:
+        with pytest.raises(ObjectStoreError) as lost:
             train(real(TINY, tok), lose_the_bucket_after_step_2, cfg, work, MetricsLog(work))
     finally:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
-        s3fs.S3FileSystem.clear_instance_cache()
+        object_store.forget()
     assert re.match(rf"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004\S*: [a-z ]+ failed: its host did "
                     r"not answer in 2 tries", str(lost.value)) and "\n" not in str(lost.value)
     assert "step-0000004/checkpoint.json" not in _keys(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints")
@@ -260,8 +255,9 @@ def test_refused_credentials_are_one_line_and_not_retried():
         calls.append(1)
         raise PermissionError("The AWS Access Key Id you provided does not exist in our records.")
 
-    with pytest.raises(BucketError, match=r"^s3://b/k: uploading refused: .*check AWS_ACCESS_KEY_ID"):
-        on_bucket("s3://b/k", "uploading", refused)
+    with pytest.raises(ObjectStoreError, match=r"^s3://b/k: uploading refused .*check AWS_ACCESS_KEY_ID"):
+        object_store.POLICY.call("s3://b/k", "uploading", refused,
+                                 object_store.S3Backend.__new__(object_store.S3Backend))
     assert calls == [1]
 
 

@@ -107,17 +107,11 @@ def _stage(module: str) -> str | None:
     return parts[1] if parts[0] == "tasks" and len(parts) > 1 else None
 
 
-# The collect stage's layers, bottom to top: reading the sources, cleaning one document, what the
-# stage holds and writes (spool, spill, funnel, gates, mixing), dedup over what it holds, then the
-# stage's config, its corpus-level steps and `run`.
+# The collect stage's layers, bottom to top: reading (the sources, and texts back from files),
+# cleaning one document (with its thresholds), what the stage holds and writes (spool, spill,
+# funnel, gates, mixing), dedup over what it holds, then the stage's config, its corpus-level
+# steps and `run`.
 COLLECT_LAYERS = ("read", "clean", "output", "dedup", "config", "corpus", "stage")
-# Upward imports still in collect, each with where its target belongs; one removed leaves this list.
-COLLECT_UPWARD = {
-    ("gristmill.tasks.collect.clean.cleaning", "gristmill.tasks.collect.config"):
-        "CleaningConfig belongs in clean/, as DedupConfig is dedup/config.py's",
-    ("gristmill.tasks.collect.clean.quality_model", "gristmill.tasks.collect.output.spool"):
-        "cross-fitting takes lazy views of the spooled texts (`take`); they belong below clean/",
-}
 
 
 def _collect_layer(module: str) -> str | None:
@@ -154,7 +148,7 @@ def test_collect_imports_only_its_layers_below():
     rank = {layer: i for i, layer in enumerate(COLLECT_LAYERS)} | {None: -1}  # None: not in collect
     upward = {(m, t) for m, targets in graph.items() for t in targets
               if rank[_collect_layer(m)] >= 0 and rank[_collect_layer(t)] > rank[_collect_layer(m)]}
-    assert upward == set(COLLECT_UPWARD)
+    assert upward == set()
 
 
 def test_stage_packages_do_not_import_each_other():

@@ -5,8 +5,8 @@ clusters) and mix sources to token budgets. Every drop is a counted reason in th
 
 The modules, by concern, in the order a document meets them:
 
-    read/     readers (by format: warc, tables), records, common_crawl, demo_crawl
-    clean/    cleaning (the chain), filters, rules, langid, pii, quality_model
+    read/     readers (by format: warc, tables), records, common_crawl, demo_crawl, texts
+    clean/    cleaning (the chain; + config), filters, rules, langid, pii, quality_model
     dedup/    exact_dedup; near (+ config, index, minhash); neardup_set (near dedup's
               labelled set)
     output/   spool, spill, mixing, funnel, gates

@@ -29,7 +29,8 @@ from gristmill.tasks.collect.dedup.index import DedupIndex
 from gristmill.tasks.collect.dedup.near import near_dedup
 from gristmill.tasks.collect.output.funnel import NOT_IN_MIX, Funnel
 from gristmill.tasks.collect.output.mixing import mix_sizes
-from gristmill.tasks.collect.output.spool import DocTable, Texts
+from gristmill.tasks.collect.output.spool import DocTable
+from gristmill.tasks.collect.read.texts import Texts
 
 # in out_dir, spilled files of the corpus-level steps on the engine (kept for a resumed run)
 EXACT_DEDUP_DIR, QUALITY_DIR, NEAR_DEDUP_DIR = "exact_dedup", "quality", "near_dedup"

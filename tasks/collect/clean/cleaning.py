@@ -13,7 +13,7 @@ which drops the most), and reused by the others. C4 tokenizes lines to count sen
 until it has enough, and drops the fewest documents once the others have run, so it comes last.
 PII is scrubbed only in kept documents: it changes text, never the verdict.
 
-`CleaningConfig` (config.py) holds every threshold of the chain; the collect stage's Config
+`CleaningConfig` (clean/config.py) holds every threshold of the chain; the collect stage's Config
 inherits it.
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gristmill.tasks.collect.clean.filters as text_filters
+from gristmill.tasks.collect.clean.config import CleaningConfig
 from gristmill.tasks.collect.clean.langid import detect_language
 from gristmill.tasks.collect.clean.pii import scrub_pii
 from gristmill.tasks.collect.clean.rules import Page
-from gristmill.tasks.collect.config import CleaningConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ reason: datatrove's own for Gopher (e.g. "gopher_short_doc", "dup_line_frac"), d
 prefixed with "c4_"/"fineweb_" for those blocks (datatrove's bare "empty" or
 "too_few_sentences" would not say which filter spoke); the stage turns reasons into
 `dropped_<reason>` counters. `cfg` is anything with the attributes named in the field maps
-below (a tasks.collect.config.CleaningConfig).
+below (a tasks.collect.clean.config.CleaningConfig).
 
 The rules are rules.py's, which decide exactly as datatrove's blocks do (tests/tasks/collect/test_rules.py)
 at a fraction of the cost. The blocks themselves stay reachable through `block_for`, built once

@@ -44,7 +44,6 @@ from gristmill.core.decontam import ngram_hashes, token_hashes
 from gristmill.core.files import is_url, open_location, publish_file, staging_path
 from gristmill.core.sources import DEMO_PREFIX, parse_source
 from gristmill.core.stage import Engine, SerialEngine
-from gristmill.tasks.collect.output.spool import take
 from gristmill.tasks.collect.read.readers import (
     TEXT_SUFFIXES,
     Skipped,
@@ -52,6 +51,7 @@ from gristmill.tasks.collect.read.readers import (
     read_file,
     resolve_source,
 )
+from gristmill.tasks.collect.read.texts import take
 
 DEMO_STDLIB_NAME = "stdlib-docstrings"
 DEMO_STDLIB = DEMO_PREFIX + DEMO_STDLIB_NAME

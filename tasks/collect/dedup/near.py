@@ -55,7 +55,7 @@ from gristmill.tasks.collect.dedup.minhash import (
     shingle_sets,
 )
 from gristmill.tasks.collect.output import spill
-from gristmill.tasks.collect.output.spool import take
+from gristmill.tasks.collect.read.texts import take
 
 # pairs of input documents checked exactly at once, a task each: both shingle sets of each (~300
 # 8-byte hashes for a 300-word page) are sorted together, so a block holds ~10 MB per temporary;

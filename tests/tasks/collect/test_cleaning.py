@@ -27,7 +27,7 @@ import gristmill.tasks.collect.read.demo_crawl as demo_crawl
 import gristmill.tasks.collect.stage as collect
 from gristmill.flows.config import load_config
 from gristmill.tasks.collect.clean.cleaning import clean_document
-from gristmill.tasks.collect.config import CleaningConfig
+from gristmill.tasks.collect.clean.config import CleaningConfig
 from gristmill.tasks.collect.read.readers import RawDoc, extract_text
 
 REPO = Path(__file__).resolve().parents[3]

@@ -7,18 +7,19 @@ sharing only a bucket against the same nodes sharing a disk, side by side:
 One cluster serves both sides: the head and a second node on this machine (tests/ray_cluster.py),
 the second in a mount namespace of its own with an empty tmpfs over the system temp dir.
 
-- `bucket`: GRISTMILL_HOME under the temp dir (so the second node has none of it), the artifacts
-  and the training checkpoints on a bucket (moto's S3 server on 127.0.0.1, GRISTMILL_STORE);
+- `s3` and `gcs`: GRISTMILL_HOME under the temp dir (so the second node has none of it), the
+  artifacts and the training checkpoints on a bucket (GRISTMILL_STORE): moto's S3 server, or the
+  Google Cloud Storage emulator, on 127.0.0.1 (bench/harness/emulators.py);
 - `shared`: GRISTMILL_HOME outside the temp dir (both nodes see it: a shared disk), the artifacts
   and checkpoints there.
 
-Each repeat runs both sides (in turns, a different one first each round, so a noisy shared machine
-weighs on both alike) in a fresh home holding the same collect and tokenize artifacts, computed once
+Each repeat runs every side (in turns, a different one first each round, so a noisy shared machine
+weighs on all alike) in a fresh home holding the same collect and tokenize artifacts, computed once
 beforehand (or copied from `--upstream HOME`, a run of the same overrides that holds them). Per
 side: the median seconds of the pretrain stage (its manifest's meta.seconds: the Ray Train launch,
-training, checkpoints, and for `bucket` rank 0's outputs through the bucket) and the median of its
-mean seconds a checkpoint (the stage's `checkpoint_s` stat: writing, and for `bucket` uploading).
-The last line is one JSON object: wall_ratio (bucket / shared) and checkpoint_s per side. Overrides
+training, checkpoints, and on a bucket rank 0's outputs through it) and the median of its mean
+seconds a checkpoint (the stage's `checkpoint_s` stat: writing, and on a bucket uploading). The last
+line is one JSON object: wall_ratio (each bucket's / shared's), stage_s and checkpoint_s per side. Overrides
 given apply to every run (the upstream and both sides).
 
 `--smoke`: one round of 4 steps, a checkpoint every 2, the preset shrunk to seconds a stage
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import shutil
 import statistics
@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import smoke
+from bench.harness import emulators
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "bench"
@@ -62,28 +63,6 @@ def _run(home: Path, args: list[str], extra: dict[str, str]) -> None:
 
 def _committed(home: Path, stage: str) -> Path:
     return next((home / "artifacts" / stage).glob("*/manifest.json")).parent
-
-
-@contextlib.contextmanager
-def _s3_server() -> Iterator[dict[str, str]]:
-    """moto's S3 server on 127.0.0.1 with the bucket BUCKET; yields the AWS variables that name it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    from gristmill.infra.launch import free_port
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not a line per request on the console
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    try:
-        boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], aws_access_key_id="bench",
-                     aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket=BUCKET)
-        yield aws
-    finally:
-        server.stop()
 
 
 @contextlib.contextmanager
@@ -123,21 +102,24 @@ def main(argv: list[str] | None = None) -> int:
                 "pretrain.launch.processes=1", "pretrain.launch.nodes=2", "--until", "pretrain"]
     private_root = Path(tempfile.mkdtemp(prefix="gristmill-bench-cluster-"))  # the second node has none of it
     shared_root = Path(tempfile.mkdtemp(prefix="gristmill-bench-cluster-", dir="/var/tmp"))  # both nodes see it
-    runs: dict[str, list[dict[str, float]]] = {"bucket": [], "shared": []}
+    runs: dict[str, list[dict[str, float]]] = {"s3": [], "gcs": [], "shared": []}
     try:
         seed = args.upstream or shared_root / "seed"
         if args.upstream is None:  # on this machine's own Ray: the upstream both sides reuse
             _run(seed, [*args.overrides, "--until", "tokenize"], {})
-        with _s3_server() as aws, _cluster(private_root / "ray") as cluster:
+        with emulators.s3_server(BUCKET) as aws, emulators.gcs_server(BUCKET) as gcs, \
+                _cluster(private_root / "ray") as cluster:
+            buckets = {"s3": (aws, f"s3://{BUCKET}"), "gcs": (gcs, f"gs://{BUCKET}")}
             for round_ in range(args.repeats):
-                sides = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+                sides = list(runs)[round_ % len(runs):] + list(runs)[:round_ % len(runs)]
                 for side in sides:
                     # the node's object cache too: on the second node's own disk, or on the shared one
-                    root = private_root if side == "bucket" else shared_root
-                    services = {**cluster, "GRISTMILL_CACHE": str(root / "cache")}
-                    if side == "bucket":
-                        services.update(aws, GRISTMILL_STORE=f"s3://{BUCKET}/round-{round_}")
-                    runs[side].append(_pretrain(seed, root / f"home-{round_}", pretrain, services))
+                    root = shared_root if side == "shared" else private_root
+                    services = {**cluster, "GRISTMILL_CACHE": str(root / "cache" / side)}
+                    if side in buckets:
+                        variables, url = buckets[side]
+                        services.update(variables, GRISTMILL_STORE=f"{url}/round-{round_}")
+                    runs[side].append(_pretrain(seed, root / f"home-{side}-{round_}", pretrain, services))
                     print(f"round {round_} {side}: {runs[side][-1]}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(private_root, ignore_errors=True)
@@ -149,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{side:<8}{medians[side]['seconds']:>15.1f}{medians[side]['checkpoint_s']:>21.3f}   "
               + ", ".join(f"{r['seconds']:.1f}/{r['checkpoint_s']:.3f}" for r in rows))
     print(json.dumps({"benchmark": "cluster", "repeats": args.repeats, "steps": args.steps,
-                      "wall_ratio": round(medians["bucket"]["seconds"] / medians["shared"]["seconds"], 3),
+                      "wall_ratio": {side: round(medians[side]["seconds"] / medians["shared"]["seconds"], 3)
+                                     for side in ("s3", "gcs")},
                       "stage_s": {side: round(m["seconds"], 1) for side, m in medians.items()},
                       "checkpoint_s": {side: round(m["checkpoint_s"], 4) for side, m in medians.items()}}))
     return 0

@@ -148,7 +148,8 @@ def run_sft(pretrain_dir: Path, tokenize_dir: Path, out: Path, cuda: bool) -> di
 
     config = Config(max_steps=10, batch_size=8, max_seq_len=128, eval_every=0, checkpoint_every=10**9,
                     device="cuda" if cuda else "cpu", max_examples=400)
-    return run(config, out, engine=SerialEngine(), pretrain=Manifest.of_directory("pretrain", pretrain_dir),
+    return run(config, out, engine=SerialEngine(), store_mapping=None,
+               pretrain=Manifest.of_directory("pretrain", pretrain_dir),
                tokenize=Manifest.of_directory("tokenize", tokenize_dir)).stats
 
 

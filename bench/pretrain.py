@@ -46,6 +46,7 @@ import torch
 
 from bench import smoke
 from gristmill.core.stage import MetricsLog
+from gristmill.model.checkpoint import checkpoint_place
 from gristmill.model.loop import (
     LoopConfig,
     causal_lm_loss,
@@ -160,10 +161,10 @@ def _run(mode: str, args: argparse.Namespace, batches: list, cfg: LoopConfig) ->
             model = torch.nn.parallel.DistributedDataParallel(model)
         _plain(model, clock, cfg, device)
     elif args.work:  # one rank of a launch: every rank writes its share of a checkpoint where rank 0 does
-        train(model, clock, cfg, args.work, MetricsLog(args.work))
+        train(model, clock, cfg, checkpoint_place(args.work, None), MetricsLog(args.work))
     else:
         with tempfile.TemporaryDirectory() as work:
-            train(model, clock, cfg, Path(work), MetricsLog(Path(work)))
+            train(model, clock, cfg, checkpoint_place(Path(work), None), MetricsLog(Path(work)))
     if device.type == "cuda":
         torch.cuda.synchronize()
     timer.__exit__()

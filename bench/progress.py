@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
     def stage(run: int) -> float:
         t0 = time.perf_counter()
         with stage_progress("sft"):
-            sft.run(preset.sft, scratch / f"run-{run}", engine=SerialEngine(), **inputs)
+            sft.run(preset.sft, scratch / f"run-{run}", engine=SerialEngine(), store_mapping=None, **inputs)
         return time.perf_counter() - t0
 
     @flow

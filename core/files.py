@@ -127,8 +127,8 @@ def open_location(location: str | Path, mode: str = "rb") -> Any:
         return Path(location).open(mode)
     from gristmill.core import object_store
 
-    if object_store.is_object_store(location):
-        return object_store.open_object(str(location), mode)
+    if object_store.is_object_store(location) and mode == "rb":
+        return object_store.open_object(str(location))
     fs, path = object_store.filesystem(str(location))
     return fs.open(path, mode)
 
@@ -141,7 +141,7 @@ def _open_text(location: str, compression: str | None) -> Any:
 
     raw = open_location(location, "rb")
     if compression is not None:
-        raw = compr[compression](raw, mode="rb")
+        raw = compr[compression](raw, mode="rb")  # pyright: ignore[reportArgumentType]  (untyped dict)
     return io.TextIOWrapper(raw, encoding="utf-8")
 
 

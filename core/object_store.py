@@ -23,6 +23,8 @@ an endpoint that does not answer, the variables the backend reads.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import os
 import random
@@ -34,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import quote
-
-from gristmill.core.files import file_digest
 
 T = TypeVar("T")
 
@@ -95,16 +95,22 @@ def unreachable(error: BaseException) -> BaseException | None:
     return None
 
 
+def _says_try_again(error: BaseException) -> bool:
+    """The error is the caller's marked `transient = True`, throttling, or HTTP 408, 429 or 5xx."""
+    status = _status(error)
+    return getattr(error, "transient", False) is True or _throttled(error) or \
+        (status is not None and (status in (408, 429) or status >= 500))
+
+
 def transient(error: BaseException) -> bool:
-    """Whether trying again may succeed: the host did not answer, or it said so (408, 429, 5xx,
-    throttling). Never a refusal (401/403), an absence (404) or a failed precondition (409/412)."""
+    """Whether trying again may succeed: the host did not answer, or it said so. Never a refusal
+    (401/403), an absence (404) or a failed precondition (409/412)."""
     chain = error_chain(error)
     if any(_status(e) in (401, 403, 404, 409, 412) for e in chain):
         return False
     if any(isinstance(e, (PermissionError, FileExistsError)) for e in chain):
         return False
-    return unreachable(error) is not None or any(
-        _throttled(e) or ((s := _status(e)) is not None and (s in (408, 429) or s >= 500)) for e in chain)
+    return unreachable(error) is not None or any(_says_try_again(e) for e in chain)
 
 
 _retried = [0]
@@ -129,29 +135,35 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_pause_s, self.first_pause_s * 2 ** (failures - 1)))
 
     def call(self, url: str, what: str, call: Callable[[], T], backend: Backend | None = None, *,
-             missing_ok: bool = False) -> T:
+             missing_ok: bool = False, keep: tuple[type[BaseException], ...] = (),
+             progress: Callable[[], int] | None = None) -> T:
         """`call()`, which does `what` with the object or prefix at `url`, tried again while it fails
         transiently and the policy allows. FileNotFoundError when `missing_ok` and nothing is there
-        (the caller knows what absence means); everything else that fails an ObjectStoreError."""
-        started = time.monotonic()
-        for attempt in range(1, self.attempts + 1):
+        (the caller knows what absence means); an error of a `keep` type as it is (the caller's own);
+        everything else that fails an ObjectStoreError. With `progress` (bytes so far of a transfer
+        that resumes where it stopped), a try that moved it on starts the count and the clock again."""
+        started, failures, best = time.monotonic(), 0, progress() if progress else 0
+        while True:
             try:
                 return call()
-            except ObjectStoreError:
+            except (ObjectStoreError, *keep):
                 raise
             except Exception as error:  # clients raise their own types (botocore, aiohttp, google.auth)
                 if not transient(error):
                     raise _final(url, what, error, backend, missing_ok) from None
-                pause = self.pause_s(attempt)
-                if attempt == self.attempts or time.monotonic() - started + pause > self.budget_s:
-                    why = (f"its host did not answer in {attempt} tries" if unreachable(error) is not None
-                           else f"{attempt} tries")
-                    why = f"failed: {why}" if what else why
+                if progress is not None and (now := progress()) > best:
+                    started, failures, best = time.monotonic(), 0, now
+                failures += 1
+                pause = self.pause_s(failures)
+                if failures == self.attempts or time.monotonic() - started + pause > self.budget_s:
+                    if unreachable(error) is not None:
+                        why = f"{'failed: ' if what else ''}its host did not answer in {failures} tries"
+                    else:
+                        why = f"failed {failures} times"
                     raise ObjectStoreError(_line(url, what, f"{why} ({_cause(error)}){_endpoint(backend)}")) from None
                 with _retried_lock:
                     _retried[0] += 1
                 time.sleep(pause)
-        raise AssertionError("not reached: the last try returns or raises")
 
 
 POLICY = RetryPolicy()
@@ -454,12 +466,18 @@ def get_file(url: str, local: Path, size: int | None = None, sha256: str | None 
         got = Path(local).stat().st_size
         if size is not None and got != size:
             problem = f"has {got} bytes, its record lists {size} (truncated or changed)"
-        elif sha256 is not None and file_digest(Path(local)) != sha256:
+        elif sha256 is not None and _sha256(Path(local)) != sha256:
             problem = "its bytes do not match the sha256 its record lists"
         else:
             return
         if attempt == 2:
             raise ObjectDamaged(f"{url}: {problem}")
+
+
+def _sha256(path: Path) -> str:
+    # core/files.py's file_digest, which cannot be imported here: files' URL helpers import this module
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def get_files(pairs: Iterable[tuple[str, Path]], what: str = "downloading") -> None:
@@ -502,9 +520,66 @@ def bucket_exists(url: str) -> bool:
     return _call(url, "looking for the bucket", lambda b: b.fs.exists(bucket))
 
 
-def open_object(url: str, mode: str = "rb") -> Any:
-    """The object opened (a file-like context manager; opening it is retried, reading is the client's)."""
-    return _call(url, "opening", lambda b: b.fs.open(path_of(url), mode))
+def size(url: str) -> int:
+    """The object's size in bytes; FileNotFoundError when there is none."""
+    return _call(url, "reading the size of", lambda b: b.fs.size(path_of(url)), missing_ok=True)
+
+
+def open_object(url: str) -> io.BufferedReader:
+    """The object, opened for reading under the retry policy: a read that fails transiently opens
+    it again at the same offset (a dropped connection costs a retry, not the file)."""
+    return io.BufferedReader(_Reader(url, backend_of(url)), 1 << 20)
+
+
+class _Reader(io.RawIOBase):
+    def __init__(self, url: str, backend: Backend):
+        self.url, self.backend, self.position, self.file = url, backend, 0, None
+        self.length = size(url)
+
+    def _opened(self) -> Any:
+        if self.file is None:
+            self.file = self.backend.fs.open(path_of(self.url), "rb")
+            self.file.seek(self.position)
+        return self.file
+
+    def _drop(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(Exception):
+                self.file.close()
+            self.file = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = max(0, base + offset)
+        if self.file is not None:
+            self.file.seek(self.position)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        def attempt() -> bytes:
+            try:
+                return self._opened().read(len(buffer))
+            except Exception:
+                self._drop()  # opened afresh, at the same offset, by the next try
+                raise
+
+        data = POLICY.call(self.url, "reading", attempt, self.backend, missing_ok=True)
+        buffer[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
 
 
 def version_of(url: str) -> str:

@@ -90,7 +90,9 @@ def bucket_exists(url: str) -> bool:
 
 
 def file_size(path: str | Path) -> int:
-    """Size in bytes of a file, local or any fsspec URL."""
+    """Size in bytes of a file, local or any fsspec URL (a bucket's under the retry policy)."""
+    if object_store.is_object_store(path):
+        return object_store.size(str(path))
     fs, fs_path = filesystem(str(path))
     return fs.size(fs_path)
 

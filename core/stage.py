@@ -13,12 +13,14 @@ datatrove...); stage.py is imported when the stage computes.
 
 `run` receives each upstream stage's committed `Manifest` as the keyword argument named after that
 stage (`def run(config, out_dir, *, engine, tokenize: Manifest)`); its keyword parameters besides
-`engine` are its upstream stages, and the table's entry must name the same ones. `StageRun` is this
-contract as a type: the table's entries are typed with it, so the type checker holds every `run`
-to its entry's config type (flows/stages.py). `out_dir` is the
-only place the stage may write (it is a `.partial` directory that survives a crash, so a long stage
-can keep checkpoints there and resume). Stages import neither Prefect nor MLflow: the flow layer
-wraps them with the artifact store and tracking.
+`engine` are its upstream stages, and the table's entry must name the same ones. A training stage
+(one with a `launch` section) also takes `store_mapping`: the artifact store's local root and its
+bucket, or None, from which it builds the place of its checkpoints (model/checkpoint.py).
+`StageRun` is this contract as a type: the table's entries are typed with it, so the type checker
+holds every `run` to its entry's config type (flows/stages.py). `out_dir` is the only place the
+stage may write (it is a `.partial` directory that survives a crash, so a long stage can keep
+checkpoints there and resume). Stages import neither Prefect nor MLflow: the flow layer wraps them
+with the artifact store and tracking.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from gristmill.flows.config import PipelineConfigBase
 from gristmill.flows.stages import COLLECT, StageSpec, contracts, stages_until
 from gristmill.infra import env
 from gristmill.infra.artifacts import ArtifactStore, home_store, stage_key
+from gristmill.model.checkpoint import StoreMapping
 from gristmill.model.config import LoopConfig
 from gristmill.tasks.collect.read import demo_crawl
 
@@ -121,16 +122,18 @@ def launch_problems_of(planned: list[PlannedStage]) -> list[str]:
 
 
 def run_planned(stage: PlannedStage, upstream: Mapping[str, Manifest], out_dir: Path, *,
-                engine: Engine) -> StageResult:
+                engine: Engine, store_mapping: StoreMapping | None) -> StageResult:
     """Run the stage's code into `out_dir`, each upstream manifest passed as the keyword argument
-    named after its stage, once each is checked to be the manifest of the stage it is given as."""
+    named after its stage, once each is checked to be the manifest of the stage it is given as;
+    a training stage gets `store_mapping` (its store's `store_mapping`: where its checkpoints live)."""
     spec = stage.spec
     if set(upstream) != set(spec.upstream):
         raise ValueError(f"stage {spec.name!r} takes upstream {sorted(spec.upstream)}, "
                          f"given {sorted(upstream)}")
     if wrong := {name: m.stage for name, m in upstream.items() if m.stage != name}:
         raise ValueError(f"stage {spec.name!r}: upstream given a manifest of another stage ({wrong})")
-    return spec.load_run()(stage.config, out_dir, engine=engine, **upstream)
+    training = {"store_mapping": store_mapping} if spec.launch is not None else {}
+    return spec.load_run()(stage.config, out_dir, engine=engine, **training, **upstream)
 
 
 def manifest_fields(stage: PlannedStage, upstream: Mapping[str, Manifest], result: StageResult,

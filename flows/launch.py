@@ -4,8 +4,10 @@
 `python -m gristmill.flows.launched` rank per process (infra/launch.py supervises it); `backend: ray`:
 the Ray Train driver (infra/ray_train.py), whose workers run the same ranks, supervised alike. The ranks plan the
 run from this run's config, so they train into the stage's `.partial` directory (the one the task's
-store lock guards, or its namesake on another node's disk); rank 0 hands the stats back in a file
-(through Ray from another node), and the task commits the manifest only once every rank exited 0.
+store lock guards, or its namesake on another node's disk), and open the store as the task does, so
+their checkpoints go where its `store_mapping` puts them (model/checkpoint.py); rank 0 hands the
+stats back in a file (through Ray from another node), and the task commits the manifest only once
+every rank exited 0.
 Their log lines reach the task's log with the rank in front; the step metrics reach MLflow from
 rank 0's metrics.jsonl (flows/pipeline.py follows it). Ray Train's nodes need no disk of this
 machine's when the store is on a bucket: rank 0 uploads its outputs there and the task downloads

@@ -95,7 +95,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     partial = store.partial_dir(stage.spec.name, stage.key)
     partial.mkdir(parents=True, exist_ok=True)
-    result = run_planned(stage, upstream, partial, engine=SerialEngine())
+    # the mapping of the store this rank opened: a Ray Train worker's node holds its local copy elsewhere
+    result = run_planned(stage, upstream, partial, engine=SerialEngine(), store_mapping=store.store_mapping)
     _barrier()  # every rank has finished writing before rank 0 reports or commits
     if rank != 0:
         return 0

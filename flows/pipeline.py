@@ -148,7 +148,8 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
             else:
                 engine = _engine(stage, runtime.store)
                 try:
-                    result = run_planned(stage, upstream, partial_dir, engine=engine)
+                    result = run_planned(stage, upstream, partial_dir, engine=engine,
+                                         store_mapping=runtime.store.store_mapping)
                 except BaseException:
                     _stop(engine, keep_ray=False)
                     raise

@@ -116,9 +116,10 @@ def _qualified(fn: Callable[..., Any]) -> str:
 
 
 def upstream_parameters(run: Callable[..., Any]) -> set[str]:
-    """The upstream stages a `run` takes: its keyword-only parameters besides `engine`."""
+    """The upstream stages a `run` takes: its keyword-only parameters besides `engine` and a training
+    stage's `store_mapping` (core/stage.py)."""
     return {p.name for p in inspect.signature(run).parameters.values()
-            if p.kind is p.KEYWORD_ONLY and p.name != "engine"}
+            if p.kind is p.KEYWORD_ONLY and p.name not in ("engine", "store_mapping")}
 
 
 # Each stage's code, imported when the stage computes (not when the table is read).

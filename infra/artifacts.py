@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from gristmill.core import object_store
 from gristmill.core.cache import ObjectCache
 from gristmill.core.faults import fault_point
 from gristmill.core.files import describe_files
@@ -73,7 +74,7 @@ from gristmill.infra.interrupt import stop_if_interrupted
 from gristmill.infra.remote_store import RemoteStore
 from gristmill.infra.store_entries import ASIDE, IN_CORPUS, IN_STAGE, KEY_LENGTH, Entry, EntryKind, kind_of, listing
 from gristmill.infra.store_records import CORPUS, StoreRecords
-from gristmill.model.checkpoint import store_env as checkpoint_store_env
+from gristmill.model.checkpoint import StoreMapping
 
 __all__ = ["CONFIG", "CORPUS", "MANIFEST", "SMALL_FILE_BYTES", "ArtifactStore", "Contracts", "Damage", "Entry",
            "VerifyMode", "canonical_json", "home_store", "stage_key"]
@@ -136,6 +137,13 @@ class ArtifactStore(StoreRecords):
         if self.remote.manifest(stage, key) is None:  # committed here before the store had a bucket
             self.remote.upload(stage, key, manifest.path, list(manifest.files))
         return manifest
+
+    @property
+    def store_mapping(self) -> StoreMapping | None:
+        """This store's local copy and its bucket, for the training stages computed from it: their
+        checkpoints go beside their partial folder's place there (model/checkpoint.py); None
+        without a bucket (they stay in the partial folder)."""
+        return None if self.remote is None else StoreMapping(self.root, self.remote.url)
 
     def remote_location(self, local: Path) -> str:
         """The URL on the remote store of a path under `root` (a partial folder's working files)."""
@@ -322,9 +330,11 @@ class ArtifactStore(StoreRecords):
             if partial.exists():
                 log.info("%s-%s: resuming from the partial output left by an earlier run", stage, key)
             partial.mkdir(parents=True, exist_ok=True)
-            started = time.time()
+            started, retried = time.time(), object_store.retries()
             fields = compute(partial)
             fields.setdefault("meta", {})["seconds"] = round(time.time() - started, 3)
+            if self.remote is not None:  # what the bucket cost this process while it computed
+                fields.setdefault("stats", {})["store_retries"] = object_store.retries() - retried
             return self.commit(stage, key, partial, fields), False
 
     def _remote_lease(self, stage: str, key: str) -> contextlib.AbstractContextManager[None]:
@@ -376,8 +386,4 @@ def home_store(home: Path, verify_on_reuse: VerifyMode = "size", contracts: Cont
     url = os.environ.get(STORE_ENV, "")
     if "://" not in url:
         return ArtifactStore(Path(url) if url else env.artifacts_root(home), verify_on_reuse, contracts=contracts)
-    remote = RemoteStore(url)
-    # training checkpoints of the stages computed here (and in launched ranks, which inherit the
-    # variable) go to the bucket, beside their partial folder's place there (model/checkpoint.py)
-    os.environ.update(checkpoint_store_env(env.artifacts_root(home), remote.url))
-    return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=remote, contracts=contracts)
+    return ArtifactStore(env.artifacts_root(home), verify_on_reuse, remote=RemoteStore(url), contracts=contracts)

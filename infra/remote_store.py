@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -56,10 +57,13 @@ class Holder:
     pid: int
     started: float  # the holder process's create time: a reused pid is not the holder
     expires: float  # wall-clock seconds
+    # One claim's own mark: a write that reached the bucket but whose answer was lost, retried and
+    # refused, finds its own lease (not another run's) by it; threads of one process claim apart.
+    claim: str = ""
 
     @classmethod
-    def me(cls, lease_s: float) -> Holder:
-        return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time(), time.time() + lease_s)
+    def me(cls, lease_s: float, claim: str = "") -> Holder:
+        return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time(), time.time() + lease_s, claim)
 
     def gone(self) -> bool:
         """Not renewed in time, or a process of this host that no longer runs."""
@@ -72,7 +76,8 @@ class Holder:
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Holder:
-        return cls(meta["host"], int(meta["pid"]), float(meta["started"]), float(meta["expires"]))
+        return cls(meta["host"], int(meta["pid"]), float(meta["started"]), float(meta["expires"]),
+                   meta.get("claim", ""))
 
 
 class RemoteStore:
@@ -117,27 +122,32 @@ class RemoteStore:
     def lease_url(self, stage: str, key: str) -> str:
         return f"{self.url_of(stage, key)}.lease"
 
-    def _put_lease(self, stage: str, key: str, token: str | None) -> str | None:
-        """Write this process's lease where none is (`token` None) or over the version `token`;
+    def _put_lease(self, stage: str, key: str, claim: str, token: str | None) -> str | None:
+        """Write this claim's lease where none is (`token` None) or over the version `token`;
         its new token, or None when another run's write came first."""
-        holder = Holder.me(self.lease_s)
+        holder = Holder.me(self.lease_s, claim)
         body, url = json.dumps(asdict(holder)).encode(), self.lease_url(stage, key)
         if token is None:
-            return object_store.create(url, body, holder.metadata())
-        return object_store.replace(url, body, holder.metadata(), token)
+            written = object_store.create(url, body, holder.metadata())
+        else:
+            written = object_store.replace(url, body, holder.metadata(), token)
+        if written is None and (lease := object_store.head(url)) is not None \
+                and Holder.from_metadata(lease[1]).claim == claim:
+            return lease[0]  # the write landed and its answer was lost; the retry found it there
+        return written
 
-    def _acquire(self, stage: str, key: str, committed: Callable[[], bool]) -> str | None:
-        """The token of the lease this process now holds, or None once the key is committed."""
+    def _acquire(self, stage: str, key: str, claim: str, committed: Callable[[], bool]) -> str | None:
+        """The token of the lease this claim now holds, or None once the key is committed."""
         waiting = False
         while not committed():
-            if (token := self._put_lease(stage, key, None)) is not None:
+            if (token := self._put_lease(stage, key, claim, None)) is not None:
                 return token
             if (lease := object_store.head(self.lease_url(stage, key))) is None:
                 continue  # released meanwhile
             token, meta = lease
             holder = Holder.from_metadata(meta)
             if holder.gone():
-                if (token := self._put_lease(stage, key, token)) is None:
+                if (token := self._put_lease(stage, key, claim, token)) is None:
                     continue  # another waiting run took it over first
                 log.info("%s-%s: took over the lease of %s pid %d, which is gone", stage, key,
                          holder.host, holder.pid)
@@ -153,7 +163,8 @@ class RemoteStore:
     def lease(self, stage: str, key: str, committed: Callable[[], bool]) -> Iterator[None]:
         """Hold the key's lease while the body runs, renewed in a thread; returns without it as soon
         as `committed()` (another run finished the key while this one waited)."""
-        token = self._acquire(stage, key, committed)
+        claim = uuid.uuid4().hex
+        token = self._acquire(stage, key, claim, committed)
         if token is None:
             yield
             return
@@ -163,7 +174,7 @@ class RemoteStore:
         def renew() -> None:
             while not stop.wait(self.lease_s / 3):
                 try:
-                    renewed = self._put_lease(stage, key, held["token"])
+                    renewed = self._put_lease(stage, key, claim, held["token"])
                 except OSError as exc:  # the bucket gone for longer than the retry policy allows
                     log.warning("%s-%s: could not renew the lease (%s)", stage, key, exc)
                     return

@@ -1,10 +1,13 @@
 """Where training checkpoints live and how they are written, found and verified; shared by the
 training loop (model/loop.py, via model/train_state.py) and PPO (model/ppo.py).
 
-A checkpoint's place is a `Place`: `checkpoint_place(work_dir)` gives a `LocalPlace` (the work
-directory's own disk, model/checkpoint_local.py) or, when the work directory lies in the artifact
-store's local copy of a bucket, a `BucketPlace`. The callers only ever see local directories: a
-checkpoint is written into one and read from one; the place puts them where they belong.
+A checkpoint's place is a `Place`, built once where a training stage starts and passed to the
+trainer: `checkpoint_place(work_dir, store_mapping)` gives a `LocalPlace` (the work directory's own
+disk, model/checkpoint_local.py) or, when `store_mapping` maps a folder above the work directory
+onto a bucket, a `BucketPlace`. The callers only ever see local directories: a checkpoint is
+written into one and read from one; the place puts them where they belong. What every process of
+a run does together (save, resume, find the newest good checkpoint) is this module's functions;
+what one process does (list, rewrite a marker, remove) is the place's own methods.
 
 On the local disk:
 
@@ -30,12 +33,12 @@ docstring lays out the checkpoints there): the same files and marker, the marker
 rank 0, as the commit; a resume reads a local view of the files, fetched through this node's
 object cache.
 
-Which work directories map to the bucket is set by the process that runs the stage:
-`GRISTMILL_CHECKPOINT_STORE` holds JSON `{"root": <local folder>, "url": <its URL>}` (the artifact
-store's local root and bucket, `ArtifactStore.checkpoint_env`; a launcher whose ranks see another
-local root, e.g. Ray Train workers on private disks, sets their own). A work directory under
-`root` keeps its checkpoints at `url` + its path below `root` + `/checkpoints`; any other, or no
-variable, keeps them on the local disk exactly as before.
+Which work directories map to the bucket is a `StoreMapping` (the artifact store's local root and
+its bucket URL, `ArtifactStore.store_mapping`), handed to the training stage by whoever runs it: the
+pipeline in its own process, or each launched rank from the store it opens (a Ray Train worker's
+node has a local root of its own). A work directory under `root` keeps its checkpoints at `url` +
+its path below `root` + `/checkpoints`; any other, or no mapping (None), keeps them on the local
+disk.
 
 Each save returns `{"checkpoint_s": seconds, "checkpoint_bytes": bytes}` (writing and uploading;
 the bytes of every rank's files, the marker and the metrics copy aside; known to rank 0). The
@@ -51,6 +54,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -63,33 +67,29 @@ from gristmill.model.checkpoint_local import LocalPlace
 __all__ = [
     "CHECKPOINTS_DIR",
     "CHECKPOINT_STATS",
-    "CHECKPOINT_STORE_ENV",
     "ROW_KEY",
     "Place",
+    "StoreMapping",
     "checkpoint_place",
     "checkpoint_stats",
-    "clear_partial_checkpoints",
-    "complete_checkpoints",
     "damage",
     "latest_good_checkpoint",
     "read_marker",
-    "remove_checkpoints",
     "restore_rows",
     "resume_point",
-    "rewrite_marker",
     "save_checkpoint",
-    "store_env",
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_STATS = ("checkpoint_s", "checkpoint_bytes", "checkpoints")  # what checkpoint_stats summarises
 METRICS_COPY = "metrics.jsonl"  # in a checkpoint: the metrics rows written before it (`restore_rows`)
 ROW_KEY = "metrics_row"  # in a saved state: the metrics row of its step (`restore_rows`)
-CHECKPOINT_STORE_ENV = "GRISTMILL_CHECKPOINT_STORE"  # {"root": local folder, "url": its place on a bucket}
 
 
 class Place(Protocol):
-    """Where one work directory's checkpoints live; every path it returns is a local directory."""
+    """Where one work directory's checkpoints live; every path it returns is a local directory.
+    `latest_good` is this process's answer (the run's is `latest_good_checkpoint`); `rewrite_marker`
+    and `remove` are the main process's to call."""
 
     def complete(self) -> list[tuple[int, Path]]: ...
     def latest_good(self, main: bool) -> tuple[int, Path] | None: ...
@@ -101,42 +101,33 @@ class Place(Protocol):
     def remove(self) -> None: ...
 
 
-def checkpoint_place(work_dir: Path) -> Place:
-    """The place of `work_dir`'s checkpoints: on the bucket when `$GRISTMILL_CHECKPOINT_STORE` maps a
-    folder above it there, else under `work_dir/checkpoints`."""
+@dataclass(frozen=True)
+class StoreMapping:
+    """The artifact store's local copy of a bucket: the folder `root` holds what lies at `url`."""
+
+    root: Path
+    url: str
+
+
+def checkpoint_place(work_dir: Path, store_mapping: StoreMapping | None) -> Place:
+    """The place of `work_dir`'s checkpoints: on the bucket when `store_mapping` maps a folder above
+    it there, else under `work_dir/checkpoints`."""
     work_dir = Path(work_dir)
-    if mapping := os.environ.get(CHECKPOINT_STORE_ENV):
-        store = json.loads(mapping)
-        below = os.path.relpath(work_dir.resolve(), Path(store["root"]).resolve())
+    if store_mapping is not None:
+        below = os.path.relpath(work_dir.resolve(), Path(store_mapping.root).resolve())
         if below != ".." and not below.startswith("../"):
-            url = store["url"].rstrip("/") + ("" if below == "." else "/" + Path(below).as_posix())
+            url = store_mapping.url.rstrip("/") + ("" if below == "." else "/" + Path(below).as_posix())
             return BucketPlace(work_dir / CHECKPOINTS_DIR, f"{url}/{CHECKPOINTS_DIR}")
     return LocalPlace(work_dir / CHECKPOINTS_DIR)
 
 
-def store_env(root: Path, url: str) -> dict[str, str]:
-    """The environment that maps work directories under `root` onto `url` (see the module doc)."""
-    return {CHECKPOINT_STORE_ENV: json.dumps({"root": str(Path(root).resolve()), "url": url})}
-
-
 # ---------------------------------------------------------------- the functions the trainers call
 
-def complete_checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (those with their marker), oldest first: (step, where it is or would be
-    read locally)."""
-    return checkpoint_place(work_dir).complete()
-
-
-def latest_good_checkpoint(work_dir: Path, main: bool = True) -> tuple[int, Path] | None:
+def latest_good_checkpoint(place: Place, main: bool = True) -> tuple[int, Path] | None:
     """The newest complete checkpoint that verifies, as a local directory; damaged newer ones are
-    logged and, by the main process, deleted (every process reaches the same verdict on the same files)."""
-    return _agreed(checkpoint_place(work_dir), main)
-
-
-def _agreed(place: Place, main: bool) -> tuple[int, Path] | None:
-    """The newest good checkpoint as every process of the run sees it: the oldest of their answers.
-    They differ only when a node's cache holds the right bytes of an object that another node
-    finds truncated on the bucket; then all of them take the one before it."""
+    logged and, by the main process, deleted. Every process of the run gets the same one: the
+    oldest of their answers, which differ only when a node's cache holds the right bytes of an
+    object that another node finds truncated on the bucket; then all of them take the one before it."""
     good = place.latest_good(main)
     agreed = min(gather(good[0] if good is not None else -1))
     if agreed < 0:
@@ -144,20 +135,19 @@ def _agreed(place: Place, main: bool) -> tuple[int, Path] | None:
     return good if good is not None and good[0] == agreed else (agreed, place.at(agreed))
 
 
-def resume_point(work_dir: Path, *, main: bool = True, barrier: Barrier = lambda: None) -> tuple[int, Path] | None:
+def resume_point(place: Place, *, main: bool = True, barrier: Barrier = lambda: None) -> tuple[int, Path] | None:
     """Where a (re)started training run resumes: the newest complete checkpoint that verifies,
     once the main process has removed what a crash left half-written; None to start afresh.
     Every process of a distributed run calls it and gets the same answer (`barrier` syncs them)."""
-    place = checkpoint_place(work_dir)
     if main:
         place.clear_partial()
     barrier()
-    good = _agreed(place, main)
+    good = latest_good_checkpoint(place, main)
     barrier()
     return good
 
 
-def save_checkpoint(work_dir: Path, state: dict[str, Any], keep: int, write: WriteFn, *,
+def save_checkpoint(place: Place, state: dict[str, Any], keep: int, write: WriteFn, *,
                     expected_bytes: int = 0, main: bool = True, barrier: Barrier = lambda: None,
                     metrics: MetricsLog | None = None) -> dict[str, float]:
     """Write checkpoint `state["step"]`: `write(directory)` fills a local directory (in every
@@ -175,7 +165,7 @@ def save_checkpoint(work_dir: Path, state: dict[str, Any], keep: int, write: Wri
             copied[0] = (directory / METRICS_COPY).stat().st_size
 
     started = time.perf_counter()
-    written = checkpoint_place(work_dir).save(state, keep, write_with_metrics, expected_bytes, main, barrier)
+    written = place.save(state, keep, write_with_metrics, expected_bytes, main, barrier)
     written -= copied[0]
     return {"checkpoint_s": round(time.perf_counter() - started, 4), "checkpoint_bytes": written}
 
@@ -202,20 +192,3 @@ def restore_rows(metrics: MetricsLog, step: int, state: dict[str, Any], path: Pa
     row = state.get(ROW_KEY)
     if row and not any(r.get("step") == step for r in read_metrics(metrics.path)):
         metrics.log(step, **row)
-
-
-def rewrite_marker(work_dir: Path, path: Path, state: dict[str, Any]) -> None:
-    """Replace a checkpoint's loop state atomically, keeping its file digests (the checkpoint
-    stays complete throughout)."""
-    checkpoint_place(work_dir).rewrite_marker(path, state)
-
-
-def clear_partial_checkpoints(work_dir: Path) -> None:
-    """Remove temporary and unmarked checkpoints left by a crash."""
-    checkpoint_place(work_dir).clear_partial()
-
-
-def remove_checkpoints(work_dir: Path) -> None:
-    """Delete all checkpoints once a stage's outputs are exported (they are several times the
-    model's size and only serve a resume)."""
-    checkpoint_place(work_dir).remove()

@@ -1,6 +1,6 @@
 """Training checkpoints on a bucket: `BucketPlace`, the place model/checkpoint.py's `checkpoint_place`
-gives a work directory that `GRISTMILL_CHECKPOINT_STORE` maps onto the artifact store's bucket. The
-functions the trainers call, and the layout on the local disk, are model/checkpoint.py's.
+gives a work directory that its `StoreMapping` maps onto the artifact store's bucket. The functions
+the trainers call, and the layout on the local disk, are model/checkpoint.py's.
 
 With `GRISTMILL_STORE=s3://...` or `gs://...` (so that a training stage's ranks on nodes that share
 nothing but the bucket, or a run restarted on another node, resume from the same checkpoints):
@@ -47,12 +47,6 @@ from gristmill.model.checkpoint_files import (
     replace_marker,
     step_name,
 )
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _running(pid: int) -> bool:
@@ -180,9 +174,9 @@ class BucketPlace:
         return files
 
     def rewrite_marker(self, path: Path, state: dict[str, Any]) -> None:
+        """By the main process (as every marker): its local view, then the marker object."""
         files = replace_marker(path, state)
-        if _rank() == 0:
-            object_store.put_bytes(self._url(step_name(state["step"]), MARKER), marker_text(state, files).encode())
+        object_store.put_bytes(self._url(step_name(state["step"]), MARKER), marker_text(state, files).encode())
 
     def remove(self) -> None:
         object_store.remove(self.url, recursive=True)

@@ -30,7 +30,6 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -41,7 +40,7 @@ from accelerate.state import AcceleratorState
 from gristmill.core.launch import PRECISION_VAR
 from gristmill.core.progress import PROGRESS_LINE, Reporter
 from gristmill.core.stage import MetricsLog
-from gristmill.model.checkpoint import ROW_KEY, checkpoint_stats, complete_checkpoints
+from gristmill.model.checkpoint import ROW_KEY, Place, checkpoint_stats
 from gristmill.model.config import LoopConfig
 from gristmill.model.optim import make_optimizer
 from gristmill.model.parallel import (
@@ -242,26 +241,27 @@ def _prepare(model: torch.nn.Module, cfg: LoopConfig) -> Parts:
     return Parts(accelerator, model, optimizer, scheduler)
 
 
-def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopConfig, work_dir: Path,
+def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopConfig, checkpoints: Place,
           metrics: MetricsLog, *, loss_fn: LossFn = causal_lm_loss, evaluate: EvalFn | None = None,
           log: logging.Logger | None = None, flops_per_token: float | None = None) -> dict[str, Any]:
     """Train `model` in place for `cfg.max_steps` optimizer steps, resuming from the latest
-    checkpoint in `work_dir`. `get_batch(index)` must return a global batch as a pure function of
-    `index`; step s trains on index s + skip_offset (0 until a rollback skips batches). Logged
-    every step: loss, lr, grad_norm; every `log_every` steps also tokens_per_s and, given
+    checkpoint in `checkpoints` (the work directory's place, model/checkpoint.py's `checkpoint_place`).
+    `get_batch(index)` must return a global batch as a pure function of `index`; step s trains on
+    index s + skip_offset (0 until a rollback skips batches). Logged every step: loss, lr,
+    grad_norm; every `log_every` steps also tokens_per_s and, given
     `flops_per_token` (training FLOPs per token) and a known device peak, mfu. Returns a summary:
     final_train_loss (mean of the last steps), steps, tokens_seen, tokens_per_s and mfu (this
     invocation, wall clock), resumed_from_step, rollbacks, first_step_s (the first step of this
     invocation, compilation included), peak_memory_gib (CUDA), world_size, process_index, and the last
     values returned by `evaluate` (also logged every `eval_every` steps and at the end)."""
     log = log or logging.getLogger("gristmill.train")
-    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    metrics.path.parent.mkdir(parents=True, exist_ok=True)
     parts = _prepare(model, cfg)
     accelerator, model, optimizer, scheduler = parts.accelerator, parts.model, parts.optimizer, parts.scheduler
-    state = resume(parts, work_dir, metrics, cfg, log)
+    state = resume(parts, checkpoints, metrics, cfg, log)
     resumed_from = state["step"]
-    if cfg.max_rollbacks and not complete_checkpoints(work_dir):
-        save_state(parts, work_dir, state, cfg.keep_checkpoints, metrics)  # a rollback target
+    if cfg.max_rollbacks and not checkpoints.complete():
+        save_state(parts, checkpoints, state, cfg.keep_checkpoints, metrics)  # a rollback target
     peak_tflops = device_peak_tflops(cfg.peak_tflops, accelerator.device)
     meter = Throughput(flops_per_token, peak_tflops, accelerator.num_processes)
     t0, tokens_now, first_step_s, saves = time.perf_counter(), 0, None, []
@@ -277,7 +277,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
             reason = anomaly(loss, grad_norm, state["loss_window"], cfg)
             if reason:
                 before = state["step"]
-                state = rollback(parts, work_dir, metrics, state, loss, reason, cfg, log)
+                state = rollback(parts, checkpoints, metrics, state, loss, reason, cfg, log)
                 progress.advance(state["step"] - before)
                 continue
             tokens = _tokens_in(batch) * accelerator.num_processes
@@ -299,7 +299,7 @@ def train(model: torch.nn.Module, get_batch: Callable[[int], Batch], cfg: LoopCo
             if _due(done, cfg.checkpoint_every, cfg.max_steps):
                 # The step's row rides in the checkpoint (a stop before its line is written leaves
                 # it to the resume) and gets the checkpoint's seconds and bytes.
-                saved = save_state(parts, work_dir, {**state, ROW_KEY: row}, cfg.keep_checkpoints, metrics)
+                saved = save_state(parts, checkpoints, {**state, ROW_KEY: row}, cfg.keep_checkpoints, metrics)
                 saves.append(saved)
                 row.update(saved)
             if accelerator.is_main_process:

@@ -21,9 +21,9 @@ and optimizer state instead of two, which is what a CPU or a memory-bound GPU ca
 the value loss also moves the trunk the policy reads; vf_coef weighs it. The head starts at zero.
 
 Resume: every `checkpoint_every` steps (and after the last) the policy, value head (safetensors),
-optimizer and step go to `checkpoints/step-%07d` of `out_dir`, on its disk or its artifact store's
-bucket (model/checkpoint.py: marker with digests written last; a damaged one is skipped on
-resume); each one's seconds and bytes are logged in its step's row (checkpoint_s,
+optimizer and step go to `checkpoints/step-%07d` of the work directory's place, on its disk or its
+artifact store's bucket (model/checkpoint.py: marker with digests written last; a damaged one is
+skipped on resume); each one's seconds and bytes are logged in its step's row (checkpoint_s,
 checkpoint_bytes). All randomness of a step (which prompts, the sampled tokens, the minibatch
 order) is drawn after seeding torch from (seed, step), so a resumed run repeats exactly what an
 uninterrupted one does without carrying RNG states across.
@@ -43,6 +43,7 @@ from gristmill.core.progress import Reporter
 from gristmill.core.stage import MetricsLog
 from gristmill.model.checkpoint import (
     ROW_KEY,
+    Place,
     checkpoint_stats,
     read_marker,
     restore_rows,
@@ -308,7 +309,7 @@ def ppo_step(step: int, policy: Any, value_head: ValueHead, reference: Any, opti
 
 # ---------------------------------------------------------------- checkpoints and the loop
 
-def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: int,
+def _save(checkpoints: Place, state: dict[str, Any], modules: dict[str, Any], keep: int,
           ranks: Ranks, metrics: MetricsLog) -> dict[str, float]:
     """Weights as safetensors (policy and value head), the optimizer's tensors with torch.save;
     written by the main process (every process holds the same). Returns checkpoint_s and _bytes."""
@@ -322,16 +323,16 @@ def _save(out_dir: Path, state: dict[str, Any], modules: dict[str, Any], keep: i
         torch.save(modules["optimizer"].state_dict(), directory / "optimizer.pt")
 
     model_bytes = sum(p.numel() * p.element_size() for p in modules["policy"].parameters())
-    return save_checkpoint(out_dir, state, keep, write, expected_bytes=3 * model_bytes, main=ranks.main,
+    return save_checkpoint(checkpoints, state, keep, write, expected_bytes=3 * model_bytes, main=ranks.main,
                            barrier=ranks.barrier, metrics=metrics)
 
 
-def _resume(out_dir: Path, modules: dict[str, Any], ranks: Ranks) -> tuple[dict[str, Any], Path | None]:
+def _resume(checkpoints: Place, modules: dict[str, Any], ranks: Ranks) -> tuple[dict[str, Any], Path | None]:
     """The newest checkpoint that verifies, loaded without unpickling: safetensors weights, and the
     optimizer state with `weights_only=True` (by every process); its saved state and its folder."""
     from safetensors.torch import load_model
 
-    good = resume_point(out_dir, main=ranks.main, barrier=ranks.barrier)
+    good = resume_point(checkpoints, main=ranks.main, barrier=ranks.barrier)
     if good is None:
         return {"step": 0, "scores": [], "kls": []}, None
     step, path = good
@@ -344,11 +345,11 @@ def _resume(out_dir: Path, modules: dict[str, Any], ranks: Ranks) -> tuple[dict[
 
 
 def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Sequence[Message]],
-              reward_fn: RewardFn, cfg: PPOConfig, out_dir: Path, metrics: MetricsLog, *,
+              reward_fn: RewardFn, cfg: PPOConfig, checkpoints: Place, metrics: MetricsLog, *,
               metrics_step_offset: int = 0) -> dict[str, Any]:
     """Train `policy` in place with PPO for `cfg.max_steps` steps, resuming from the last
-    checkpoint in `out_dir/checkpoints` (the caller exports the policy, then may delete them with
-    model.checkpoint.remove_checkpoints). `reference` is the frozen policy before training, on the same
+    checkpoint in `checkpoints` (the caller builds the place, exports the policy, then may delete
+    them with `checkpoints.remove()`). `reference` is the frozen policy before training, on the same
     device. Step s is logged to `metrics` as step s + metrics_step_offset (to follow, e.g., the
     reward model's steps in the same metrics.jsonl) with: ppo/score (mean reward_fn score),
     ppo/kl (summed log pi/pi_ref per response), ppo/reward, ppo/entropy, ppo/policy_loss,
@@ -366,7 +367,7 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
         raise ValueError(f"ppo's batch_size ({cfg.batch_size}) and minibatch_size ({cfg.minibatch_size}) must "
                          f"split evenly over the {ranks.world} processes of the launch; make them multiples "
                          f"of {ranks.world}")
-    out_dir, prompts = Path(out_dir), [list(p) for p in prompts]
+    prompts = [list(p) for p in prompts]
     policy.eval()  # no dropout: rollout and update log-probs must agree (see module docstring)
     reference.to(device).eval().requires_grad_(False)
     value_head = ValueHead(policy.config.get_text_config().hidden_size).to(device)
@@ -374,7 +375,7 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-5,
                                   weight_decay=cfg.weight_decay)
     modules = {"policy": policy, "value_head": value_head, "optimizer": optimizer}
-    state, resumed_at = _resume(out_dir, modules, ranks)
+    state, resumed_at = _resume(checkpoints, modules, ranks)
     resumed_from = state["step"]
     if ranks.main:  # the one process that writes metrics.jsonl
         metrics.truncate_after(metrics_step_offset + resumed_from)  # lines of steps redone now
@@ -389,7 +390,8 @@ def ppo_train(policy: Any, reference: Any, tokenizer: Any, prompts: Sequence[Seq
             state = {"step": step + 1, "scores": state["scores"] + [row["ppo/score"]],
                      "kls": state["kls"] + [row["ppo/kl"]]}
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.max_steps:
-                saves.append(_save(out_dir, {**state, ROW_KEY: row}, modules, cfg.keep_checkpoints, ranks, metrics))
+                saves.append(_save(checkpoints, {**state, ROW_KEY: row}, modules, cfg.keep_checkpoints, ranks,
+                                   metrics))
                 row = {**row, **saves[-1]}  # the row, saved with the checkpoint, is written after it
             if ranks.main:
                 metrics.log(metrics_step_offset + step + 1, **row)

@@ -30,11 +30,11 @@ from accelerate import Accelerator
 
 from gristmill.core.stage import MetricsLog
 from gristmill.model.checkpoint import (
+    Place,
     latest_good_checkpoint,
     read_marker,
     restore_rows,
     resume_point,
-    rewrite_marker,
     save_checkpoint,
 )
 from gristmill.model.config import LoopConfig
@@ -112,7 +112,7 @@ def load_state(parts: Parts, path: Path, cfg: LoopConfig) -> dict[str, Any]:
     return {**fresh_state(cfg), **marker}
 
 
-def save_state(parts: Parts, work_dir: Path, state: dict[str, Any], keep: int,
+def save_state(parts: Parts, checkpoints: Place, state: dict[str, Any], keep: int,
                metrics: MetricsLog) -> dict[str, float]:
     """Every rank takes part (the state is gathered); rank 0 writes weights, optimizer and scheduler,
     every rank its RNG states. Before the first step the optimizer has no state and none is
@@ -135,16 +135,16 @@ def save_state(parts: Parts, work_dir: Path, state: dict[str, Any], keep: int,
             (directory / SCHEDULER_FILE).write_text(json.dumps(parts.scheduler.state_dict()) + "\n")
 
     # weights + AdamW's two moments, about 3x the model in float32
-    saved = save_checkpoint(work_dir, state, keep, write, expected_bytes=3 * model_bytes,
+    saved = save_checkpoint(checkpoints, state, keep, write, expected_bytes=3 * model_bytes,
                             main=parts.accelerator.is_main_process, barrier=parts.accelerator.wait_for_everyone,
                             metrics=metrics)
     return {**saved, "checkpoint_s": round(time.perf_counter() - started, 4)}
 
 
-def resume(parts: Parts, work_dir: Path, metrics: MetricsLog, cfg: LoopConfig, log: logging.Logger) -> dict:
+def resume(parts: Parts, checkpoints: Place, metrics: MetricsLog, cfg: LoopConfig, log: logging.Logger) -> dict:
     """Load the newest complete checkpoint that verifies, if any; returns its saved loop state."""
     accelerator = parts.accelerator
-    good = resume_point(work_dir, main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+    good = resume_point(checkpoints, main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
     if good is None:
         if accelerator.is_main_process:
             metrics.truncate_after(-1)  # entries from a run that crashed before its first checkpoint
@@ -170,7 +170,7 @@ def anomaly(loss: float, grad_norm: float, window: list[float], cfg: LoopConfig)
     return None
 
 
-def rollback(parts: Parts, work_dir: Path, metrics: MetricsLog, state: dict[str, Any],
+def rollback(parts: Parts, checkpoints: Place, metrics: MetricsLog, state: dict[str, Any],
               loss: float, reason: str, cfg: LoopConfig, log: logging.Logger) -> dict[str, Any]:
     """Restore the last complete checkpoint and skip every batch from it up to the offending one;
     the new offset is written into that checkpoint's marker so a later resume keeps it."""
@@ -179,7 +179,7 @@ def rollback(parts: Parts, work_dir: Path, metrics: MetricsLog, state: dict[str,
         raise TrainingDiverged(
             f"training loss is {loss} ({reason}) at step {failed} after {state['rollbacks']} rollbacks "
             f"(max_rollbacks={cfg.max_rollbacks}); lower lr, tighten grad_clip, or check the data")
-    good = latest_good_checkpoint(work_dir, main=accelerator.is_main_process)
+    good = latest_good_checkpoint(checkpoints, main=accelerator.is_main_process)
     if good is None:
         raise TrainingDiverged(f"training loss is {loss} ({reason}) at step {failed} and no intact "
                                "checkpoint is left to roll back to")
@@ -191,7 +191,7 @@ def rollback(parts: Parts, work_dir: Path, metrics: MetricsLog, state: dict[str,
                 reason, loss, failed, good_step, skipped, state["rollbacks"], cfg.max_rollbacks)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        rewrite_marker(work_dir, path, state)
+        checkpoints.rewrite_marker(path, state)
         metrics.truncate_after(good_step)
         metrics.log(good_step, rollback=state["rollbacks"], rollback_from_step=failed, rollback_skipped=skipped,
                     rollback_nonfinite=int(reason == "non-finite"), rollback_loss=loss, rollback_reason=reason)

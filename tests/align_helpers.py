@@ -20,7 +20,7 @@ def sft_inputs(root: Path, model_dir: Path) -> dict[str, Manifest]:
 
 def run_align(config: align.Config, inputs: dict[str, Manifest], out: Path):
     out.mkdir(exist_ok=True)
-    return align.run(config, out, engine=SerialEngine(), **inputs)
+    return align.run(config, out, engine=SerialEngine(), store_mapping=None, **inputs)
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:

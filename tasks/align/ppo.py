@@ -25,7 +25,7 @@ import torch
 
 from gristmill.core.chat import Message, prompt_ids
 from gristmill.core.stage import MetricsLog
-from gristmill.model.checkpoint import CHECKPOINTS_DIR
+from gristmill.model.checkpoint import CHECKPOINTS_DIR, checkpoint_place
 from gristmill.model.generate import generate_greedy
 from gristmill.model.loop import resolve_device
 from gristmill.model.ppo import ppo_train
@@ -75,9 +75,9 @@ def train(config: PPOMethodConfig, job: AlignJob) -> tuple[torch.nn.Module, dict
     heldout_prompts = [p["prompt"] for p in heldout]
     max_new = config.policy.max_new_tokens
     before = greedy_score(reference, job.tokenizer, heldout_prompts, scorer, max_new)
+    checkpoints = checkpoint_place(job.out_dir / CHECKPOINTS_DIR / "ppo", job.store_mapping)
     ppo_stats = ppo_train(model, reference, job.tokenizer, [p["prompt"] for p in train_pairs], scorer,
-                          config.policy, job.out_dir / CHECKPOINTS_DIR / "ppo", metrics,
-                          metrics_step_offset=rm_stats["rm_steps"])
+                          config.policy, checkpoints, metrics, metrics_step_offset=rm_stats["rm_steps"])
     after = greedy_score(model, job.tokenizer, heldout_prompts, scorer, max_new)
     log.info("held-out reward-model score of greedy responses %.3f -> %.3f", before, after)
     return model, {**rm_stats, **ppo_stats, "prompts_train": len(train_pairs), "prompts_heldout": len(heldout),

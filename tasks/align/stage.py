@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gristmill.core.stage import Engine, Manifest, StageResult
-from gristmill.model.checkpoint import remove_checkpoints
+from gristmill.model.checkpoint import StoreMapping, checkpoint_place
 from gristmill.tasks.align.config import METHODS, Config
 from gristmill.tasks.align.method import AlignJob, TrainFn
 
@@ -40,7 +40,8 @@ def train_function(method: str | TrainFn) -> TrainFn:
     return method
 
 
-def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine, store_mapping: StoreMapping | None,
+        sft: Manifest) -> StageResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     from gristmill.model.export import export_model
@@ -51,7 +52,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> Stag
     log.info("aligning %s with %s", sft_dir, config.method)
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     model = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32)
-    job = AlignJob(model=model, tokenizer=tokenizer, out_dir=out_dir, lora=config.lora)
+    job = AlignJob(model=model, tokenizer=tokenizer, out_dir=out_dir, store_mapping=store_mapping, lora=config.lora)
     trained, stats = train_function(METHODS[config.method])(config.method_config(), job)
     params = trainable_parameters(trained)
     artifacts = ["metrics.jsonl"] + (["adapter/adapter_config.json"] if config.lora is not None else [])
@@ -62,5 +63,6 @@ def run(config: Config, out_dir: Path, *, engine: Engine, sft: Manifest) -> Stag
             export_model(trained, tokenizer, out_dir / "model")
         else:
             raise TypeError(f"method {config.method!r} returned a {type(trained).__name__}, not a transformers model")
-        remove_checkpoints(out_dir)  # the committed artifact is the export (PPO's on a bucket included)
+        # the committed artifact is the export (PPO's checkpoints, below these, on a bucket included)
+        checkpoint_place(out_dir, store_mapping).remove()
     return StageResult(stats={"method": config.method, **stats, **params}, artifacts=artifacts)

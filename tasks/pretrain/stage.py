@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from gristmill.core.stage import Engine, Manifest, MetricsLog, SerialEngine, StageResult
 from gristmill.core.units import bits_per_byte
-from gristmill.model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
+from gristmill.model.checkpoint import CHECKPOINT_STATS, StoreMapping, checkpoint_place
 from gristmill.model.data import (
     load_tokens,
     read_tokens,
@@ -71,7 +71,8 @@ def val_batches(data: np.ndarray, config: Config) -> list[Batch]:
     return spaced_batches(data, config.seq_len, config.val_windows, config.batch_size)
 
 
-def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) -> StageResult:
+def run(config: Config, out_dir: Path, *, engine: Engine, store_mapping: StoreMapping | None,
+        tokenize: Manifest) -> StageResult:
     # tokens_per_step -> batch_size (all processes) and grad_accum_steps (micro-batches per process)
     config = config.with_seq_len(config.seq_len, launched_world_size())
     tok_root = Path(tokenize.path)
@@ -96,14 +97,15 @@ def run(config: Config, out_dir: Path, *, engine: Engine, tokenize: Manifest) ->
         return {"val_loss": val_loss, "val_bpb": bits_per_byte(val_loss, bytes_per_tok)}
 
     step_flops = flops_per_token(config.model, len(tokenizer), config.seq_len)
-    summary = train(model, get_batch, config, out_dir, MetricsLog(out_dir), evaluate=evaluate, log=log,
+    checkpoints = checkpoint_place(out_dir, store_mapping)
+    summary = train(model, get_batch, config, checkpoints, MetricsLog(out_dir), evaluate=evaluate, log=log,
                     flops_per_token=step_flops)
     unigram = unigram_loss(train_data, read_tokens(tok_root / "tokens", "val"), len(tokenizer))
     log.info("val_loss %.4f nats (%.4f bits/byte); unigram baseline %.4f nats",
              summary["val_loss"], summary["val_bpb"], unigram)
     export_model(model, tokenizer, out_dir / "model")  # every rank: a sharded model is gathered first
     if is_rank0():
-        remove_checkpoints(out_dir)  # the exported model is the artifact; optimizer state is not
+        checkpoints.remove()  # the exported model is the artifact; optimizer state is not
     stats = {"final_train_loss": summary["final_train_loss"], "val_loss": summary["val_loss"],
              "val_bpb": summary["val_bpb"], "unigram_val_loss": unigram,
              "unigram_val_bpb": bits_per_byte(unigram, bytes_per_tok),
@@ -123,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         accelerate launch --config_file infra/accelerate/ddp_gpu.yaml -m gristmill.tasks.pretrain ...
 
     TOKENIZE_DIR is a tokenize stage output; the JSON config holds Config fields. Process 0
-    writes OUT_DIR/summary.json (the stage's stats)."""
+    writes OUT_DIR/summary.json (the stage's stats); checkpoints stay in OUT_DIR/checkpoints."""
     parser = argparse.ArgumentParser(prog="python -m gristmill.tasks.pretrain", description=main.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tokenize_dir", type=Path)
@@ -134,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = Config(**json.loads(args.config))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = run(config, args.out_dir, engine=SerialEngine(),
+        result = run(config, args.out_dir, engine=SerialEngine(), store_mapping=None,
                      tokenize=Manifest.of_directory("tokenize", args.tokenize_dir))
         if is_rank0():
             (args.out_dir / "summary.json").write_text(json.dumps(result.stats, indent=1) + "\n")

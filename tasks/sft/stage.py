@@ -44,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gristmill.core.chat import Message, render_with_mask
 from gristmill.core.stage import Engine, Manifest, MetricsLog, StageResult
-from gristmill.model.checkpoint import CHECKPOINT_STATS, remove_checkpoints
+from gristmill.model.checkpoint import CHECKPOINT_STATS, StoreMapping, checkpoint_place
 from gristmill.model.data import load_tokens, spaced_batches, train_starts, windows_batch
 from gristmill.model.export import export_model
 from gristmill.model.loop import (
@@ -230,7 +230,7 @@ def load_base(model_dir: Path, config: Config):
     return tokenizer, model
 
 
-def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
+def run(config: Config, out_dir: Path, *, engine: Engine, store_mapping: StoreMapping | None, pretrain: Manifest,
         tokenize: Manifest | None = None) -> StageResult:
     """Fine-tune the pretrain stage's model; `tokenize` is needed only to mix in its text."""
     out_dir = Path(out_dir)
@@ -260,7 +260,8 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
     trained = apply_lora(model, config.lora) if config.lora is not None else model  # model itself, or wrapped
     get_batch, loss_fn, loop_config, batch_stats = batch_source(
         config, train_set, pad_id, text[0] if text is not None else None)
-    summary = train(trained, get_batch, loop_config, out_dir, MetricsLog(out_dir), loss_fn=loss_fn,
+    checkpoints = checkpoint_place(out_dir, store_mapping)
+    summary = train(trained, get_batch, loop_config, checkpoints, MetricsLog(out_dir), loss_fn=loss_fn,
                     evaluate=evaluate if measured else None, log=log)
     params = trainable_parameters(trained)
     artifacts = ["model/config.json", "model/generation_config.json"]
@@ -271,7 +272,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine, pretrain: Manifest,
     elif is_rank0():
         export_lora(trained, tokenizer, out_dir / "model", out_dir / "adapter")
     if is_rank0():
-        remove_checkpoints(out_dir)
+        checkpoints.remove()
     # Pretraining tokens the loop's tokens_seen leaves out (it counts the conversation rows).
     text_tokens_seen = summary["steps"] * config.pretrain_windows * config.max_seq_len if config.pretrain_mix else 0
     stats = {"examples_train": len(train_set), "examples_heldout": len(heldout),

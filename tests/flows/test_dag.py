@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def test_a_stage_added_in_one_entry_is_configured_planned_and_run(shout, tmp_pat
     stage = planned["shout"]
     manifest, reused = store.materialize("shout", stage.key, lambda partial: {
         "config": {}, "upstream": {"tokenize": tokenize.key}, "meta": {},
-        "stats": run_planned(stage, {"tokenize": tokenize}, partial, engine=SerialEngine()).stats})
+        "stats": run_planned(stage, {"tokenize": tokenize}, partial, engine=SerialEngine(), store_mapping=None).stats})
     assert not reused and manifest.stats == {"chars": 3 * len("grist for the mill ")}
     assert (manifest.path / "shout.txt").read_text() == "GRIST FOR THE MILL " * 3
     assert plan(config, store)[-1].complete
@@ -98,12 +99,12 @@ def test_a_stage_gets_exactly_its_upstream_each_of_its_own_stage(shout, tmp_path
     words.mkdir()
     (words / "words.txt").write_text("a")
     with pytest.raises(ValueError, match=r"takes upstream \['tokenize'\], given \[\]"):
-        run_planned(stage, {}, tmp_path, engine=SerialEngine())
+        run_planned(stage, {}, tmp_path, engine=SerialEngine(), store_mapping=None)
     with pytest.raises(ValueError, match="another stage"):
         run_planned(stage, {"tokenize": Manifest.of_directory("collect", words)}, tmp_path,
-                    engine=SerialEngine())
+                    engine=SerialEngine(), store_mapping=None)
     run_planned(stage, {"tokenize": Manifest.of_directory("tokenize", words)}, tmp_path,
-                engine=SerialEngine())
+                engine=SerialEngine(), store_mapping=None)
     assert (tmp_path / "shout.txt").read_text() == "A"
     with pytest.raises(TypeError, match=r"takes upstream \['tokenize'\], the stage table gives it \['sft'\]"):
         dataclasses.replace(shout, upstream=("sft",)).load_run()
@@ -112,6 +113,9 @@ def test_a_stage_gets_exactly_its_upstream_each_of_its_own_stage(shout, tmp_path
 def test_every_stage_run_takes_the_upstream_its_entry_names():
     for spec in STAGES:
         assert upstream_parameters(spec.load_run()) == set(spec.upstream), spec.name
+        # a training stage (one with a launch section) is told where its checkpoints live; no other is
+        takes_mapping = "store_mapping" in inspect.signature(spec.load_run()).parameters
+        assert takes_mapping == (spec.launch is not None), spec.name
         assert spec.publisher is None or callable(spec.load_publisher()), spec.name
 
 

@@ -1,12 +1,12 @@
 """Training checkpoints on an object store (model/checkpoint_bucket.py's BucketPlace, on the `s3_server`
 fixture's bucket) and this node's bounded object cache (core/cache.py).
 
-A work directory under the folder `GRISTMILL_CHECKPOINT_STORE` maps keeps its checkpoints on the
-bucket: files first, the marker last, so a run stopped between them leaves nothing that counts;
-another node (another local folder, an empty cache) resumes from the bucket to the curve of a run
-never stopped; a truncated object is reported by URL and the checkpoint before it used; a bucket
-that cannot be reached or is gone fails in one line naming it. The cache keeps the newest objects
-within its bound, verifies what it downloads, and wiping it changes nothing but time."""
+A work directory under the folder a `StoreMapping` maps keeps its checkpoints on the bucket: files
+first, the marker last, so a run stopped between them leaves nothing that counts; another node
+(another local folder, an empty cache) resumes from the bucket to the curve of a run never stopped;
+a truncated object is reported by URL and the checkpoint before it used; a bucket that cannot be
+reached or is gone fails in one line naming it. The cache keeps the newest objects within its
+bound, verifies what it downloads, and wiping it changes nothing but time."""
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +26,7 @@ from gristmill.core.faults import FAULT_ENV, FAULT_ONCE_ENV, InjectedFault
 from gristmill.core.object_store import ObjectDamaged, ObjectStoreError, RetryPolicy
 from gristmill.core.stage import MetricsLog, read_metrics
 from gristmill.model import presets
-from gristmill.model.checkpoint import complete_checkpoints, store_env
+from gristmill.model.checkpoint import StoreMapping, checkpoint_place
 from gristmill.model.config import LoopConfig
 from gristmill.model.loop import train
 from gristmill.model.presets import ModelConfig, build_model
@@ -45,13 +45,12 @@ def bucket(s3_server, monkeypatch, tmp_path) -> str:
     return f"s3://crawl/store-{uuid.uuid4().hex[:8]}"
 
 
-def _node(monkeypatch, root: Path, url: str, cache_dir: Path) -> Path:
-    """Be a node whose store's local copy is `root` and whose cache is `cache_dir`; its stage folder."""
+def _node(monkeypatch, root: Path, url: str, cache_dir: Path) -> tuple[Path, StoreMapping]:
+    """Be a node whose store's local copy of `url` is `root` and whose cache is `cache_dir`: its
+    stage folder and its store's mapping."""
     monkeypatch.setenv("GRISTMILL_CACHE", str(cache_dir))
-    for name, value in store_env(root, url).items():
-        monkeypatch.setenv(name, value)
     (root / STAGE_DIR).mkdir(parents=True, exist_ok=True)
-    return root / STAGE_DIR
+    return root / STAGE_DIR, StoreMapping(root, url)
 
 
 def _batch(step: int) -> dict:
@@ -59,7 +58,8 @@ def _batch(step: int) -> dict:
     return {"input_ids": x[:, :-1], "labels": x[:, 1:]}
 
 
-def _fit(tok, work_dir: Path, max_steps: int = 6, crash_at: int | None = None) -> dict:
+def _fit(tok, work_dir: Path, store_mapping: StoreMapping | None, max_steps: int = 6,
+         crash_at: int | None = None) -> dict:
     torch.manual_seed(0)
     model = build_model(TINY, tok)
 
@@ -70,7 +70,7 @@ def _fit(tok, work_dir: Path, max_steps: int = 6, crash_at: int | None = None) -
 
     cfg = LoopConfig(max_steps=max_steps, batch_size=4, checkpoint_every=2, log_every=100, keep_checkpoints=2)
     work_dir.mkdir(parents=True, exist_ok=True)
-    return train(model, get_batch, cfg, work_dir, MetricsLog(work_dir))
+    return train(model, get_batch, cfg, checkpoint_place(work_dir, store_mapping), MetricsLog(work_dir))
 
 
 def _losses(work_dir: Path) -> dict[int, float]:
@@ -93,40 +93,60 @@ def tok(tiny_tokenizer_dir):
 def straight(tok, tmp_path_factory) -> tuple[dict, dict[int, float], Path]:
     """A run never stopped, its checkpoints on the local disk (no bucket mapped)."""
     work = tmp_path_factory.mktemp("straight")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("GRISTMILL_CHECKPOINT_STORE", raising=False)
-        stats = _fit(tok, work)
+    stats = _fit(tok, work, None)
     return stats, _losses(work), work
+
+
+def test_the_store_maps_a_stage_folder_to_its_place_on_the_bucket_and_sets_no_variable(tmp_path, monkeypatch):
+    """The mapping a training stage is given (the pipeline's, or a launched rank's own store's): a work
+    directory below the store's local copy keeps its checkpoints at the same path on the bucket, any
+    other on its disk; opening the store leaves the environment as it was."""
+    from gristmill.infra.artifacts import home_store
+    from gristmill.model.checkpoint_bucket import BucketPlace
+    from gristmill.model.checkpoint_local import LocalPlace
+
+    monkeypatch.setenv("GRISTMILL_STORE", "s3://crawl/store/")
+    before = dict(os.environ)
+    store = home_store(tmp_path / "home")
+    assert dict(os.environ) == before
+    assert store.store_mapping == StoreMapping(store.root, "s3://crawl/store")
+    place = checkpoint_place(store.partial_dir("pretrain", "0123456789ab"), store.store_mapping)
+    assert isinstance(place, BucketPlace) and place.url == f"s3://crawl/store/{STAGE_DIR.as_posix()}/checkpoints"
+    assert place.local == store.root / STAGE_DIR / "checkpoints"
+    beside = checkpoint_place(tmp_path / "home" / "elsewhere", store.store_mapping)
+    assert isinstance(beside, LocalPlace) and beside.root == tmp_path / "home" / "elsewhere" / "checkpoints"
+    monkeypatch.setenv("GRISTMILL_STORE", str(tmp_path / "local-store"))
+    assert home_store(tmp_path / "home").store_mapping is None
 
 
 def test_checkpoints_on_the_bucket_marker_last_and_another_node_resumes(tok, straight, bucket, tmp_path,
                                                                         monkeypatch, caplog):
     stats, curve, local = straight
-    assert [s for s, _ in complete_checkpoints(local)] == [4, 6]  # local-only: as before, on the disk
+    assert [s for s, _ in checkpoint_place(local, None).complete()] == [4, 6]  # local-only: on the disk
     assert stats["checkpoints"] == 3 and stats["checkpoint_bytes"] > 0 and stats["checkpoint_s"] > 0
     url = f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints"
 
     # Node A: stopped after step 4's files are up but before its marker.
-    work_a = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    work_a, node_a = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
     armed = tmp_path / "armed"
     armed.touch()
     monkeypatch.setenv(FAULT_ENV, "checkpoint-files:4")
     monkeypatch.setenv(FAULT_ONCE_ENV, str(armed))
     with pytest.raises(InjectedFault):
-        _fit(tok, work_a)
+        _fit(tok, work_a, node_a)
     keys = _keys(url)
     assert "step-0000002/checkpoint.json" in keys and "step-0000002/model.safetensors" in keys
     assert "step-0000004/model.safetensors" in keys and "step-0000004/checkpoint.json" not in keys
     assert not (work_a / "checkpoints").exists() or not list((work_a / "checkpoints").glob("step-*[0-9]"))
 
     # Node B: another local folder, an empty cache; resumes from step 2 on the bucket.
-    work_b = _node(monkeypatch, tmp_path / "b", bucket, tmp_path / "cache-b")
+    work_b, node_b = _node(monkeypatch, tmp_path / "b", bucket, tmp_path / "cache-b")
     with caplog.at_level(logging.INFO, logger="gristmill.train"):
-        resumed = _fit(tok, work_b)
+        resumed = _fit(tok, work_b, node_b)
     assert "resuming from step 2" in caplog.text and resumed["resumed_from_step"] == 2
     # exact, step for step; the rows up to step 2 come with its checkpoint (this node's file had none)
     assert _losses(work_b) == curve
-    assert [s for s, _ in complete_checkpoints(work_b)] == [4, 6]
+    assert [s for s, _ in checkpoint_place(work_b, node_b).complete()] == [4, 6]
     assert not [k for k in _keys(url) if k.startswith("step-0000002/")]  # beyond keep: deleted
     rows = [r for r in read_metrics(work_b / "metrics.jsonl") if "checkpoint_s" in r]
     assert [r["step"] for r in rows] == [4, 6] and all(r["checkpoint_bytes"] > 0 for r in rows)
@@ -144,15 +164,14 @@ def test_a_stop_between_a_checkpoint_and_its_row_loses_no_row(tok, straight, tmp
     """The checkpoint step's metrics row is written after the checkpoint (it carries its seconds and
     bytes) and saved in it: a run stopped between the two gets the row back on resume."""
     _, curve, _ = straight
-    monkeypatch.delenv("GRISTMILL_CHECKPOINT_STORE", raising=False)
     armed = tmp_path / "armed"
     armed.touch()
     monkeypatch.setenv(FAULT_ENV, "checkpoint:4")
     monkeypatch.setenv(FAULT_ONCE_ENV, str(armed))
     with pytest.raises(InjectedFault):
-        _fit(tok, tmp_path / "run")
+        _fit(tok, tmp_path / "run", None)
     assert max(_losses(tmp_path / "run")) and 4 not in _losses(tmp_path / "run")
-    resumed = _fit(tok, tmp_path / "run")
+    resumed = _fit(tok, tmp_path / "run", None)
     assert resumed["resumed_from_step"] == 4 and _losses(tmp_path / "run") == curve
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(1, 7))
 
@@ -160,16 +179,16 @@ def test_a_stop_between_a_checkpoint_and_its_row_loses_no_row(tok, straight, tmp
 def test_a_truncated_object_falls_back_to_the_checkpoint_before_it(tok, straight, bucket, tmp_path, monkeypatch,
                                                                    caplog):
     _, curve, _ = straight
-    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    work, node = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _fit(tok, work, crash_at=4)  # checkpoints 2 and 4
+        _fit(tok, work, node, crash_at=4)  # checkpoints 2 and 4
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004/model.safetensors")
     fs.pipe_file(path, fs.cat_file(path)[:100])
-    other = _node(monkeypatch, tmp_path / "b", bucket, tmp_path / "cache-b")  # nothing cached there
+    other, node_b = _node(monkeypatch, tmp_path / "b", bucket, tmp_path / "cache-b")  # nothing cached there
     with caplog.at_level(logging.WARNING, logger="gristmill.checkpoint"):
-        resumed = _fit(tok, other)
+        resumed = _fit(tok, other, node_b)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004/model.safetensors" in warnings[0]
@@ -179,22 +198,22 @@ def test_a_truncated_object_falls_back_to_the_checkpoint_before_it(tok, straight
 
 def test_wiping_the_cache_between_runs_changes_nothing_but_time(tok, straight, bucket, tmp_path, monkeypatch):
     _, curve, _ = straight
-    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    work, node = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _fit(tok, work, crash_at=4)
+        _fit(tok, work, node, crash_at=4)
     assert list((tmp_path / "cache-a" / "objects").glob("??/*"))  # the uploads were adopted by the cache
     import shutil
 
     shutil.rmtree(tmp_path / "cache-a")
-    resumed = _fit(tok, work)
+    resumed = _fit(tok, work, node)
     assert resumed["resumed_from_step"] == 4 and _losses(work) == curve
 
 
 def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_path, monkeypatch):
-    gone = _node(monkeypatch, tmp_path / "gone", "s3://no-such-bucket/store", tmp_path / "cache")
+    gone, node = _node(monkeypatch, tmp_path / "gone", "s3://no-such-bucket/store", tmp_path / "cache")
     with pytest.raises(ObjectStoreError, match=r"^s3://no-such-bucket/store/pretrain/.*/checkpoints: listing "
                                           r"checkpoints failed: not found") as found:
-        _fit(tok, gone)
+        _fit(tok, gone, node)
     assert "\n" not in str(found.value)
 
     from gristmill.infra.launch import free_port
@@ -202,11 +221,11 @@ def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_pat
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     object_store.forget()
-    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache")
+    work, node = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache")
     try:
         with pytest.raises(ObjectStoreError,
                            match=r"host did not answer in 2 tries.*AWS_ENDPOINT_URL=http://127") as found:
-            _fit(tok, work)
+            _fit(tok, work, node)
     finally:
         object_store.forget()
     assert str(found.value).startswith(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints: ")
@@ -223,7 +242,7 @@ def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_r
 
     _, curve, _ = straight
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    work = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
+    work, node = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     real = presets.build_model
 
@@ -237,14 +256,14 @@ def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_r
     cfg = LoopConfig(max_steps=6, batch_size=4, checkpoint_every=2, log_every=100, keep_checkpoints=2)
     try:
         with pytest.raises(ObjectStoreError) as lost:
-            train(real(TINY, tok), lose_the_bucket_after_step_2, cfg, work, MetricsLog(work))
+            train(real(TINY, tok), lose_the_bucket_after_step_2, cfg, checkpoint_place(work, node), MetricsLog(work))
     finally:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         object_store.forget()
     assert re.match(rf"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004\S*: [a-z ]+ failed: its host did "
                     r"not answer in 2 tries", str(lost.value)) and "\n" not in str(lost.value)
     assert "step-0000004/checkpoint.json" not in _keys(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints")
-    resumed = _fit(tok, work)
+    resumed = _fit(tok, work, node)
     assert resumed["resumed_from_step"] == 2 and _losses(work) == curve
 
 

@@ -18,7 +18,7 @@ from gristmill.core.chat import DOC_SEPARATOR, IM_END
 from gristmill.core.files import DiskSpaceError
 from gristmill.core.stage import MetricsLog, read_metrics
 from gristmill.model import checkpoint
-from gristmill.model.checkpoint import complete_checkpoints
+from gristmill.model.checkpoint import checkpoint_place
 from gristmill.model.export import export_model
 from gristmill.model.loop import (
     IGNORE_INDEX,
@@ -159,7 +159,7 @@ def test_the_compiled_training_graph_is_not_recompiled_by_evaluation(tiny_tokeni
         return {"val_loss": loss}
 
     cfg = LoopConfig(max_steps=3, eval_every=1, compile=True, checkpoint_every=10, max_rollbacks=0, lr=1e-3)
-    train(model, lambda i: batch, cfg, tmp_path, MetricsLog(tmp_path), evaluate=evaluate)
+    train(model, lambda i: batch, cfg, checkpoint_place(tmp_path, None), MetricsLog(tmp_path), evaluate=evaluate)
     assert seen[0] >= 1 and len(set(seen)) == 1, seen  # no graph compiled by or after an evaluation
     assert counters["stats"]["unique_graphs"] <= 2  # the blocks' forward (+ its backward), once for all blocks
 
@@ -231,7 +231,7 @@ def _fit(tok, work_dir: Path, max_steps: int, crash_at: int | None = None, **ove
     cfg = LoopConfig(**{"max_steps": max_steps, "batch_size": 4, "checkpoint_every": 2, "log_every": 100,
                         "keep_checkpoints": 2, **overrides})
     work_dir.mkdir(exist_ok=True)
-    return train(model, get_batch, cfg, work_dir, MetricsLog(work_dir),
+    return train(model, get_batch, cfg, checkpoint_place(work_dir, None), MetricsLog(work_dir),
                  evaluate=lambda m: {"val_loss": mean_token_loss(m, [_random_batch(10_000)])})
 
 
@@ -250,7 +250,7 @@ def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, 
     straight = _fit(tok, tmp_path / "a", 6, optimizer=optimizer)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _fit(tok, tmp_path / "b", 6, crash_at=5, optimizer=optimizer)
-    assert [s for s, _ in complete_checkpoints(tmp_path / "b")] == [2, 4]
+    assert [s for s, _ in checkpoint_place(tmp_path / "b", None).complete()] == [2, 4]
     with caplog.at_level(logging.INFO, logger="gristmill.train"):
         resumed = _fit(tok, tmp_path / "b", 6, optimizer=optimizer)
     assert "resuming from step 4" in caplog.text
@@ -259,7 +259,7 @@ def test_resume_after_crash_reproduces_every_loss(tiny_tokenizer_dir, tmp_path, 
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] == list(range(1, 7))
     assert resumed["val_loss"] == straight["val_loss"]
     assert resumed["tokens_seen"] == straight["tokens_seen"] == 6 * 4 * 16
-    assert [s for s, _ in complete_checkpoints(tmp_path / "b")] == [4, 6]  # keep_checkpoints=2
+    assert [s for s, _ in checkpoint_place(tmp_path / "b", None).complete()] == [4, 6]  # keep_checkpoints=2
     # A crash after training (e.g. during export): the re-run trains nothing and logs nothing new.
     again = _fit(tok, tmp_path / "b", 6, optimizer=optimizer)
     assert again["resumed_from_step"] == 6 and again["val_loss"] == straight["val_loss"]
@@ -275,7 +275,7 @@ def test_resume_unpickles_nothing_and_skips_a_damaged_checkpoint(tiny_tokenizer_
     straight = _fit(tok, tmp_path / "a", 6)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _fit(tok, tmp_path / "b", 6, crash_at=5)
-    (step2, _), (step4, newest) = complete_checkpoints(tmp_path / "b")
+    (step2, _), (step4, newest) = checkpoint_place(tmp_path / "b", None).complete()
     assert (step2, step4) == (2, 4) and (newest / "scheduler.json").is_file()
     assert not list(newest.glob("custom_checkpoint_*"))
     weights = newest / "model.safetensors"
@@ -296,7 +296,7 @@ def test_resume_unpickles_nothing_and_skips_a_damaged_checkpoint(tiny_tokenizer_
     assert resumed["resumed_from_step"] == 2 and checkpoint.damage(newest) is None  # deleted, then rewritten
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a") and resumed["val_loss"] == straight["val_loss"]
     # a truncated file is found by its size
-    _, last = complete_checkpoints(tmp_path / "b")[-1]
+    _, last = checkpoint_place(tmp_path / "b", None).complete()[-1]
     (last / "model.safetensors").write_bytes((last / "model.safetensors").read_bytes()[:100])
     assert "bytes" in checkpoint.damage(last)
 
@@ -304,15 +304,15 @@ def test_resume_unpickles_nothing_and_skips_a_damaged_checkpoint(tiny_tokenizer_
 def test_checkpoint_needs_free_space_and_a_full_disk_keeps_the_earlier_ones(tiny_tokenizer_dir, tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     _fit(tok, tmp_path / "run", 4, max_rollbacks=0)
-    before = complete_checkpoints(tmp_path / "run")
+    before = checkpoint_place(tmp_path / "run", None).complete()
     assert [s for s, _ in before] == [2, 4]
 
     def full_disk(directory):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(DiskSpaceError, match=r"disk full while writing a checkpoint to .*tmp-step-0000006"):
-        checkpoint.save_checkpoint(tmp_path / "run", {"step": 6}, 2, full_disk)
-    assert complete_checkpoints(tmp_path / "run") == before
+        checkpoint.save_checkpoint(checkpoint_place(tmp_path / "run", None), {"step": 6}, 2, full_disk)
+    assert checkpoint_place(tmp_path / "run", None).complete() == before
     assert not list((tmp_path / "run" / "checkpoints").glob("tmp-*"))
 
     usage = shutil.disk_usage(tmp_path)
@@ -320,7 +320,7 @@ def test_checkpoint_needs_free_space_and_a_full_disk_keeps_the_earlier_ones(tiny
     needs = r"not enough free disk space for a checkpoint in .*run/checkpoints: needs about"
     with pytest.raises(DiskSpaceError, match=needs):
         _fit(tok, tmp_path / "run", 6, max_rollbacks=0)
-    assert complete_checkpoints(tmp_path / "run") == before
+    assert checkpoint_place(tmp_path / "run", None).complete() == before
 
 
 def test_non_finite_loss_fails_naming_the_step(tiny_tokenizer_dir, tmp_path):
@@ -328,7 +328,7 @@ def test_non_finite_loss_fails_naming_the_step(tiny_tokenizer_dir, tmp_path):
     model = build_model(TINY, tok)
     cfg = LoopConfig(max_steps=3, batch_size=4, max_rollbacks=0)
     with pytest.raises(TrainingDiverged, match=r"nan \(non-finite\) at step 1 after 0 rollbacks"):
-        train(model, _random_batch, cfg, tmp_path, MetricsLog(tmp_path),
+        train(model, _random_batch, cfg, checkpoint_place(tmp_path, None), MetricsLog(tmp_path),
               loss_fn=lambda m, b: causal_lm_loss(m, b) * float("nan"))
 
 
@@ -350,7 +350,7 @@ def _poisoned_fit(tok, work_dir: Path, poison, factor: float, crash_at: int | No
     cfg = LoopConfig(**{"max_steps": 10, "batch_size": 4, "checkpoint_every": 3, "log_every": 100, "lr": 1e-3,
                         "spike_zscore": 6.0, "spike_window": 4, "max_rollbacks": 2, **overrides})
     work_dir.mkdir(exist_ok=True)
-    return train(model, get_batch, cfg, work_dir, MetricsLog(work_dir), loss_fn=loss_fn)
+    return train(model, get_batch, cfg, checkpoint_place(work_dir, None), MetricsLog(work_dir), loss_fn=loss_fn)
 
 
 def test_loss_spike_rolls_back_skips_batches_and_resumes_exactly(tiny_tokenizer_dir, tmp_path):
@@ -409,7 +409,7 @@ def test_training_lowers_loss_and_changes_parameters(tiny_tokenizer_dir, tmp_pat
     fixed = _random_batch(0)  # one batch, memorised: loss must fall fast
     cfg = LoopConfig(max_steps=20, batch_size=4, lr=1e-2, warmup_frac=0.0, checkpoint_every=100,
                      optimizer=optimizer)
-    train(model, lambda step: fixed, cfg, tmp_path, MetricsLog(tmp_path))
+    train(model, lambda step: fixed, cfg, checkpoint_place(tmp_path, None), MetricsLog(tmp_path))
     losses = _losses(tmp_path)
     assert losses[-1] < 0.7 * losses[0]
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from gristmill.core.object_store import ObjectStoreError, RetryPolicy
 from gristmill.core.sources import CC_PREFIX, parse_source
 from gristmill.core.stage import InputError
 
@@ -74,6 +75,7 @@ class UnknownCrawl(DownloadError, InputError):
 
 class _Transient(Exception):
     """A failure worth retrying: the connection, a timeout, or a 408/429/5xx answer."""
+    transient = True  # what the retry policy retries
 
 
 class _NothingLeft(Exception):
@@ -156,22 +158,25 @@ def _int_option(source: str, key: str, value: str, minimum: int) -> int:
 
 
 def _retrying(url: str, attempt: Callable[[], T], retries: int, backoff_s: float,
-              progress: Callable[[], int] = lambda: 0) -> T:
-    """attempt() until it stops raising _Transient; at most `retries` retries in a row without
-    new progress (bytes beyond the best seen), sleeping backoff_s * 2**k between them."""
-    failures, best = 0, progress()
-    while True:
+              progress: Callable[[], int] = lambda: 0, timeout_s: float = 60.0) -> T:
+    """attempt() under the one retry policy (core/object_store.py) until it stops raising
+    _Transient: at most `retries` retries in a row without new progress (bytes beyond the best
+    seen), pausing up to backoff_s * 2**k between them."""
+    policy = RetryPolicy(attempts=retries + 1, first_pause_s=backoff_s, max_pause_s=MAX_BACKOFF_S,
+                         budget_s=(retries + 1) * (timeout_s + MAX_BACKOFF_S))
+    last: list[_Transient] = []
+
+    def remembered() -> T:
         try:
             return attempt()
         except _Transient as exc:
-            now = progress()
-            failures = 1 if now > best else failures + 1
-            best = max(best, now)
-            if failures > retries:
-                raise DownloadError(f"{url}: giving up after {retries} retries: {exc}") from None
-            delay_s = min(backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S)
-            log.warning("%s: %s; retry %d/%d in %.1f s", url, exc, failures, retries, delay_s)
-            time.sleep(delay_s)
+            last[:] = [exc]
+            raise
+
+    try:
+        return policy.call(url, "downloading", remembered, keep=(DownloadError, _NothingLeft), progress=progress)
+    except ObjectStoreError:
+        raise DownloadError(f"{url}: giving up after {retries} retries: {last[0]}") from None
 
 
 def _open(url: str, timeout_s: float, offset: int = 0) -> http.client.HTTPResponse:
@@ -208,7 +213,7 @@ def get_bytes(url: str, *, retries: int = 5, timeout_s: float = 60.0,
             except (OSError, http.client.HTTPException) as exc:  # incl. IncompleteRead
                 raise _Transient(repr(exc)) from None
 
-    return _retrying(url, attempt, retries, backoff_s)
+    return _retrying(url, attempt, retries, backoff_s, timeout_s=timeout_s)
 
 
 def list_files(src: CommonCrawlSource, base_url: str = DEFAULT_BASE_URL, *, retries: int = 5,
@@ -314,7 +319,7 @@ def download(url: str, dest: Path, *, retries: int = 5, timeout_s: float = 60.0,
     problem = None
     for _ in range(2):  # a corrupt download is fetched once more, from scratch
         total = _retrying(url, lambda: _fetch_into(url, part, timeout_s), retries, backoff_s,
-                          part_bytes)
+                          part_bytes, timeout_s)
         problem = verify(part, total, gzipped=dest.name.endswith(".gz"))
         if problem is None:
             part.replace(dest)

@@ -40,7 +40,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, cast
 
-from gristmill.core.sources import file_size, filesystem, source_files
+from gristmill.core.files import open_location
+from gristmill.core.sources import file_size, source_files
 from gristmill.tasks.collect.read.records import (
     FILE_LEVEL_ERRORS,
     SAMPLE_BYTES,
@@ -131,10 +132,9 @@ def read_file(path: str | Path, *, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
     starts the file counts its planned bytes."""
     name = str(path)
     reader = _reader_for(name)
-    fs, fs_path = filesystem(name)
     planned_bytes = (planned_size or 0) if part.start == 0 else 0
     try:
-        size = fs.size(fs_path)
+        size = file_size(name)
         if planned_size is not None and size != planned_size:
             log.warning("%s: %d bytes now, %d when the run listed it; not read", name, size, planned_size)
             yield Skipped(reason="error_input_changed", nbytes=planned_bytes, where=name)
@@ -142,7 +142,7 @@ def read_file(path: str | Path, *, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
         if size == 0:
             yield Skipped(reason="error_empty_file", nbytes=0, where=name)
             return
-        f = fs.open(fs_path, "rb")
+        f = open_location(name)
     except FileNotFoundError:
         log.warning("%s: gone since the run listed it; not read", name)
         yield Skipped(reason="error_input_missing", nbytes=planned_bytes, where=name)
@@ -177,8 +177,7 @@ def split_file(path: str | Path, unit_bytes: int) -> list[Part]:
         parquet_parts if lowered.endswith(".parquet") else None
     if splitter is None:
         return [WHOLE]
-    fs, fs_path = filesystem(name)
-    with fs.open(fs_path, "rb") as f:
+    with open_location(name) as f:
         return splitter(f, unit_bytes)
 
 
@@ -279,9 +278,8 @@ def open_decompressed(f: IO[bytes], name: str) -> IO[bytes]:
 
 def _file_tail(name: str) -> bytes:
     """The last SAMPLE_BYTES of a file: where a truncated or damaged stream is worth a look."""
-    fs, fs_path = filesystem(name)
-    with fs.open(fs_path, "rb") as f:
-        f.seek(max(0, fs.size(fs_path) - SAMPLE_BYTES))
+    with open_location(name) as f:
+        f.seek(max(0, file_size(name) - SAMPLE_BYTES))
         return f.read()
 
 

@@ -315,7 +315,8 @@ def test_the_sft_term_of_two_ranks_is_the_one_process_term(tmp_path, tiny_model_
     config = DPOConfig(**{**DPO, "sft_weight": 1.0})
     pairs, _ = load_pairs(config.data, config.max_pairs, config.seed)
     job = AlignJob(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
-                   tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), out_dir=tmp_path, lora=None)
+                   tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), out_dir=tmp_path, store_mapping=None,
+                   lora=None)
     trainer = dpo.build_trainer(config, job, *split_heldout(pairs, config.heldout_fraction, config.seed))
     rows = [trainer.train_dataset[i] for i in range(config.batch_size)]
     whole, *halves = (trainer.data_collator(part) for part in (rows, rows[:4], rows[4:]))

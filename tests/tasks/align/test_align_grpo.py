@@ -37,7 +37,7 @@ def answering_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     root = tmp_path_factory.mktemp("sft")
     config = sft.Config(max_steps=80, lr=3e-3, batch_size=16, max_seq_len=64, device="cpu",
                         checkpoint_every=1000, pretrain_mix=0)  # conversations only: no tokenize artifact
-    sft.run(config, root / "out", engine=SerialEngine(), **_pretrain_inputs(root, tiny_model_dir))
+    sft.run(config, root / "out", engine=SerialEngine(), store_mapping=None, **_pretrain_inputs(root, tiny_model_dir))
     return root / "out" / "model"
 
 

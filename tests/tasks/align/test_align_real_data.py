@@ -74,7 +74,7 @@ def sft_dir(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
     config = sft.Config(data=[str(shared_data / OASST), str(shared_data / SELF_INSTRUCT), "demo:arithmetic"],
                         max_examples=200, max_steps=120, batch_size=16, lr=3e-3, checkpoint_every=1000,
                         pretrain_mix=0, **COMMON)  # conversations only: no tokenize artifact here
-    stats = sft.run(config, root / "out", engine=SerialEngine(),
+    stats = sft.run(config, root / "out", engine=SerialEngine(), store_mapping=None,
                     pretrain=_manifest("pretrain", root / "pretrain")).stats
     assert stats["steps"] == 120 and stats["truncated_over_max_seq_len"] > 0  # long threads are cut
     assert stats["heldout_loss_after"] < stats["heldout_loss_before"]
@@ -88,7 +88,7 @@ def test_dpo_on_hh_rlhf_and_alpaca_eval(tmp_path, sft_dir, shared_data):
                                              "max_pairs": 24, "heldout_fraction": 0.25, "max_steps": 3,
                                              "batch_size": 4, "lr": 1e-3, "checkpoint_every": 2,
                                              **COMMON, **TRL_ADAMW})
-    s = align.run(config, tmp_path, engine=SerialEngine(), sft=_manifest("sft", sft_dir)).stats
+    s = align.run(config, tmp_path, engine=SerialEngine(), store_mapping=None, sft=_manifest("sft", sft_dir)).stats
     assert s["pairs_train"] + s["pairs_heldout"] + s["dropped_prompt_too_long"] == 48
     assert s["truncated_too_long"] > 0  # long multi-turn hh-rlhf prompts and AlpacaEval answers
     assert s["steps"] == 3 and math.isfinite(s["train_loss"]) and math.isfinite(s["heldout_margin_after"])
@@ -114,11 +114,11 @@ def test_grpo_on_svamp_trains_resumes_and_exports(tmp_path, sft_dir, shared_data
     inputs, out = {"sft": _manifest("sft", sft_dir)}, tmp_path / "align.partial"
     kill_at_metrics_step(3)
     with pytest.raises(KeyboardInterrupt):
-        align.run(config, out, engine=SerialEngine(), **inputs)
+        align.run(config, out, engine=SerialEngine(), store_mapping=None, **inputs)
     assert (out / "checkpoints" / "checkpoint-2" / "model.safetensors").is_file()
     kill_at_metrics_step(None)
 
-    s = align.run(config, out, engine=SerialEngine(), **inputs).stats
+    s = align.run(config, out, engine=SerialEngine(), store_mapping=None, **inputs).stats
     assert s["resumed_from_step"] == 2 and s["steps"] == 4
     prompts, _ = load_math_prompts(str(shared_data / SVAMP), None)
     n_test = sum(arithmetic.split_of(p["prompt"][-1]["content"]) == "test" for p in prompts)
@@ -142,7 +142,7 @@ def test_ppo_with_a_reward_model_on_hh_rlhf(tmp_path, sft_dir, shared_data):
            "policy": {"batch_size": 4, "minibatch_size": 2, "ppo_epochs": 1, "max_new_tokens": 8,
                       "lr": 1e-4, "max_steps": 2, "device": "cpu"}}
     config = align.Config(method="ppo", ppo=ppo)
-    s = align.run(config, tmp_path, engine=SerialEngine(), sft=_manifest("sft", sft_dir)).stats
+    s = align.run(config, tmp_path, engine=SerialEngine(), store_mapping=None, sft=_manifest("sft", sft_dir)).stats
     # multi-turn transcripts longer than max_seq_len cannot be scored at their last token: dropped
     assert s["rm_pairs_train"] + s["rm_pairs_heldout"] + s["dropped_rm_too_long"] == 32
     assert s["dropped_rm_too_long"] > 0 and s["rm_steps"] == 4 and s["ppo_steps"] == 2

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from gristmill.core.chat import prompt_ids
 from gristmill.core.stage import MetricsLog, read_metrics
 from gristmill.model import ppo
-from gristmill.model.checkpoint import complete_checkpoints
+from gristmill.model.checkpoint import checkpoint_place
 
 PROMPT = [{"role": "user", "content": "Say a word."}]
 
@@ -195,7 +195,8 @@ def test_ppo_reaches_the_kl_regularised_optimum(bandit, tmp_path):
     lower_beta = pi_ref * torch.exp(reward / (0.8 * config.kl_coef))
     assert tv(pi_star, lower_beta / lower_beta.sum()) > 0.08  # the bound below tells them apart
 
-    stats = ppo.ppo_train(policy, reference, tokenizer, [PROMPT], reward_fn, config, tmp_path, MetricsLog(tmp_path))
+    stats = ppo.ppo_train(policy, reference, tokenizer, [PROMPT], reward_fn, config, checkpoint_place(tmp_path, None),
+                          MetricsLog(tmp_path))
     pi = _next_token_probs(policy, tokenizer)
     assert tv(pi, pi_star) < 0.04
     assert tv(pi, pi_ref) > 0.4
@@ -239,7 +240,7 @@ def _train(tiny_model_dir, out, reward_fn=_length_reward, offset=0):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     stats = ppo.ppo_train(policy, copy.deepcopy(policy), tokenizer, PROMPTS, reward_fn, ppo.PPOConfig(**RESUME),
-                          out, MetricsLog(out), metrics_step_offset=offset)
+                          checkpoint_place(out, None), MetricsLog(out), metrics_step_offset=offset)
     return policy, stats
 
 
@@ -263,7 +264,7 @@ def test_killed_run_resumes_to_the_same_policy(tiny_model_dir, tmp_path):
     MetricsLog(crashed).log(3, **{"rm/loss": 0.5})
     with pytest.raises(KeyboardInterrupt):
         _train(tiny_model_dir, crashed, dies_in_step_4, offset=3)
-    assert [s for s, _ in complete_checkpoints(crashed)] == [2]
+    assert [s for s, _ in checkpoint_place(crashed, None).complete()] == [2]
     policy, stats = _train(tiny_model_dir, crashed, offset=3)
 
     assert stats["ppo_resumed_from_step"] == 2 and stats["ppo_steps"] == 5
@@ -279,7 +280,7 @@ def test_killed_run_resumes_to_the_same_policy(tiny_model_dir, tmp_path):
     assert rows[0] == {"step": 3, "rm/loss": 0.5}
     assert [r["step"] for r in rows[1:]] == [4, 5, 6, 7, 8]
     assert [{**r, "step": r["step"] - 3} for r in rows[1:]] == whole_rows
-    assert [s for s, _ in complete_checkpoints(crashed)] == [4, 5]  # two kept, the last one final
+    assert [s for s, _ in checkpoint_place(crashed, None).complete()] == [4, 5]  # two kept, the last one final
 
     # a finished run called again changes nothing
     again, again_stats = _train(tiny_model_dir, crashed, offset=3)

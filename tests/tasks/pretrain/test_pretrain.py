@@ -53,7 +53,7 @@ def test_batches_are_a_pure_function_of_seed_and_step():
 
 def test_pretrain_lowers_loss_and_exports_a_loadable_model(tokenize_manifest, tmp_path):
     config = pretrain_config()
-    result = pretrain.run(config, tmp_path, engine=SerialEngine(), tokenize=tokenize_manifest)
+    result = pretrain.run(config, tmp_path, engine=SerialEngine(), store_mapping=None, tokenize=tokenize_manifest)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     losses = [r["loss"] for r in rows]
     assert len(losses) == 30
@@ -109,7 +109,7 @@ def test_loss_falls_well_below_the_unigram_baseline(shared_data, tiny_tokenizer_
     manifest = Manifest(stage="tokenize", key="t", path=tmp_path / "tok", config={}, upstream={}, files={}, stats={})
     config = pretrain_config(seq_len=64, batch_size=16, max_steps=150, lr=1e-2, val_windows=64, eval_every=0,
                      checkpoint_every=1000, log_every=50)
-    stats = pretrain.run(config, tmp_path / "out", engine=SerialEngine(), tokenize=manifest).stats
+    stats = pretrain.run(config, tmp_path / "out", engine=SerialEngine(), store_mapping=None, tokenize=manifest).stats
     assert 4.5 < stats["unigram_val_loss"] < 7  # a 1024-token BPE on English: about 5.5 nats
     assert stats["val_loss"] < stats["unigram_val_loss"] - 0.5, stats
     assert stats["val_bpb"] < stats["unigram_val_bpb"]
@@ -118,7 +118,7 @@ def test_loss_falls_well_below_the_unigram_baseline(shared_data, tiny_tokenizer_
 def test_resume_after_crash_is_exact(tokenize_manifest, tmp_path, monkeypatch, caplog):
     inputs = {"tokenize": tokenize_manifest}
     config = pretrain_config(max_steps=6, checkpoint_every=2, eval_every=3)
-    pretrain.run(config, tmp_path / "straight", engine=SerialEngine(), **inputs)
+    pretrain.run(config, tmp_path / "straight", engine=SerialEngine(), store_mapping=None, **inputs)
 
     real_starts = pretrain.train_starts
 
@@ -129,11 +129,11 @@ def test_resume_after_crash_is_exact(tokenize_manifest, tmp_path, monkeypatch, c
 
     monkeypatch.setattr(pretrain, "train_starts", crashing_starts)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        pretrain.run(config, tmp_path / "resumed", engine=SerialEngine(), **inputs)
+        pretrain.run(config, tmp_path / "resumed", engine=SerialEngine(), store_mapping=None, **inputs)
     monkeypatch.setattr(pretrain, "train_starts", real_starts)
     caplog.set_level(logging.WARNING, logger="accelerate")
     with caplog.at_level(logging.INFO, logger="gristmill.pretrain"):
-        result = pretrain.run(config, tmp_path / "resumed", engine=SerialEngine(), **inputs)
+        result = pretrain.run(config, tmp_path / "resumed", engine=SerialEngine(), store_mapping=None, **inputs)
 
     assert "resuming from step 2" in caplog.text and result.stats["resumed_from_step"] == 2
     assert "Removed shared tensor" not in caplog.text  # accelerate's notice at every checkpoint (model/loop.py)

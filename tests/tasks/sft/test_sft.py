@@ -296,7 +296,7 @@ def test_sft_lowers_heldout_assistant_loss(pretrain_manifest, tokenize_manifest,
                         checkpoint_every=15, device="cpu")
     out = tmp_path / "sft"
     inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
-    result = sft.run(config, out, engine=SerialEngine(), **inputs)
+    result = sft.run(config, out, engine=SerialEngine(), store_mapping=None, **inputs)
     stats = result.stats
     assert stats["examples_heldout"] == 20 and stats["examples_train"] == 180
     assert stats["heldout_loss_after"] < 0.5 * stats["heldout_loss_before"]
@@ -346,7 +346,7 @@ def test_pretraining_text_keeps_the_models_language(pretrain_manifest, tokenize_
     for mix in (0.0, 0.5):
         config = sft.Config(data=["demo:arithmetic"], max_examples=200, max_steps=30, batch_size=8, lr=3e-3,
                             max_seq_len=64, pretrain_mix=mix, eval_every=0, checkpoint_every=100, device="cpu")
-        stats[mix] = sft.run(config, tmp_path / str(mix), engine=SerialEngine(), **inputs).stats
+        stats[mix] = sft.run(config, tmp_path / str(mix), engine=SerialEngine(), store_mapping=None, **inputs).stats
     assert stats[0.0]["val_text_loss_before"] == stats[0.5]["val_text_loss_before"]
     assert stats[0.5]["val_text_loss_after"] < stats[0.5]["val_text_loss_before"]
     assert stats[0.5]["val_text_loss_after"] < stats[0.0]["val_text_loss_after"] - 0.5  # nats
@@ -357,7 +357,7 @@ def test_pretraining_text_keeps_the_models_language(pretrain_manifest, tokenize_
 def test_mixing_text_needs_the_tokenize_artifact(pretrain_manifest, tmp_path):
     with pytest.raises(ValueError, match=r"pretrain_mix=0\.25 .* 'tokenize'"):
         sft.run(sft.Config(max_examples=20, max_steps=1, device="cpu"), tmp_path / "out",
-                engine=SerialEngine(), pretrain=pretrain_manifest)
+                engine=SerialEngine(), store_mapping=None, pretrain=pretrain_manifest)
     with pytest.raises(ValueError, match="pretrain_windows \\(3\\) must be a multiple"):
         sft.Config(pretrain_windows=3, batch_size=4, grad_accum_steps=2)
     sft.Config(pretrain_windows=3, batch_size=4, grad_accum_steps=2, pretrain_mix=0)  # nothing mixed in
@@ -374,7 +374,7 @@ def test_lora_with_packing_exports_merged_model_and_adapter(pretrain_manifest, t
     from peft import PeftModel
 
     out = tmp_path / "sft"
-    stats = sft.run(_lora_config(pretrain_mix=0), out, engine=SerialEngine(),
+    stats = sft.run(_lora_config(pretrain_mix=0), out, engine=SerialEngine(), store_mapping=None,
                     pretrain=pretrain_manifest).stats
     assert stats["heldout_loss_after"] < stats["heldout_loss_before"] - 0.5  # nats; base embeddings stay frozen
     assert stats["packed_rows"] < stats["examples_train"] and 0.8 < stats["packed_fill"] <= 1
@@ -402,7 +402,7 @@ def test_lora_resume_after_crash_is_exact(pretrain_manifest, tokenize_manifest, 
     must come back from the checkpoint as AdamW's moments do (tests/model/test_model.py)."""
     config = _lora_config(max_steps=6, checkpoint_every=2, eval_every=3, max_examples=60, optimizer="muon")
     inputs = {"pretrain": pretrain_manifest, "tokenize": tokenize_manifest}
-    sft.run(config, tmp_path / "straight", engine=SerialEngine(), **inputs)
+    sft.run(config, tmp_path / "straight", engine=SerialEngine(), store_mapping=None, **inputs)
 
     real_indices = sft.epoch_indices
 
@@ -413,10 +413,10 @@ def test_lora_resume_after_crash_is_exact(pretrain_manifest, tokenize_manifest, 
 
     monkeypatch.setattr(sft, "epoch_indices", crashing_indices)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        sft.run(config, tmp_path / "resumed", engine=SerialEngine(), **inputs)
+        sft.run(config, tmp_path / "resumed", engine=SerialEngine(), store_mapping=None, **inputs)
     monkeypatch.setattr(sft, "epoch_indices", real_indices)
     with caplog.at_level(logging.INFO, logger="gristmill.sft"):
-        stats = sft.run(config, tmp_path / "resumed", engine=SerialEngine(), **inputs).stats
+        stats = sft.run(config, tmp_path / "resumed", engine=SerialEngine(), store_mapping=None, **inputs).stats
 
     assert "resuming from step 2" in caplog.text and stats["resumed_from_step"] == 2
     straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
@@ -431,7 +431,7 @@ def test_tokens_per_step_needs_packing(pretrain_manifest, tmp_path):
     config = sft.Config(max_examples=20, max_steps=1, tokens_per_step=1024, batch_size=2, device="cpu",
                         pretrain_mix=0)
     with pytest.raises(ValueError, match="tokens_per_step needs packing"):
-        sft.run(config, tmp_path / "out", engine=SerialEngine(), pretrain=pretrain_manifest)
+        sft.run(config, tmp_path / "out", engine=SerialEngine(), store_mapping=None, pretrain=pretrain_manifest)
 
 
 def test_lora_and_packing_from_pipeline_overrides():

@@ -310,16 +310,16 @@ class GCSBackend(Backend):
     install = "pip install 'gristmill[gcs]' (gcsfs)"
 
     def filesystem(self) -> Any:
-        # gcsfs's zonal-bucket probe asks an API the emulators lack; a regional bucket needs none of it.
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-        import gcsfs
+        # gcsfs's core class: its package default (unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false)
+        # probes each bucket for zonal storage through an API that emulators lack.
+        from gcsfs.core import GCSFileSystem
         from gcsfs.retry import retry_request
 
-        class OneTry(gcsfs.GCSFileSystem):
+        class OneTry(GCSFileSystem):
             # One retry policy: gcsfs retries every request up to 6 times inside, which no option
             # turns off; its request function is wrapped once more with a single try.
             _request = retry_request(retries=1)(  # pyright: ignore[reportCallIssue]  (decorator's factory form)
-                gcsfs.GCSFileSystem._request.__wrapped__)
+                GCSFileSystem._request.__wrapped__)
 
         token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
         return OneTry(token=token)

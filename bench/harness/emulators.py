@@ -52,7 +52,7 @@ def gcs_server(bucket: str) -> Iterator[dict[str, str]]:
             _wait_for_port(port, server, Path(log.name))
             url = f"http://127.0.0.1:{port}"
             requests.post(f"{url}/storage/v1/b", json={"name": bucket}, timeout=10).raise_for_status()
-            yield {"STORAGE_EMULATOR_HOST": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+            yield {"STORAGE_EMULATOR_HOST": url}
         finally:
             server.terminate()
             server.wait(timeout=10)

@@ -61,12 +61,14 @@ def api(base: str, path: str, body: dict | None = None, tries: int = 10) -> dict
             time.sleep(2)
 
 
-def wait(predicate, timeout_s: float, what: str):
+def wait(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
+    """`predicate()`'s first truthy value, asked every `poll_s` (a read of Prefect's API or a log
+    file: cheap, and each waits on flow runs that end at any moment) until `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if (value := predicate()):
             return value
-        time.sleep(2)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 

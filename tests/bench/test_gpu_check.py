@@ -32,7 +32,9 @@ def _lowest(names: tuple[str, ...]) -> list[str]:
 def _bare_venv(root: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
     python = root / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+    # --no-compile: pip byte-compiles all of torch's thousands of modules as it installs them, most of
+    # the install's time; the check imports a fraction of them, compiled as they are first imported
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0"], check=True)
     uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     installer = ([uv, "pip", "install", "-q", "--python", str(python)] if uv
                  else [python, "-m", "pip", "install", "-q"])

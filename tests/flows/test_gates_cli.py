@@ -20,8 +20,8 @@ from gristmill.infra.artifacts import ArtifactStore
 TINY = "configs/tiny.yaml"
 
 
-def _cli(home, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gristmill", *args], cwd=REPO, env=cli_env(home),
+def _cli(home, *args: str, services: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gristmill", *args], cwd=REPO, env=cli_env(home, services),
                           capture_output=True, text=True, timeout=900)
 
 
@@ -92,12 +92,16 @@ def test_a_tripped_gate_stops_the_cli_with_exit_3_until_approved(shared_data, tm
 
 
 @pytest.mark.slow
-def test_data_found_unusable_when_read_stops_the_run_in_one_line_without_a_traceback(crawl_server, tmp_path):
+def test_data_found_unusable_when_read_stops_the_run_in_one_line_without_a_traceback(crawl_server, prefect_server,
+                                                                                   tmp_path):
     """Not JSON at all, or a crawl the server has no listing of: exit 2, one line of gristmill's
-    and no traceback in Prefect's log; the work units collect finished are kept for the next run."""
+    and no traceback in Prefect's log; the work units collect finished are kept for the next run.
+    Both fail in collect, before any gate: the session's standing Prefect server saves each run
+    starting its own."""
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_bytes(bytes(range(256)) * 40)
-    unreadable = _cli(tmp_path / "a", "run", TINY, f"collect.sources=[{garbage}]", "--until", "collect")
+    unreadable = _cli(tmp_path / "a", "run", TINY, f"collect.sources=[{garbage}]", "--until", "collect",
+                      services=prefect_server)
     assert unreadable.returncode == 2, unreadable.stderr[-3000:]
     assert _own_lines(unreadable) == [f"gristmill: no source yielded a document: '{garbage}' (error_bad_json 1, "
                                       "error_invalid_utf8 40)"]
@@ -106,7 +110,7 @@ def test_data_found_unusable_when_read_stops_the_run_in_one_line_without_a_trace
     assert list((partial / "units").iterdir())
 
     unknown = _cli(tmp_path / "b", "run", TINY, "collect.sources=[cc:CC-MAIN-2019-03]",
-                   f"collect.cc_base_url={crawl_server.base_url}", "--until", "collect")
+                   f"collect.cc_base_url={crawl_server.base_url}", "--until", "collect", services=prefect_server)
     assert unknown.returncode == 2, unknown.stderr[-3000:]
     assert _own_lines(unknown) == [f"gristmill: {crawl_server.base_url}/crawl-data/CC-MAIN-2019-03/warc.paths.gz: "
                                    "HTTP 404 Not Found: no warc listing for crawl 'CC-MAIN-2019-03'; is the crawl id "

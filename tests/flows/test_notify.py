@@ -9,6 +9,8 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 
 import pytest
 from pipeline_helpers import REPO, cli_env
@@ -53,8 +55,27 @@ def webhook():
     server.shutdown()
 
 
+def _failed_run_events(api_url: str, resource_id: str, timeout_s: float = 60) -> list[str]:
+    """The resource ids of the `gristmill.run.failed` events about `resource_id` the Prefect server
+    at `api_url` holds, once it holds one: it stores the events it receives a moment later."""
+    body = json.dumps({"filter": {"event": {"name": ["gristmill.run.failed"]},
+                                  "resource": {"id": [resource_id]}}, "limit": 50}).encode()
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        request = urllib.request.Request(f"{api_url}/events/filter", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with opener.open(request, timeout=30) as response:
+            found = [e["resource"]["prefect.resource.id"] for e in json.loads(response.read())["events"]]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
-def test_a_failed_run_posts_to_the_webhook_and_emits_a_prefect_event(tmp_path, webhook):
+def test_a_failed_run_posts_to_the_webhook_and_emits_a_prefect_event(prefect_server, tmp_path, webhook):
+    """Against the session's standing Prefect server (the run starts none of its own), where the
+    event is looked up by its resource."""
     url, received = webhook
     bad = tmp_path / "bad.jsonl"
     bad.write_text('not json\n{"no_text": 1}\n')  # every record quarantined: collect fails
@@ -62,15 +83,15 @@ def test_a_failed_run_posts_to_the_webhook_and_emits_a_prefect_event(tmp_path, w
     proc = subprocess.run(
         [sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", f"collect.sources=[{bad}]",
          "notify.webhook=env:GRISTMILL_TEST_HOOK", "--until", "collect"], cwd=REPO,
-        env={**cli_env(home), "GRISTMILL_TEST_HOOK": url}, capture_output=True, text=True, timeout=600)
+        env={**cli_env(home, prefect_server), "GRISTMILL_TEST_HOOK": url}, capture_output=True, text=True,
+        timeout=600)
     assert proc.returncode == 2  # the user's data: one line (flows/supervised.py), after the webhook
     [message] = received
     assert message["event"] == "gristmill.run.failed" and message["stage"] == "collect"
     assert "no source yielded a document" in message["error"]
     run_id = message["run"]["mlflow_run_id"]
-    with sqlite3.connect(home / "prefect" / "prefect.db") as db:
-        events = db.execute("select resource_id from events where event = 'gristmill.run.failed'")
-        assert [r[0] for r in events] == [f"gristmill.pipeline-run.{run_id}"]
+    resource = f"gristmill.pipeline-run.{run_id}"
+    assert _failed_run_events(prefect_server["PREFECT_API_URL"], resource) == [resource]
     with sqlite3.connect(home / "mlflow.db") as db:
         params = dict(db.execute("select key, value from params where run_uuid = ?", (run_id,)))
     assert "collect.sources" in params and not any(k.startswith("notify") for k in params)

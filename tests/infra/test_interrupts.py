@@ -93,8 +93,11 @@ def _kill9_after_a_new_checkpoint(home: Path, overrides: list[str]) -> int:
     processes = process_tree(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    time.sleep(3)  # the child notices within half a second, then stops what it started
-    left = alive(processes)
+    # the child notices within half a second, then stops what it started: all gone within 3 s,
+    # asked every 0.2 s rather than waited out
+    deadline = time.monotonic() + 3
+    while (left := alive(processes)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not left, [" ".join(p.cmdline()[:4]) for p in left]
     assert not list((home / "artifacts" / "pretrain").glob("*/manifest.json"))
     return max(checkpoint_steps(home))

@@ -53,7 +53,7 @@ def _scratch_in(processes: list[psutil.Process]) -> Path | None:
 
 def _start(home: Path, *args: str, extra: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gristmill", "run", "configs/tiny.yaml", *FAST, *args],
-                            cwd=REPO, env={**cli_env(home), **(extra or {})}, stdout=subprocess.PIPE,
+                            cwd=REPO, env=cli_env(home, extra), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -87,12 +87,14 @@ def _assert_nothing_left(sessions: set[Path], pids: set[int], scratch: Path | No
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_ray_starts_and_a_kill_in_the_commit_window_leave_no_session_folder(tmp_path):
+def test_ctrl_c_while_ray_starts_and_a_kill_in_the_commit_window_leave_no_session_folder(prefect_server, tmp_path):
     """Ctrl-C as soon as the run's first Ray process is up (Ray is still starting); then, in the
     same home, the run that resumes collect dies (SIGKILL: GRISTMILL_FAULT) in its commit window.
-    Whatever state Ray is in, its folder goes, and so does the run's scratch folder."""
+    Whatever state Ray is in, its folder goes, and so does the run's scratch folder. Both runs use
+    the session's standing Prefect server: what is checked is Ray's and the scratch folder's, and
+    an interrupted run's own Prefect server going too is tests/infra/test_interrupts.py's."""
     home = tmp_path / "home"
-    proc = _start(home, "--until", "collect")
+    proc = _start(home, "--until", "collect", extra=prefect_server)
     sessions, pids, scratch = _watch(proc, until=bool)
     assert proc.poll() is None, f"the run ended before Ray started:\n{proc.stdout.read()[-3000:]}"
     processes = process_tree(proc.pid)
@@ -103,7 +105,7 @@ def test_ctrl_c_while_ray_starts_and_a_kill_in_the_commit_window_leave_no_sessio
     assert not alive(processes), [" ".join(p.cmdline()[:3]) for p in alive(processes)]
     _assert_nothing_left(sessions, pids, scratch)
 
-    proc = _start(home, "--until", "collect", extra={"GRISTMILL_FAULT": "commit:collect"})
+    proc = _start(home, "--until", "collect", extra={**prefect_server, "GRISTMILL_FAULT": "commit:collect"})
     sessions, pids, scratch = _watch(proc, until=lambda _: False)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]

@@ -1,14 +1,16 @@
 """GPU stages take turns under the Prefect global concurrency limit `gpu` when a server has one;
-data stages never wait for it. Against a real (temporary) Prefect server."""
+data stages never wait for it. Against a real Prefect server: the session's standing one
+(`prefect_server`), which has the limit only while the test needs it."""
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts a Prefect server
+pytestmark = pytest.mark.slow  # asks for the session's Prefect server
 
 
 def _intervals(uses_gpu: bool) -> list[tuple[float, float]]:
@@ -24,7 +26,8 @@ def _intervals(uses_gpu: bool) -> list[tuple[float, float]]:
             time.sleep(2.0)
             held.append((start, time.monotonic()))
 
-    threads = [threading.Thread(target=compute) for _ in range(2)]
+    # each thread in a copy of this one's context: Prefect's settings (the server's URL) live there
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(compute,)) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -37,18 +40,22 @@ def _overlap(held: list[tuple[float, float]]) -> bool:
     return second_start < first_end
 
 
-def test_gpu_stages_take_turns_under_the_gpu_limit_and_data_stages_do_not_wait():
+def test_gpu_stages_take_turns_under_the_gpu_limit_and_data_stages_do_not_wait(prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from gristmill.flows.pipeline import GPU_LIMIT
 
-    with prefect_test_harness(server_startup_timeout=180):
+    with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
         assert _overlap(_intervals(uses_gpu=True))  # no limit on the server: nothing waits
         with get_client(sync_client=True) as client:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=1))
-        gpu = _intervals(uses_gpu=True)
-        data = _intervals(uses_gpu=False)
+        try:
+            gpu = _intervals(uses_gpu=True)
+            data = _intervals(uses_gpu=False)
+        finally:  # the session's later runs on this server must not take turns
+            with get_client(sync_client=True) as client:
+                client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
     assert len(gpu) == 2 and not _overlap(gpu), gpu  # one after the other
     assert len(data) == 2 and _overlap(data), data

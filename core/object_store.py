@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import socket
@@ -315,6 +316,8 @@ class GCSBackend(Backend):
         from gcsfs.core import GCSFileSystem
         from gcsfs.retry import retry_request
 
+        logging.getLogger("gcsfs").addFilter(_without_gcsfs_retry_records)
+
         class OneTry(GCSFileSystem):
             # One retry policy: gcsfs retries every request up to 6 times inside, which no option
             # turns off; its request function is wrapped once more with a single try.
@@ -371,6 +374,12 @@ class GCSBackend(Backend):
         except (FileExistsError, FileNotFoundError):
             return False
         return True
+
+
+def _without_gcsfs_retry_records(record: logging.LogRecord) -> bool:
+    """Drop gcsfs's own retry loop's records (a traceback for each failed request, since its loop
+    makes one try): the policy retries, and what it cannot fix is one line of its own."""
+    return not record.getMessage().startswith("_request ") or "exception" not in record.getMessage()
 
 
 BACKENDS: tuple[type[Backend], ...] = (S3Backend, GCSBackend)

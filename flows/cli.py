@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gristmill.core.object_store import ObjectStoreError
 from gristmill.infra import env
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         store = open_store(config, env.home_path())  # planning reads the store: a missing one stays missing
         planned = plan(config, store, args.until)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
+    except (ConfigError, ValueError, FileNotFoundError, ObjectStoreError) as error:  # a bucket: one line
         return _fail(error)
     if problem := plan_problem(planned, store, env.home_path()):  # as the run would, before any output
         return _fail(problem)

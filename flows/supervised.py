@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gristmill.core.object_store import ObjectStoreError
 from gristmill.core.stage import InputError
 from gristmill.infra import env
 from gristmill.infra.services import EmbeddedServices
@@ -87,7 +88,7 @@ def run(config: str, overrides: list[str], until: str | None = None, approve_gat
         # Planning digests every input (core.sources): a missing or empty source, an object store
         # without credentials, a host that does not answer are found here, before any service starts.
         planned = plan(pipeline_config, store, until)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
+    except (ConfigError, ValueError, FileNotFoundError, ObjectStoreError) as error:  # a bucket: one line
         return _fail(error)
     if problem := plan_problem(planned, store, home):
         return _fail(problem)
@@ -116,7 +117,8 @@ def _run(pipeline_config: PipelineConfig, services: EmbeddedServices, until: str
         return _gates(error)
     except InputError as error:  # finished stages and a stage's finished work units are kept
         return _fail(error)
-    except (TrackingUnavailable, DiskSpaceError, LaunchFailed) as error:  # after the log's traceback, one line
+    # after the log's traceback, one line
+    except (TrackingUnavailable, DiskSpaceError, LaunchFailed, ObjectStoreError) as error:
         cause = getattr(error, "cause", None) or error  # Ray wraps a worker's error; `cause` is it
         print(f"gristmill: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
         return 1
@@ -162,7 +164,7 @@ def refresh(config: str, overrides: list[str], approve_gates: bool = False) -> i
         return 130
     except (GatesStopped, GatesRejected) as error:
         return _gates(error)
-    except (ValueError, FileNotFoundError) as error:  # a missing or empty source, named
+    except (ValueError, FileNotFoundError, ObjectStoreError) as error:  # a missing or empty source, a bucket, named
         return _fail(error)
     print(outcome["reason"] if not outcome["published"] else
           f"corpus v{outcome['version']}: {outcome['collect_dir']}\n{outcome['reason']}")

@@ -269,3 +269,34 @@ def test_a_config_the_plan_refuses_prints_no_plan_before_its_line(tmp_path, monk
     monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
     err = _planned_in_one_line(capsys, "pretrain.fsdp=true")
     assert err.startswith("gristmill: pretrain.fsdp: true shards over a launch's processes, and backend inline")
+
+
+@pytest.mark.parametrize("store,variable", [("s3://bucket/prefix", "AWS_ENDPOINT_URL"),
+                                            ("gs://bucket/prefix", "STORAGE_EMULATOR_HOST"),
+                                            ("ftp://host/prefix", None)])
+def test_a_store_that_cannot_be_reached_or_named_is_one_line_at_plan_time(store, variable, tmp_path, monkeypatch,
+                                                                          capsys):
+    import socket
+
+    from gristmill.core import object_store
+    from gristmill.flows.cli import main
+
+    with socket.socket() as closed:  # a port nothing listens on: connection refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setattr(object_store.time, "sleep", lambda _: None)
+    monkeypatch.setenv("GRISTMILL_HOME", str(tmp_path))
+    monkeypatch.setenv("GRISTMILL_STORE", store)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    if variable:
+        monkeypatch.setenv(variable, f"http://127.0.0.1:{port}")
+    object_store.forget()
+    try:
+        assert main(["run", str(TINY), "--dry-run"]) == 2
+    finally:
+        object_store.forget()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"gristmill: {store}"), err
+    expected = f"{variable}=http://127.0.0.1:{port}" if variable else "not an object store gristmill knows"
+    assert expected in err

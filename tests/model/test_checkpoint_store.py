@@ -1,5 +1,5 @@
-"""Training checkpoints on an object store (model/checkpoint_bucket.py's BucketPlace, on the `s3_server`
-fixture's bucket) and this node's bounded object cache (core/cache.py).
+"""Training checkpoints on an object store (model/checkpoint_bucket.py's BucketPlace, on each backend:
+the `s3_server` and `gcs_server` fixtures' buckets) and this node's bounded object cache (core/cache.py).
 
 A work directory under the folder a `StoreMapping` maps keeps its checkpoints on the bucket: files
 first, the marker last, so a run stopped between them leaves nothing that counts; another node
@@ -36,13 +36,20 @@ STAGE_DIR = Path("pretrain") / "pretrain-0123456789ab.partial"  # where a stage 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture
-def bucket(s3_server, monkeypatch, tmp_path) -> str:
-    """A fresh prefix of the test bucket; the backends made anew so that they read this test's variables."""
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request, monkeypatch, tmp_path) -> str:
+    """A fresh prefix of the test bucket of each backend; the backends made anew so that they read
+    this test's variables."""
+    request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
     object_store.forget()
     monkeypatch.setattr(object_store, "POLICY", RetryPolicy(attempts=2, first_pause_s=0.01))
     monkeypatch.setenv("GRISTMILL_CACHE", str(tmp_path / "cache-a"))
-    return f"s3://crawl/store-{uuid.uuid4().hex[:8]}"
+    return f"{request.param}://crawl/store-{uuid.uuid4().hex[:8]}"
+
+
+def _endpoint_variable(bucket: str) -> str:
+    """The variable that names the bucket's endpoint."""
+    return "AWS_ENDPOINT_URL" if bucket.startswith("s3://") else "STORAGE_EMULATOR_HOST"
 
 
 def _node(monkeypatch, root: Path, url: str, cache_dir: Path) -> tuple[Path, StoreMapping]:
@@ -78,10 +85,7 @@ def _losses(work_dir: Path) -> dict[int, float]:
 
 
 def _keys(url: str) -> list[str]:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    return sorted(p.removeprefix(path + "/") for p in fs.find(path))
+    return object_store.find(url)
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +186,8 @@ def test_a_truncated_object_falls_back_to_the_checkpoint_before_it(tok, straight
     work, node = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
     with pytest.raises(RuntimeError, match="simulated crash"):
         _fit(tok, work, node, crash_at=4)  # checkpoints 2 and 4
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004/model.safetensors")
-    fs.pipe_file(path, fs.cat_file(path)[:100])
+    weights = f"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004/model.safetensors"
+    object_store.put_bytes(weights, (object_store.read_bytes(weights) or b"")[:100])
     other, node_b = _node(monkeypatch, tmp_path / "b", bucket, tmp_path / "cache-b")  # nothing cached there
     with caplog.at_level(logging.WARNING, logger="gristmill.checkpoint"):
         resumed = _fit(tok, other, node_b)
@@ -210,21 +212,21 @@ def test_wiping_the_cache_between_runs_changes_nothing_but_time(tok, straight, b
 
 
 def test_an_unreachable_or_missing_bucket_fails_in_one_line(tok, bucket, tmp_path, monkeypatch):
-    gone, node = _node(monkeypatch, tmp_path / "gone", "s3://no-such-bucket/store", tmp_path / "cache")
-    with pytest.raises(ObjectStoreError, match=r"^s3://no-such-bucket/store/pretrain/.*/checkpoints: listing "
+    scheme, variable = bucket.split("://")[0], _endpoint_variable(bucket)
+    gone, node = _node(monkeypatch, tmp_path / "gone", f"{scheme}://no-such-bucket/store", tmp_path / "cache")
+    with pytest.raises(ObjectStoreError, match=rf"^{scheme}://no-such-bucket/store/pretrain/.*/checkpoints: listing "
                                           r"checkpoints failed: not found") as found:
         _fit(tok, gone, node)
     assert "\n" not in str(found.value)
 
     from gristmill.infra.launch import free_port
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv(variable, f"http://127.0.0.1:{free_port()}")  # nothing listens
     object_store.forget()
     work, node = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache")
     try:
         with pytest.raises(ObjectStoreError,
-                           match=r"host did not answer in 2 tries.*AWS_ENDPOINT_URL=http://127") as found:
+                           match=rf"host did not answer in 2 tries.*{variable}=http://127") as found:
             _fit(tok, work, node)
     finally:
         object_store.forget()
@@ -241,14 +243,14 @@ def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_r
     from gristmill.infra.launch import free_port
 
     _, curve, _ = straight
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    variable = _endpoint_variable(bucket)
     work, node = _node(monkeypatch, tmp_path / "a", bucket, tmp_path / "cache-a")
-    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    endpoint = os.environ[variable]
     real = presets.build_model
 
     def lose_the_bucket_after_step_2(step: int) -> dict:
         if step == 3:  # step 4's batch: checkpoint 2 is on the bucket
-            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"  # nothing listens
+            os.environ[variable] = f"http://127.0.0.1:{free_port()}"  # nothing listens
             object_store.forget()
         return _batch(step)
 
@@ -258,7 +260,7 @@ def test_a_bucket_lost_mid_stage_fails_the_checkpoint_in_one_line_and_the_next_r
         with pytest.raises(ObjectStoreError) as lost:
             train(real(TINY, tok), lose_the_bucket_after_step_2, cfg, checkpoint_place(work, node), MetricsLog(work))
     finally:
-        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        os.environ[variable] = endpoint
         object_store.forget()
     assert re.match(rf"{bucket}/{STAGE_DIR.as_posix()}/checkpoints/step-0000004\S*: [a-z ]+ failed: its host did "
                     r"not answer in 2 tries", str(lost.value)) and "\n" not in str(lost.value)
@@ -281,10 +283,7 @@ def test_refused_credentials_are_one_line_and_not_retried():
 
 
 def _put(url: str, data: bytes) -> tuple[int, str]:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.pipe_file(path, data)
+    object_store.put_bytes(url, data)
     return len(data), hashlib.sha256(data).hexdigest()
 
 
@@ -301,7 +300,7 @@ def test_the_cache_evicts_the_least_recently_used_within_its_bound(bucket, tmp_p
     c = store.fetch(f"{bucket}/c", *objects["c"])
     assert sorted(p.name for p in store.entries()) == sorted([a.name, c.name]) and store.size() <= 250
     # what differs from its record is never kept
-    with pytest.raises(ObjectDamaged, match=r"s3://.*/b: has 100 bytes, its record lists 101"):
+    with pytest.raises(ObjectDamaged, match=r"://.*/b: has 100 bytes, its record lists 101"):
         store.fetch(f"{bucket}/b", 101, objects["b"][1])
     with pytest.raises(ObjectDamaged, match="sha256"):
         store.fetch(f"{bucket}/b", 100, objects["a"][1][:-1] + "0")

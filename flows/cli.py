@@ -84,7 +84,12 @@ def _dry_run(args: argparse.Namespace) -> int:
         planned = plan(config, store, args.until)
     except (ConfigError, ValueError, FileNotFoundError, ObjectStoreError) as error:  # a bucket: one line
         return _fail(error)
-    if problem := plan_problem(planned, store, env.home_path()):  # as the run would, before any output
+    problem = plan_problem(planned, store, env.home_path())  # as the run would, before any output
+    # a stage on several nodes without Ray cannot run from here: its per-node commands below are
+    # the answer, so the plan is printed before the problem; any other problem is the output
+    by_hand = [s for s in planned if not s.complete and s.launch is not None
+               and s.launch.backend == "accelerate" and s.launch.nodes > 1]
+    if problem and not by_hand:
         return _fail(problem)
     if not args.explain:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -107,7 +112,7 @@ def _dry_run(args: argparse.Namespace) -> int:
             print(f"\n# {stage.spec.name}-{stage.key} without Ray, on {launch.nodes} node(s) that share "
                   f"GRISTMILL_HOME: on each, NODE_RANK 0..{launch.nodes - 1}, HEAD_IP the address of node 0\n"
                   f"{per_node_command(stage, str(args.config), args.overrides, launch.nodes)}")
-    return 0
+    return _fail(problem) if problem else 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -213,6 +213,9 @@ class Backend:
     schemes: ClassVar[tuple[str, ...]]
     package: ClassVar[str]  # the import that makes the backend available
     install: ClassVar[str]  # what to install for it
+    # the environment its client reads (credentials, endpoint), by prefix: what a process on another
+    # node needs of the driver's (infra/ray_engine.py)
+    variables: ClassVar[tuple[str, ...]]
 
     def __init__(self) -> None:
         self.fs: Any = self.filesystem()
@@ -248,6 +251,7 @@ class S3Backend(Backend):
     schemes = ("s3", "s3a")
     package = "s3fs"
     install = "pip install s3fs"
+    variables = ("AWS_",)
 
     def filesystem(self) -> Any:
         import s3fs
@@ -309,6 +313,7 @@ class GCSBackend(Backend):
     schemes = ("gs", "gcs")
     package = "gcsfs"
     install = "pip install 'gristmill[gcs]' (gcsfs)"
+    variables = ("GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST")
 
     def filesystem(self) -> Any:
         # gcsfs's core class: its package default (unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false)
@@ -383,6 +388,7 @@ def _without_gcsfs_retry_records(record: logging.LogRecord) -> bool:
 
 
 BACKENDS: tuple[type[Backend], ...] = (S3Backend, GCSBackend)
+CLIENT_VARIABLES = tuple(prefix for backend in BACKENDS for prefix in backend.variables)
 _made: dict[type[Backend], Backend] = {}
 _made_lock = threading.Lock()
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import gristmill.flows.entry  # noqa: F401  first: configures the process before anything else is imported
-from gristmill.core import progress
+from gristmill.core import object_store, progress
 from gristmill.core.stage import Manifest, SerialEngine
 from gristmill.flows.config import PipelineConfigBase, load_config
 from gristmill.flows.dag import PlannedStage, manifest_fields, open_store, plan, run_planned
@@ -53,11 +53,15 @@ def _planned(config: PipelineConfigBase, stage: str,
     return target, upstream
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
+def store_retries_of_every_rank() -> int:
+    """The object-store retries of every rank so far, summed (core/object_store.py counts a
+    process's own). Every rank asks it once it has finished writing: it is a barrier too."""
+    import torch
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    from gristmill.model.ranks import Ranks
+
+    [total] = Ranks.of_process_group().total(torch.tensor(float(object_store.retries())))
+    return round(total.item())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,14 +101,18 @@ def _main(argv: Sequence[str] | None) -> int:
     partial.mkdir(parents=True, exist_ok=True)
     # the mapping of the store this rank opened: a Ray Train worker's node holds its local copy elsewhere
     result = run_planned(stage, upstream, partial, engine=SerialEngine(), store_mapping=store.store_mapping)
-    _barrier()  # every rank has finished writing before rank 0 reports or commits
+    # every rank has finished writing before rank 0 reports or commits; what the ranks' object-store
+    # calls cost goes in the stage's stats (a pipeline adds its own process's)
+    others = store_retries_of_every_rank() - object_store.retries()
     if rank != 0:
         return 0
     if args.result is not None:
         uploaded = upload_outputs(store, partial) if args.upload else []
+        result.stats["store_retries"] = others + object_store.retries()
         args.result.write_text(json.dumps({"stats": result.stats, "artifacts": result.artifacts,
                                            "uploaded": uploaded}))
         return 0
+    result.stats["store_retries"] = others + object_store.retries()
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fields = manifest_fields(stage, upstream, result, {"launch": {
         "backend": "accelerate", "processes": per_node, "nodes": world // per_node, "world_size": world}})

@@ -157,6 +157,8 @@ def _compute(stage: PlannedStage, upstream: Mapping[str, Manifest], runtime: Run
                 # where a Ray engine's work units ran: {map: {node id: units}}, a multi-node run's record
                 if units_per_node := getattr(engine, "units_per_node", None):
                     result.stats["units_per_node"] = units_per_node
+                if retried := getattr(engine, "store_retries", 0):  # its workers'; the store adds this process's
+                    result.stats["store_retries"] = retried
         artifacts.extend(result.artifacts)
         # the whole tree's peak, this process's (a data stage's driver) and the largest other one's
         # (a Ray worker or launched rank, or Ray's own services)

@@ -333,8 +333,12 @@ class ArtifactStore(StoreRecords):
             started, retried = time.time(), object_store.retries()
             fields = compute(partial)
             fields.setdefault("meta", {})["seconds"] = round(time.time() - started, 3)
-            if self.remote is not None:  # what the bucket cost this process while it computed
-                fields.setdefault("stats", {})["store_retries"] = object_store.retries() - retried
+            # what object stores cost the stage: this process's retries while it computed, and those
+            # of its Ray workers or launched ranks, which `compute` reports
+            stats = fields.setdefault("stats", {})
+            total = stats.pop("store_retries", 0) + object_store.retries() - retried
+            if self.remote is not None or total:
+                stats["store_retries"] = total
             return self.commit(stage, key, partial, fields), False
 
     def _remote_lease(self, stage: str, key: str) -> contextlib.AbstractContextManager[None]:

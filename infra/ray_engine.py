@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from gristmill.core import object_store
 from gristmill.core.stage import SerialEngine, map_name, map_progress
 from gristmill.infra import env
 from gristmill.infra.supervisor import remove_tree, scratch_dir
@@ -44,9 +45,9 @@ R = TypeVar("R")
 log = logging.getLogger("gristmill.ray")
 MAX_RESTARTS = 3  # of a worker that died, each time retrying the call it was running
 # What a worker on another node needs of the driver's environment: the store, the shared data, the
-# offline switches, the bucket's endpoint and credentials (a joined cluster's nodes were started
-# without them; a local Ray's workers inherit them anyway).
-PASSED_VARS = ("GRISTMILL_", "HF_", "TOKENIZERS_", "OMP_NUM_THREADS", "PYTHONPATH", "AWS_")
+# offline switches, every object store's endpoint and credentials (a joined cluster's nodes were
+# started without them; a local Ray's workers inherit them anyway).
+PASSED_VARS = ("GRISTMILL_", "HF_", "TOKENIZERS_", "OMP_NUM_THREADS", "PYTHONPATH", *object_store.CLIENT_VARIABLES)
 
 
 def driver_env() -> dict[str, str]:
@@ -70,9 +71,11 @@ class _Worker:
     def call(self, fn: Callable[[T], R], item: T) -> R:
         return fn(item)
 
-    def call_at(self, fn: Callable[[T], R], index: int, item: T) -> tuple[int, str, R]:
-        """(index, the node that ran it, result)."""
-        return index, self.node_id, fn(item)
+    def call_at(self, fn: Callable[[T], R], index: int, item: T) -> tuple[int, str, int, R]:
+        """(index, the node that ran it, the object-store retries it took, result)."""
+        retried = object_store.retries()
+        result = fn(item)
+        return index, self.node_id, object_store.retries() - retried, result
 
 
 class RayEngine:
@@ -91,6 +94,7 @@ class RayEngine:
         self._actors: list = []
         # map name (the mapped function's) -> Ray node id -> units that node ran, over this engine's maps
         self.units_per_node: dict[str, Counter[str]] = {}
+        self.store_retries = 0  # the workers' object-store retries over this engine's maps (core/object_store.py)
 
     def start(self) -> None:
         """Join the cluster named by RAY_ADDRESS, take over the local Ray the previous stage left
@@ -125,10 +129,11 @@ class RayEngine:
         nodes: Counter[str] = Counter()
         # Units are counted as they finish, in whatever order; results are put back in input order.
         with map_progress(fn, len(items)) as progress:
-            for index, node, result in pool.map_unordered(lambda actor, job: actor.call_at.remote(fn, *job),
+            for index, node, retried, result in pool.map_unordered(lambda actor, job: actor.call_at.remote(fn, *job),
                                                           list(enumerate(items))):
                 results[index] = result
                 nodes[node] += 1
+                self.store_retries += retried
                 progress.advance(1)
         self.units_per_node.setdefault(map_name(fn), Counter()).update(nodes)
         log.info("%s: %d units, per Ray node: %s", map_name(fn), len(items),

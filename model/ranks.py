@@ -27,6 +27,15 @@ class Ranks:
         state = PartialState()
         return cls(state.process_index, state.num_processes, str(device))
 
+    @classmethod
+    def of_process_group(cls) -> Ranks:
+        """This process's place in the process group it joined, whoever launched it; one process
+        when it joined none."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return ONE_PROCESS
+        return cls(dist.get_rank(), dist.get_world_size(), "cuda" if dist.get_backend() == "nccl" else "cpu")
+
     @property
     def main(self) -> bool:
         return self.rank == 0

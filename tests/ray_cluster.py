@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from gristmill.core import object_store
 from gristmill.infra import env
 
 SECOND_NODE = ("import ray._private.ray_constants as constants, ray._private.services as services; "
@@ -125,15 +126,21 @@ class TwoRayNodes(dict):
     def __init__(self, root: Path, private: list[Path], worker_ports: int = 21000):
         gcs, self.client = _free_ports(2)
         self.address = f"127.0.0.1:{gcs}"
-        super().__init__({"RAY_ADDRESS": self.address, env.RAY_SINGLE_MACHINE: "0"})
+        # the nodes' authentication too: a local Ray started in the test process leaves
+        # RAY_AUTH_MODE=token in its environment, which a driver would then try on these nodes
+        super().__init__({"RAY_ADDRESS": self.address, env.RAY_SINGLE_MACHINE: "0", "RAY_AUTH_MODE": "disabled"})
         self.root, self.private = root, private
         self.head_workers, self.second_workers = range(worker_ports, worker_ports + 100), \
             range(worker_ports + 100, worker_ports + 200)
         # The head's GCS marks a node dead after 3 missed health checks a second apart (Ray's
         # defaults, 5 missed 3 s apart, left a lost node counted alive for about 17 s, and Ray
         # Train's restart waited as long); a node must be unresponsive for 3 s or more.
-        self.environ = {**os.environ, **self, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-                        "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+        # The nodes start without the object stores' variables, whichever emulator fixtures this
+        # session started first: a worker gets its endpoint and credentials from the driver, as on
+        # a cluster started before the job (infra/ray_engine.py PASSED_VARS).
+        kept = {k: v for k, v in os.environ.items() if not k.startswith(object_store.CLIENT_VARIABLES)}
+        self.environ = {**kept, **self, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+                        "RAY_USAGE_STATS_ENABLED": "0",
                         "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
         self.head: subprocess.Popen | None = None
         self.second: subprocess.Popen | None = None

@@ -1,5 +1,6 @@
 """The Ray engine: results in input order whatever the worker count, a worker killed mid-call is
-restarted and the call retried, the node of each unit counted, and a local Ray keeps its session
+restarted and the call retried, the node of each unit and the workers' object-store retries
+counted, and a local Ray keeps its session
 folder in a temp root of its own, which it leaves behind neither after its shutdown nor after a
 start that was interrupted."""
 from __future__ import annotations
@@ -13,19 +14,30 @@ from types import SimpleNamespace
 
 import pytest
 
-from gristmill.core import progress
+from gristmill.core import object_store, progress
 from gristmill.infra.ray_engine import RayEngine
 from gristmill.infra.supervisor import SCRATCH_ENV
 
 
 def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_removed(tmp_path, monkeypatch, caplog):
-    """... and the map reports its units as they finish (core/progress.py), each once."""
+    """... and the map reports its units as they finish (core/progress.py), each once, and the
+    object-store retries its workers took."""
     def square_killing_once(n: int) -> int:  # nested, so Ray ships it by value to the workers
-        """The first call for 3 kills its own worker process, as an OOM killer would."""
+        """The first call for 3 kills its own worker process, as an OOM killer would; the call for 5
+        reads a bucket whose first answer is a reset connection."""
         marker = tmp_path / f"killed-{n}"
         if n == 3 and not marker.exists():
             marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+        if n == 5:
+            answers = iter([ConnectionResetError("reset by peer"), n])
+
+            def read() -> int:
+                answer = next(answers)
+                if isinstance(answer, Exception):
+                    raise answer
+                return answer
+            assert object_store.POLICY.call("s3://crawl/unit-5", "reading", read) == n
         return n * n
 
     seen = []
@@ -42,6 +54,7 @@ def test_a_killed_worker_is_restarted_its_call_retried_and_the_session_dir_remov
         assert (tmp_path / "killed-3").exists()  # the fault did happen
         placed = engine.units_per_node["square_killing_once"]
         assert len(placed) == 1 and sum(placed.values()) == 8, placed  # a retried unit counts once
+        assert engine.store_retries == 1  # the worker's, which this process's count does not hold
         root = engine._temp_root
         assert root is not None and len(list(root.glob("session_2*"))) == 1
     finally:

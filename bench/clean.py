@@ -56,18 +56,17 @@ from typing import Any
 import gristmill.tasks.collect.stage as collect
 from bench import smoke
 from bench.harness.pages import Page, shared_pages
+from bench.harness.runs import SHARED_DATA
 from gristmill.tasks.collect.clean.cleaning import CleanOutcome, clean_documents
 from gristmill.tasks.collect.clean.langid import bundled_ft176
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
 BLOCKED_DOMAINS = ("archive.org",)  # a few shared pages, so the URL rule has work to do
 BLOCKED_SUBSTRINGS = ("/robots.txt",)
 
 
 def load_docs(n_docs: int) -> tuple[list[Page], int]:
     """The shared pages repeated in order to n_docs; also how many are distinct."""
-    unique = shared_pages(SHARED)
+    unique = shared_pages(SHARED_DATA)
     return [unique[i % len(unique)] for i in range(n_docs)], len(unique)
 
 

@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from bench import smoke
+from bench.harness.runs import SHARED_DATA
 
-REPO = Path(__file__).resolve().parents[1]
 COPIED_FRACTION = 0.15  # originals among the source documents
 MEAN_COPIES = 1.7  # copies per original: 1, 2, 3 with weights 5, 3, 2 (tasks/collect/dedup/neardup_set.py)
 WARMUP_DOCS = 100
@@ -167,7 +167,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0],
                         help="seeds of the labelled sets, comma-separated")
-    parser.add_argument("--shared-data", type=Path, default=REPO.parent / "shared" / "data")
+    parser.add_argument("--shared-data", type=Path, default=SHARED_DATA)
     for name in ("bands", "rows", "band_layouts", "threshold"):
         parser.add_argument(f"--{name.replace('_', '-')}",
                             type=float if name == "threshold" else int,

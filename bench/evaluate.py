@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from bench import smoke
+from bench.harness.runs import SHARED_DATA
 
 REPO = Path(__file__).resolve().parents[1]
 LOGLIK = {"hellaswag/hellaswag_val_part1.jsonl": "gristmill_hellaswag",
@@ -68,7 +69,7 @@ def _interleaved_medians(runs: dict[str, Callable[[], None]], repeats: int) -> d
 def model_and_data_arguments(parser: argparse.ArgumentParser, items: int, items_help: str) -> None:
     """The arguments this benchmark shares with `bench fidelity`: the model, the data and how many items."""
     parser.add_argument("--model", type=Path, help="HF causal-LM dir (default: a random tiny Llama)")
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
+    parser.add_argument("--data", type=Path, default=SHARED_DATA)
     parser.add_argument("--items", type=int, default=items, help=items_help)
 
 

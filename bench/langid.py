@@ -17,15 +17,14 @@ import time
 from pathlib import Path
 
 from bench import smoke
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness.runs import SHARED_DATA
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench langid",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path,
-                        default=REPO.parent / "shared" / "data" / "multilingual" / "lingua_sentences")
+                        default=SHARED_DATA / "multilingual" / "lingua_sentences")
     args = smoke.parse(parser, argv, note="the whole labelled set still: about a second")
     from gristmill.tasks.collect.clean.langid import accuracy_by_language, load_model, overall_accuracy
 

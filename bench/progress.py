@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import smoke
+from bench.harness.runs import SHARED_DATA
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,7 +140,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, help="SFT steps per run (default: the tiny preset's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    shared = Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
+    shared = SHARED_DATA
     parser.add_argument("--corpus", type=Path, default=shared / "corpus")
     args = smoke.parse(parser, argv, steps=2, repeats=1)
 

@@ -15,9 +15,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness.runs import REPO
+from bench.harness.runs import SHARED_DATA
 
-SHARED = REPO.parent / "shared" / "data"
 DOCS_PER_FILE = 500
 ORIGINAL_FRACTION = 0.08  # documents that are originals of a planted family
 JUNK_FRACTION = 0.06
@@ -173,7 +172,7 @@ def _warc_record(writer, url: str, payload: bytes, content_type: str, n: int):
                                      http_headers=http, warc_headers_dict=headers)
 
 
-def write_corpus(n_docs: int, seed: int, root: Path, shared: Path = SHARED,
+def write_corpus(n_docs: int, seed: int, root: Path, shared: Path = SHARED_DATA,
                  docs_per_file: int = DOCS_PER_FILE) -> Corpus:
     from warcio.warcwriter import WARCWriter
 

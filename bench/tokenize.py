@@ -35,8 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import smoke
+from bench.harness.runs import SHARED_DATA
 
-REPO = Path(__file__).resolve().parents[1]
 DOC_CHARS = 4000  # documents of about a web page's length
 SHARDS = 4
 BATCH_DOCS = 256  # documents per encode_batch call, every method (about 1 MB)
@@ -137,7 +137,7 @@ def median_seconds(methods: dict[str, Callable[[Path], None]], scratch: Path,
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench tokenize", description=__doc__.split("\n")[0])
-    parser.add_argument("--corpus", type=Path, default=REPO.parent / "shared" / "data" / "corpus")
+    parser.add_argument("--corpus", type=Path, default=SHARED_DATA / "corpus")
     parser.add_argument("--mb", type=float, default=20.0, help="MB of document text to tokenize")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="tokenizer threads (all methods)")
     parser.add_argument("--vocab-size", type=int, default=4096)

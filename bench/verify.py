@@ -24,13 +24,14 @@ import time
 from pathlib import Path
 
 from bench import smoke
-from bench.tokenize import REPO, build_docs
+from bench.harness.runs import SHARED_DATA
+from bench.tokenize import build_docs
 
 
 def _store(root: Path, mb: int, files: int) -> tuple[list[Path], int]:
     from gristmill.infra.artifacts import ArtifactStore
 
-    text = "".join(build_docs(REPO.parent / "shared" / "data" / "corpus", 4_000_000)).encode()
+    text = "".join(build_docs(SHARED_DATA / "corpus", 4_000_000)).encode()
     each = mb * 1_000_000 // files
     block = (text * (each // len(text) + 1))[:each]
 

@@ -14,6 +14,8 @@ from corpus_helpers import crawl_server  # noqa: F401  the local Common Crawl se
 from pipeline_helpers import FAST, STAGES, TinyRun, committed_dir, gristmill, plan_of
 from train_helpers import tokenize_dir  # noqa: F401  the tokenize output the training tests share
 
+from bench.harness.runs import SHARED_DATA
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The migrated database templates new homes copy (infra/schemas.py): one set for the session,
@@ -21,10 +23,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GRISTMILL_CACHE", tempfile.mkdtemp(prefix="gristmill-test-cache-"))
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _shared_data_dir() -> Path:
-    return Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +59,7 @@ def kill_at_metrics_step(monkeypatch):
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Real data written by others (see its SOURCES.md). In CI its absence is a failure."""
-    path = _shared_data_dir()
+    path = SHARED_DATA
     if not path.is_dir():
         if os.environ.get("CI"):
             pytest.fail(f"shared data not found at {path}; set GRISTMILL_SHARED_DATA")

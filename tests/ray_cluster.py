@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.harness.runs import SHARED_DATA
 from gristmill.core import object_store
 from gristmill.infra import env
 
@@ -85,7 +86,7 @@ def private_dirs(*also: Path) -> list[Path]:
 _REPO = Path(__file__).resolve().parents[1]
 _KEPT = tuple(path.resolve() for path in (
     _REPO, Path(sys.prefix), Path(sys.base_prefix),
-    Path(os.environ.get("GRISTMILL_SHARED_DATA", _REPO.parent / "shared" / "data"))))
+    SHARED_DATA))
 
 
 def _hideable(path: Path, kept: tuple[Path, ...]) -> list[Path]:

@@ -10,6 +10,8 @@ from pathlib import Path
 from gristmill.flows.stages import STAGE_NAMES
 
 REPO = Path(__file__).resolve().parents[2]
+# The real data benchmarks and tests read (SOURCES.md there says where each file comes from).
+SHARED_DATA = Path(os.environ.get("GRISTMILL_SHARED_DATA", REPO.parent / "shared" / "data"))
 STAGES = list(STAGE_NAMES)
 # The tiny preset, shortened so a training stage takes seconds, not minutes.
 SHORT = ["pretrain.max_steps=60", "sft.max_steps=30", "align.grpo.max_steps=10",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from collect_helpers import TINY_CLEANING, KilledAfter
-from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, plan_of
+from pipeline_helpers import REPO, cli_env, committed_dir, gristmill, manifest_files, plan_of
 
 import gristmill.tasks.collect.stage as collect
 from gristmill.core import object_store
@@ -105,9 +105,11 @@ def test_the_pipeline_on_a_bucket_that_drops_connections_resumes_a_kill_and_anot
        from the partial output without computing again, and leaves no lease;
     2. collect's Ray workers read their units from the bucket (the variables reach them) and keep
        what a run over the same files on disk keeps, resets and all;
-    3. another machine (a fresh home, the same store) plans both stages as reused and its run
+    3. pretraining on it as well, two launched ranks checkpointing through the proxy: the key and
+       bytes of the same pretraining with its store on disk;
+    4. another machine (a fresh home, the same store) plans the three stages as reused and its run
        downloads them, byte for byte;
-    4. the key follows the objects (their ETags or generations): a rewritten one is collected anew."""
+    5. the key follows the objects (their ETags or generations): a rewritten one is collected anew."""
     scheme, endpoint, proxy = faulty_endpoint
     bucket = f"{scheme}://crawl/cli-{os.getpid()}-{time.time_ns()}"
     _upload(shared_data, bucket, tmp_path / "local")
@@ -138,12 +140,24 @@ def test_the_pipeline_on_a_bucket_that_drops_connections_resumes_a_kill_and_anot
     assert manifest["stats"]["docs_out"] == local.stats["docs_out"]
     assert manifest["stats"]["store_retries"] >= 0  # the driver's own retries, in the stage's stats
 
-    other = tmp_path / "other-machine"
-    assert plan_of(other, overrides, "--until", "tokenize", services=services) == \
-        {"collect": "reuse", "tokenize": "reuse"}
-    assert not (other / "artifacts").exists()  # planning downloads nothing
-    gristmill(other, *args, services=services)
+    pretrain = [*overrides, "pretrain.max_steps=20", "pretrain.checkpoint_every=10",
+                "pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
+    gristmill(home, "run", "configs/tiny.yaml", *pretrain, "--until", "pretrain", services=services)
+    on_disk = tmp_path / "store-on-disk"
     for stage in ("collect", "tokenize"):
+        shutil.copytree(committed_dir(home, stage), on_disk / "artifacts" / stage / committed_dir(home, stage).name)
+    gristmill(on_disk, "run", "configs/tiny.yaml", *pretrain, "--until", "pretrain",
+              services={**prefect_server, **endpoint})  # the sources stay on the bucket, the store does not
+    ours, theirs = committed_dir(home, "pretrain"), committed_dir(on_disk, "pretrain")
+    assert ours.name == theirs.name and manifest_files(ours) == manifest_files(theirs)
+    assert "store_retries" in json.loads((ours / "manifest.json").read_text())["stats"]
+
+    other = tmp_path / "other-machine"
+    assert plan_of(other, pretrain, "--until", "pretrain", services=services) == \
+        {"collect": "reuse", "tokenize": "reuse", "pretrain": "reuse"}
+    assert not (other / "artifacts").exists()  # planning downloads nothing
+    gristmill(other, "run", "configs/tiny.yaml", *pretrain, "--until", "pretrain", services=services)
+    for stage in ("collect", "tokenize", "pretrain"):
         ours, theirs = committed_dir(other, stage), committed_dir(home, stage)
         assert ours.name == theirs.name
         files = json.loads((theirs / "manifest.json").read_text())["files"]

@@ -104,6 +104,9 @@ class StageResult:
 
     stats: dict[str, Any]
     artifacts: list[str] = field(default_factory=list)
+    # What differs from run to run of the same inputs (seconds): joins `stats` in the manifest and
+    # in MLflow, kept apart here so that `stats` stay a function of the inputs.
+    measured: dict[str, float] = field(default_factory=dict)
 
 
 class Engine(Protocol):

@@ -143,7 +143,7 @@ def manifest_fields(stage: PlannedStage, upstream: Mapping[str, Manifest], resul
     return {
         "config": stage.config.model_dump(mode="json"),
         "upstream": {name: m.key for name, m in upstream.items()},
-        "stats": result.stats,
+        "stats": {**result.stats, **result.measured},
         "meta": {"stage_version": stage.spec.version, "code_version": env.code_version(),
                  **({"inputs_fingerprint": stage.inputs_fingerprint} if stage.inputs_fingerprint else {}),
                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta},

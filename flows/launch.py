@@ -83,7 +83,7 @@ def launched(stage: PlannedStage, config: PipelineConfig, partial_dir: Path,
     # another node, this one, keeps what it wrote of them here (its views of the bucket's
     # checkpoints, its share of a Trainer checkpoint), and none of it belongs in the artifact.
     shutil.rmtree(partial_dir / CHECKPOINTS_DIR, ignore_errors=True)
-    return StageResult(stats=result["stats"], artifacts=result["artifacts"])
+    return StageResult(stats=result["stats"], artifacts=result["artifacts"], measured=result["measured"])
 
 
 def _outputs(partial: Path) -> list[str]:

@@ -106,13 +106,12 @@ def _main(argv: Sequence[str] | None) -> int:
     others = store_retries_of_every_rank() - object_store.retries()
     if rank != 0:
         return 0
+    result.stats["store_retries"] = others + object_store.retries()
     if args.result is not None:
         uploaded = upload_outputs(store, partial) if args.upload else []
-        result.stats["store_retries"] = others + object_store.retries()
         args.result.write_text(json.dumps({"stats": result.stats, "artifacts": result.artifacts,
-                                           "uploaded": uploaded}))
+                                           "measured": result.measured, "uploaded": uploaded}))
         return 0
-    result.stats["store_retries"] = others + object_store.retries()
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     fields = manifest_fields(stage, upstream, result, {"launch": {
         "backend": "accelerate", "processes": per_node, "nodes": world // per_node, "world_size": world}})

@@ -66,7 +66,7 @@ def apply_quality_model(docs: DocTable, cfg: QualityConfig, engine: Engine, out_
     return docs.take(~low), {f"quality_model_{k}": v for k, v in metrics.items()}
 
 def apply_near_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Path,
-                     funnel: Funnel) -> tuple[DocTable, dict[str, int]]:
+                     funnel: Funnel) -> tuple[DocTable, dict[str, float]]:
     index = None
     if config.dedup_index_from:
         index_dir = Path(config.dedup_index_from) / DEDUP_INDEX_DIR
@@ -83,7 +83,7 @@ def apply_near_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Pa
     keep = np.ones(len(docs), bool)
     keep[result.removed] = False
     return docs.take(keep), \
-        {f"near_dedup_{k}": v for k, v in result.counts().items()}
+        {**{f"near_dedup_{k}": v for k, v in result.counts().items()}, "near_dedup_signatures_s": result.signatures_s}
 
 def apply_mix(docs: DocTable, config: Config, funnel: Funnel) -> tuple[DocTable, dict[str, Any]]:
     """The mix's documents in order (output/mixing.py; a document may repeat); the ones it did not take

@@ -100,6 +100,7 @@ from gristmill.tasks.collect.read.readers import (
     split_file,
 )
 from gristmill.tasks.collect.read.records import ReadEvent, Skipped, quarantine_record
+from gristmill.tasks.collect.timing import NO_CLOCK, StepClock, Timing, load_worker
 
 log = logging.getLogger("gristmill.collect")
 
@@ -174,9 +175,11 @@ def _unit_records(unit: WorkUnit) -> Iterator[ReadEvent]:
     return read_file(unit.path, max_doc_bytes=unit.config.max_doc_bytes, part=unit.part, planned_size=unit.size)
 
 
-def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
-    """One record's fate: {"reason": kept | dropped_* | skipped_* | error_*, "nbytes", ...}."""
+def document_event(item: ReadEvent, config: Config, clock: StepClock = NO_CLOCK) -> dict[str, Any]:
+    """One record's fate: {"reason": kept | dropped_* | skipped_* | error_*, "nbytes", ...};
+    `clock` is charged each step's seconds (timing.py), reading the record included."""
     if isinstance(item, Skipped):
+        clock.lap("read_extract")
         event: dict[str, Any] = {"reason": item.reason, "nbytes": item.nbytes}
         if item.sample is not None:
             event["quarantine"] = quarantine_record(item)
@@ -190,15 +193,19 @@ def document_event(item: ReadEvent, config: Config) -> dict[str, Any]:
         return {"reason": "error_extraction", "nbytes": item.nbytes,
                 "quarantine": {"reason": "error_extraction", "where": item.where,
                                "nbytes": item.nbytes, "sample": repr(exc)}}
+    finally:
+        clock.lap("read_extract")
     if text is None:
         return {"reason": "skipped_no_text", "nbytes": item.nbytes}
-    outcome = clean_document(text, item.url, config)
+    outcome = clean_document(text, item.url, config, clock)
     matches = contamination(outcome.text, config.decontam) if outcome.kept else []
     reason = contamination_reason(matches) if matches else outcome.reason
+    clock.lap("decontamination")
     score = None
     if reason is None and config.quality.enabled and config.quality.model:  # a model trained before
         score = load_model(config.quality.model).score([outcome.text])
         reason = QUALITY_DROP if is_low_quality(score, config.quality)[0] else None
+        clock.lap("quality_model")
     event = {"reason": "kept" if reason is None else f"dropped_{reason}",
              "nbytes": item.nbytes, "text_bytes": text_bytes(text), "url": item.url,
              "language": outcome.language}
@@ -242,18 +249,26 @@ def spool_path(result: str) -> str:
     return result.removesuffix(".jsonl.gz") + SPOOL_SUFFIX
 
 
+TIMING = "timing"  # the key of a unit's last line: its seconds per step, and its process's cold start
+_worker_loaded = False  # per process: load_worker has run
+
+
 def process_unit(job: tuple[WorkUnit, str]) -> str:
     """Read, extract and clean one unit: its kept documents' output lines into its spool file,
     then every record's event (a kept one says where its line is, not its text) into its result
     file, which marks the unit done (each put where it belongs whole once written); stops after
     `max_docs_per_source` extracted docs. Returns the result's location."""
     unit, result = job
-    cap, n_extracted = unit.config.max_docs_per_source, 0
+    global _worker_loaded
+    cold_start = {} if _worker_loaded else load_worker()  # once per process, each part timed
+    _worker_loaded = True
+    cap, n_extracted, clock = unit.config.max_docs_per_source, 0, StepClock()
     events, lines = staging_path(result, ".tmp"), staging_path(spool_path(result), ".tmp")
     with gzip.open(events, "wt", compresslevel=GZIP_LEVEL, encoding="utf-8") as out, open(lines, "wb") as spool_file:
         spool = SpoolWriter(spool_file)
+        clock.start()
         for item in _unit_records(unit):
-            event = document_event(item, unit.config)
+            event = document_event(item, unit.config, clock)
             if "text" in event:  # kept: cleaned, so its size differs from `text_bytes` extracted
                 text = event.pop("text")
                 digest = text_hash(text)
@@ -262,9 +277,11 @@ def process_unit(job: tuple[WorkUnit, str]) -> str:
                      "url": event["url"], "language": event["language"]})
                 event["hash"], event["kept_bytes"] = digest[:16].hex(), text_bytes(text)
             out.write(json.dumps(event, ensure_ascii=False) + "\n")
+            clock.lap("write")
             n_extracted += "text_bytes" in event
             if cap is not None and n_extracted >= cap:
                 break
+        out.write(json.dumps({TIMING: {"steps": clock.rounded(), "cold_start": cold_start}}) + "\n")
     publish_file(lines, spool_path(result))
     publish_file(events, result)  # last: marks the unit done
     if unit.url is not None and unit.path is not None:  # the raw download, no longer needed once its events are saved
@@ -293,16 +310,23 @@ def text_hash(text: str) -> bytes:
 
 
 def merge(units: list[WorkUnit], results: list[str], config: Config, funnel: Funnel,
-          decontam: DecontamIndex | None = None) -> DocTable:
+          decontam: DecontamIndex | None = None, timing: Timing | None = None) -> DocTable:
     """Fold unit events in input order into the funnel (and the documents the units checked for
-    contamination into `decontam`'s report), capping extracted docs per source across its
-    units. Returns the table of the kept documents (their texts stay in the units' spool files)."""
+    contamination into `decontam`'s report), and their timing lines into `timing`, capping
+    extracted docs per source across its units. Returns the table of the kept documents (their
+    texts stay in the units' spool files)."""
     cap = config.max_docs_per_source
     table = TableBuilder()
     for file, (unit, result) in enumerate(zip(units, results)):
+        capped = False
         for event in iter_jsonl([result]):
-            if cap is not None and funnel.source(unit.source)["docs_in"] >= cap:
-                break
+            if TIMING in event:
+                if timing is not None:
+                    timing.add_unit(event[TIMING])
+                continue
+            capped = capped or (cap is not None and funnel.source(unit.source)["docs_in"] >= cap)
+            if capped:
+                continue
             funnel.add_event(unit.source, event)
             if decontam is not None and (event["reason"] == "kept" or "matches" in event):
                 decontam.record(event.get("id", ""), [tuple(m) for m in event.get("matches", [])])
@@ -344,21 +368,31 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     funnel = Funnel(config.review_samples)
     units_dir = worker_dir(engine, out_dir / UNITS_DIR)
     results = run_units(units, units_dir, engine)
+    timing = Timing()
     decontam = build_index(config.decontam) if config.decontam.eval_sets else None  # for its report
-    docs = merge(units, results, config, funnel, decontam)
+    docs = merge(units, results, config, funnel, decontam, timing)
     funnel.record_steps(decontaminated=decontam is not None, quality_scored=scored_in_units)
+    clock = timing.corpus
+    clock.lap("merge")
     docs = apply_exact_dedup(docs, config, engine, out_dir, funnel)
     funnel.step_docs("exact_dedup", docs)
+    clock.lap("exact_dedup")
     stats: dict[str, Any] = {}
     if config.quality.enabled and not scored_in_units:
         docs, quality_stats = apply_quality_model(docs, config.quality, engine, out_dir, funnel)
         stats.update(quality_stats)
         funnel.step_docs("quality_model", docs)
+        clock.lap("quality_model_trained_here")
     if config.near_dedup:
         docs, dedup_stats = apply_near_dedup(docs, config, engine, out_dir, funnel)
+        signatures_s = dedup_stats.pop("near_dedup_signatures_s")
         stats.update(dedup_stats)
         funnel.counts["near_duplicates"] = dedup_stats["near_dedup_near_duplicates"]
         funnel.step_docs("near_dedup", docs)
+        clock.lap("near_dedup")
+        # the map that computed the signatures, inside near_dedup's seconds, on a line of its own
+        clock.seconds["near_dedup"] -= signatures_s
+        clock.seconds["minhash_signatures"] = signatures_s
     if not docs:
         raise NothingSurvived("no documents survived the filters; loosen the filter thresholds")
     docs, mix_record = apply_mix(docs, config, funnel)
@@ -366,7 +400,9 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     (out_dir / "mix.json").write_text(json.dumps(mix_record, indent=2) + "\n")
     report = funnel.report()
     report["accounting"] = funnel.accounting(docs)
+    clock.lap("mix")
     report["shards"] = write_shards(docs, out_dir / "docs", config.docs_per_shard, engine)
+    clock.lap("write_shards")
     if decontam is not None:
         (out_dir / "decontamination.json").write_text(json.dumps(decontam.report(), indent=2) + "\n")
     (out_dir / "funnel.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -381,5 +417,5 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
     log.info("collect: kept %d docs, %.2f MB (%s); records %s", last["docs"], last["bytes"] / 1e6,
              ", ".join(f"{s['step']} {s['docs']}" for s in report["steps"]),
              report["accounting"]["summary"])
-    return StageResult(stats={**flatten(report), **stats, "docs_out": last["docs"],
-                              "bytes_out": last["bytes"]}, artifacts=artifacts)
+    return StageResult(stats={**flatten(report), **stats, "docs_out": last["docs"], "bytes_out": last["bytes"]},
+                       artifacts=artifacts, measured=timing.stats())

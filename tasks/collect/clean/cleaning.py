@@ -27,6 +27,7 @@ from gristmill.tasks.collect.clean.config import CleaningConfig
 from gristmill.tasks.collect.clean.langid import detect_language
 from gristmill.tasks.collect.clean.pii import scrub_pii
 from gristmill.tasks.collect.clean.rules import Page
+from gristmill.tasks.collect.timing import NO_CLOCK, StepClock
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,23 +54,27 @@ QUALITY_FILTERS: tuple[tuple[str | None, Callable[[Page, Any], str | None]], ...
 )
 
 
-def clean_document(text: str, url: str, cfg: CleaningConfig) -> CleanOutcome:
+def clean_document(text: str, url: str, cfg: CleaningConfig, clock: StepClock = NO_CLOCK) -> CleanOutcome:
     """Run the chain on one extracted document; `cfg` is a CleaningConfig (or the collect
-    Config, which extends it)."""
+    Config, which extends it). `clock` is charged each step's seconds (timing.py)."""
     reason = text_filters.url_blocked(url, cfg)
+    clock.lap("url_filter")
     if reason is not None:
         return CleanOutcome(reason=reason, text=text)
     language, score = detect_language(text)
     reason = text_filters.language_drop_reason(language, score, cfg)
+    clock.lap("language_id")
     page = Page(text)
     for switch, quality_filter in QUALITY_FILTERS:
         if reason is not None:
             break
         if switch is None or getattr(cfg, switch):
             reason = quality_filter(page, cfg)
+    clock.lap("quality_filters")
     if reason is not None:
         return CleanOutcome(reason=reason, text=text, language=language, language_score=score)
     text, pii_counts = scrub_pii(text, cfg.pii_kinds)
+    clock.lap("pii")
     return CleanOutcome(reason=None, text=text, language=language, language_score=score,
                         pii_counts=pii_counts)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 from collections import Counter
 from functools import cached_property, lru_cache
 from typing import Any
@@ -57,11 +58,28 @@ _PARAGRAPHS = re.compile(r"\n{2,}")  # GopherRepetitionFilter's splitters
 _LINES = re.compile("\n+")
 
 
+def import_spacy() -> Any:
+    """The spacy module. spaCy imports thinc, which imports torch (most of spaCy's import time)
+    to offer torch-backed models; the tokenizer uses none. So a process that has not imported
+    torch yet (a collect worker) imports spaCy with torch hidden, and thinc takes it as absent;
+    torch itself imports as usual afterwards. Another thread importing torch in that moment
+    would fail, so this is done before a worker starts threads."""
+    if "spacy" in sys.modules or "torch" in sys.modules:
+        import spacy
+
+        return spacy
+    sys.modules["torch"] = None  # type: ignore[assignment]  # import torch: ImportError
+    try:
+        import spacy
+    finally:
+        if sys.modules.get("torch", "") is None:
+            del sys.modules["torch"]
+    return spacy
+
+
 @lru_cache(maxsize=1)
 def _spacy() -> Any:
-    import spacy
-
-    nlp = spacy.blank("en")  # datatrove's SpaCyTokenizer("en")
+    nlp = import_spacy().blank("en")  # datatrove's SpaCyTokenizer("en")
     nlp.add_pipe("sentencizer")
     return nlp
 

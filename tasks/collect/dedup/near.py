@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import json
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +155,7 @@ class DedupResult:
     clusters: int  # clusters with 2+ members, at least one from this input
     largest_cluster: int  # members of the largest of them (index documents included); 0: none
     removed_by_index: int  # removed documents whose survivor is in the index
+    signatures_s: float = 0.0  # wall seconds of the map that computed the signatures and bucket rows
 
     @property
     def near_duplicates(self) -> int:
@@ -238,7 +240,9 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         done = names_in(run.work_dir, create=True)
         chunks = [(texts[s:s + cfg.chunk_docs], c, s, f"sig-{c:06d}.npy" in done, run)
                   for c, s in enumerate(range(0, n, cfg.chunk_docs))]
+        started = time.perf_counter()
         mapped = engine.map(_chunk_task, chunks)
+        signatures_s = time.perf_counter() - started
         del chunks
         active = np.concatenate([np.ones(0, bool)] + [a for a, _ in mapped])
         parts = index.pieces(run.bits) if index is not None else [[] for _ in range(1 << run.bits)]
@@ -270,4 +274,4 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         member_cluster=np.searchsorted(cluster_roots, roots[is_input]), index=new_index,
         candidate_pairs=len(candidates), verified_pairs=len(verified), clusters=len(cluster_roots),
         largest_cluster=int(sizes.max()) if len(nodes) else 0,
-        removed_by_index=int((survivors < m).sum()))
+        removed_by_index=int((survivors < m).sum()), signatures_s=round(signatures_s, 3))

@@ -15,7 +15,7 @@ BENCHMARKS = {"pipeline": "bench.pipeline", "tokenize": "bench.tokenize", "pretr
               "verify": "bench.verify", "recipe": "bench.recipe",
               "explain": "bench.explain", "progress": "bench.progress",
               "scale": "bench.scale", "startup": "bench.startup", "store-fuzz": "bench.store_fuzz", "gpu": "bench.gpu",
-              "cluster": "bench.cluster"}
+              "cluster": "bench.cluster", "worker-start": "bench.worker_start"}
 
 
 def main() -> int:

@@ -150,7 +150,9 @@ def run_ours(corpus: Corpus, workers: int, home: Path, labelled: bool = False) -
     seconds, peaks = run_tree(cmd, home.parent / f"{home.name}.log", cli_env(home))
     out = committed_dir(home, "collect")
     funnel = json.loads((out / "funnel.json").read_text())
-    stage_s = json.loads((out / "manifest.json").read_text())["meta"]["seconds"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    stage_s, stats = manifest["meta"]["seconds"], manifest["stats"]
+    cold_start = sum(v for k, v in stats.items() if k.startswith("cold_start_s_"))
     kept = _read_jsonl_gz(out.glob("docs/part-*.jsonl.gz"))
     kept_urls = {d["url"] for d in kept}
     run = {"system": "ours", "docs": len(corpus.urls), "workers": workers, "seconds": seconds,
@@ -159,6 +161,10 @@ def run_ours(corpus: Corpus, workers: int, home: Path, labelled: bool = False) -
            "junk_kept": sum(corpus.urls[i] in kept_urls for i in corpus.junk),
            "disk_mb": round(sum(p.stat().st_size for p in (home / "artifacts").rglob("*")
                                 if p.is_file()) / MB, 1),
+           # its workers' loading before their first record (datatrove's is inside its blocks' seconds)
+           "steps_s": {"cold_start": round(cold_start * stats["cold_start_processes"], 3),
+                       **{k.removeprefix("step_s_"): v for k, v in stats.items() if k.startswith("step_s_")}},
+           "cold_start_s": round(cold_start, 3),  # the mean worker's (bench worker-start has each part)
            "accounting_balanced": funnel["accounting"]["balanced"],
            "accounting": funnel["accounting"]["summary"],
            "near_duplicates": funnel["near_duplicates"]}
@@ -177,8 +183,30 @@ def run_ours(corpus: Corpus, workers: int, home: Path, labelled: bool = False) -
 
 # ---------------------------------------------------------------- datatrove, in a process of its own
 
-def datatrove_child(spec: dict[str, Any]) -> dict[str, float]:
-    """Run datatrove's pipeline (bench/scale.py's docstring); seconds per executor run."""
+# datatrove's blocks of the cleaning executor, by class, as the collect stage's steps (timing.py)
+DATATROVE_STEPS = {"WarcReader": "read_extract", "Trafilatura": "read_extract", "JsonlReader": "read_extract",
+                   "LambdaFilter": "url_filter", "LanguageFilter": "language_id",
+                   "GopherQualityFilter": "quality_filters", "GopherRepetitionFilter": "quality_filters",
+                   "FineWebQualityFilter": "quality_filters", "C4QualityFilter": "quality_filters",
+                   "PIIFormatter": "pii", "JsonlWriter": "write", "MinhashDedupSignature": "minhash_signatures"}
+
+
+def datatrove_steps(pipeline: list[Any], stats_json: Path) -> dict[str, float]:
+    """The seconds datatrove's own counters give each block of `pipeline` (summed over its tasks,
+    from the executor's stats.json, one entry per block in order), summed by our step."""
+    blocks = json.loads(stats_json.read_text())
+    assert len(blocks) == len(pipeline), (len(blocks), len(pipeline))
+    steps: dict[str, float] = {}
+    for block, entry in zip(pipeline, blocks):
+        step = DATATROVE_STEPS[type(block).__name__]
+        total = entry["time_stats"]["total"] if entry["time_stats"] else 0.0
+        steps[step] = round(steps.get(step, 0.0) + total, 6)
+    return steps
+
+
+def datatrove_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run datatrove's pipeline (bench/scale.py's docstring); seconds per executor run, and the
+    cleaning executor's per block, by our step."""
     from datatrove.pipeline.dedup.minhash import (
         MinhashDedupBuckets,
         MinhashDedupCluster,
@@ -208,11 +236,13 @@ def datatrove_child(spec: dict[str, Any]) -> dict[str, float]:
                                        load_cluster_ids=True),
                     JsonlWriter(str(work / "out"))], workers),
     }
-    seconds = {}
+    seconds: dict[str, Any] = {}
     for name, (pipeline, tasks) in steps.items():
         start = time.perf_counter()
         run_datatrove(pipeline, work / f"logs-{name}", tasks=tasks, workers=min(tasks, workers))
         seconds[name] = round(time.perf_counter() - start, 2)
+    cleaning = steps["clean+signature"][0]
+    seconds["blocks"] = datatrove_steps(cleaning, work / "logs-clean+signature" / "stats.json")
     return seconds
 
 
@@ -223,6 +253,7 @@ def run_peer(corpus: Corpus, workers: int, work: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.scale", "--datatrove-child", json.dumps(spec)]
     seconds, peaks = run_tree(cmd, work.parent / f"{work.name}.log")
     steps = json.loads((work.parent / f"{work.name}.log").read_text().strip().splitlines()[-1])
+    blocks = steps.pop("blocks")
     cleaned = {d["metadata"]["url"] for d in _read_jsonl_gz(work.glob("cleaned/*.jsonl.gz"))}
     out = _read_jsonl_gz(work.glob("out/*.jsonl.gz"))
     removed = _read_jsonl_gz(work.glob("removed/*.jsonl.gz"))
@@ -235,7 +266,9 @@ def run_peer(corpus: Corpus, workers: int, work: Path) -> dict[str, Any]:
             "tree_peak_mb": figures["tree_peak_mb"], "kept": len(out),
             "junk_kept": sum(corpus.urls[i] in cleaned for i in corpus.junk),
             "disk_mb": round(sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) / MB, 1),
-            "near_duplicates": len(removed), "steps_s": steps,
+            "near_duplicates": len(removed), "executors_s": steps,
+            # the stage's steps: the cleaning blocks' own seconds, near dedup the later executors' walls
+            "steps_s": {**blocks, "near_dedup": round(steps["buckets"] + steps["cluster"] + steps["filter"], 2)},
             "quality": near_dup_quality(corpus, _labels(corpus, clusters), cleaned)}
 
 

@@ -20,6 +20,18 @@ TIMED_FILES = {"metrics.jsonl"}  # step metrics carry tokens/s: the one output t
 SERVICE_VARS = ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "PREFECT_HOME")
 
 
+def cpu_description() -> dict[str, str | int]:
+    """The CPU figures were measured on: its model name, the widest vector instructions torch's
+    CPU kernels use on it (`torch.backends.cpu.get_cpu_capability()`: AVX2, AVX512, ...) and the
+    cores this process may use."""
+    import torch
+
+    models = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+              if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []
+    return {"model": models[0] if models else "unknown", "capability": torch.backends.cpu.get_cpu_capability(),
+            "cores": len(os.sched_getaffinity(0))}
+
+
 def cli_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment pointed at `home`, with no external service configured but
     those `extra` names."""

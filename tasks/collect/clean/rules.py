@@ -63,7 +63,7 @@ def import_spacy() -> Any:
     to offer torch-backed models; the tokenizer uses none. So a process that has not imported
     torch yet (a collect worker) imports spaCy with torch hidden, and thinc takes it as absent;
     torch itself imports as usual afterwards. Another thread importing torch in that moment
-    would fail, so this is done before a worker starts threads."""
+    would fail; the threads of collect's processes (Ray's, Prefect's, MLflow's) import none."""
     if "spacy" in sys.modules or "torch" in sys.modules:
         import spacy
 

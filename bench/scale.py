@@ -184,8 +184,8 @@ def fit(xs: list[float], ys: list[float], log: bool) -> float | None:
 # A worker's loading, the stage's steps in a record's order, then the corpus-level ones
 # (tasks/collect/timing.py; datatrove loads inside its blocks, has no decontamination, exact dedup
 # or mixing, and its near dedup is three executors).
-STEP_ORDER = ("cold_start", "read_extract", "url_filter", "language_id", "quality_filters", "pii", "decontamination", "write",
-              "merge", "exact_dedup", "minhash_signatures", "near_dedup", "mix", "write_shards")
+STEP_ORDER = ("cold_start", "read_extract", "url_filter", "language_id", "quality_filters", "pii", "decontamination",
+              "write", "merge", "exact_dedup", "minhash_signatures", "near_dedup", "mix", "write_shards")
 PER_RECORD = STEP_ORDER[:8]
 
 

@@ -193,13 +193,16 @@ DATATROVE_STEPS = {"WarcReader": "read_extract", "Trafilatura": "read_extract", 
 
 def datatrove_steps(pipeline: list[Any], stats_json: Path) -> dict[str, float]:
     """The seconds datatrove's own counters give each block of `pipeline` (summed over its tasks,
-    from the executor's stats.json, one entry per block in order), summed by our step."""
+    from the executor's stats.json, one entry per block in order), summed by our step. The MinHash
+    signature block, last, times its whole loop over the stream, the blocks before it included:
+    its own seconds are its total less theirs."""
     blocks = json.loads(stats_json.read_text())
-    assert len(blocks) == len(pipeline), (len(blocks), len(pipeline))
+    assert len(blocks) == len(pipeline) and type(pipeline[-1]).__name__ == "MinhashDedupSignature"
+    totals = [entry["time_stats"]["total"] if entry["time_stats"] else 0.0 for entry in blocks]
+    totals[-1] -= sum(totals[:-1])
     steps: dict[str, float] = {}
-    for block, entry in zip(pipeline, blocks):
+    for block, total in zip(pipeline, totals):
         step = DATATROVE_STEPS[type(block).__name__]
-        total = entry["time_stats"]["total"] if entry["time_stats"] else 0.0
         steps[step] = round(steps.get(step, 0.0) + total, 6)
     return steps
 

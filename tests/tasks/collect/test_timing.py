@@ -53,7 +53,8 @@ def test_every_unit_times_its_steps_and_the_stage_measures_them_apart_from_its_s
     lines = []
     for unit in units[:2]:
         result = collect.process_unit((unit, collect.unit_result_path(tmp_path, unit)))
-        *_, last = (json.loads(line) for line in gzip.open(result, "rt"))
+        with gzip.open(result, "rt") as events:
+            *_, last = (json.loads(line) for line in events)
         lines.append(last[collect.TIMING])
     assert set(lines[0]["cold_start"]) == {"spacy_import", "word_tokenizer", "fasttext", "trafilatura"}
     assert lines[1]["cold_start"] == {}  # its process had loaded them

@@ -99,6 +99,7 @@ _chunk_tokens: dict[str, tuple[str, ...]] = {}
 def clear_caches() -> None:
     """Back to a fresh worker's state (spaCy loaded, nothing learnt): for cold measurements."""
     _chunk_tokens.clear()
+    _tails_after.cache_clear()
     _has_letter.cache_clear()
     _spacy.cache_clear()
     _spacy()
@@ -153,15 +154,26 @@ def _special_case_pieces() -> dict[str, frozenset[str]]:
     return {head: frozenset(after) for head, after in tails.items()}
 
 
+@lru_cache(maxsize=MAX_CACHED_CHUNKS)
+def _tails_after(chunk: str) -> dict[str, tuple[str, ...]]:
+    """The tails of the special cases whose head `chunk` ends with, by their first character:
+    the next chunk must begin with one, or be the start of one, for a case to span the space
+    between, so it begins with that character either way."""
+    pieces = _special_case_pieces()
+    by_first: dict[str, list[str]] = {}
+    for size in range(1, min(len(chunk), _LONGEST_SPECIAL_CASE) + 1):
+        for tail in pieces.get(chunk[-size:], ()):
+            by_first.setdefault(tail[0], []).append(tail)
+    return {first: tuple(tails) for first, tails in by_first.items()}
+
+
 def _spans_agree(chunks: list[str]) -> bool:
     """Whether the cached tokens of the chunks around every boundary a special case could span
     (a chunk ends with its head, the next begins its tail or is the start of it) are what spaCy
     gives those chunks together; a window of a few chunks covers a case spread over several."""
-    pieces = _special_case_pieces()
     for i, (left, right) in enumerate(itertools.pairwise(chunks)):
-        if any(right.startswith(tail) or tail.startswith(right)
-               for size in range(1, min(len(left), _LONGEST_SPECIAL_CASE) + 1)
-               for tail in pieces.get(left[-size:], ())):
+        tails = _tails_after(left).get(right[0])
+        if tails and any(right.startswith(tail) or tail.startswith(right) for tail in tails):
             window = chunks[max(i - 1, 0) : i + 4]
             cached = [token for chunk in window for token in _chunk_tokens[chunk]]
             if [token.text for token in _tokenize(" ".join(window)) if not token.is_space] != cached:

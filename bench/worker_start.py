@@ -11,7 +11,7 @@ first line of code:
   word_tokenizer  spacy.blank("en") with the sentencizer, one text tokenized
   fasttext        lid.176.ftz loaded
   trafilatura     one page through trafilatura and ftfy (their lazy set-up)
-  first_document  the first HTML record of ../shared/data's dolma_wget WARC through `document_event`
+  first_document  the first HTML record of ../shared/data's dolma_wget WARC through `document_events`
 
 `ours` is the stage's own start (`load_worker`, spaCy imported with torch hidden from thinc);
 `with_torch` imports spaCy plainly first, as before, so thinc imports torch. `python` is the
@@ -54,7 +54,7 @@ for part, seconds in collect.load_worker().items():
     parts[part] = parts.get(part, 0.0) + seconds
 record = next(r for r in read_file(sys.argv[2]) if isinstance(r, RawDoc) and r.is_html)
 clock = time.perf_counter()
-collect.document_event(record, collect.Config())
+collect.document_events([record], collect.Config())
 parts["first_document"] = time.perf_counter() - clock
 print(json.dumps({"launched": launched, "parts": parts}))
 """

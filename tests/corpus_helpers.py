@@ -17,6 +17,7 @@ import gristmill.tasks.collect.dedup.exact_dedup as exact_dedup
 import gristmill.tasks.collect.dedup.near as dedup
 import gristmill.tasks.collect.stage as collect
 from gristmill.core.stage import SerialEngine
+from gristmill.tasks.collect.clean.cleaning import clean_documents
 
 
 class ShuffledEngine:
@@ -159,7 +160,8 @@ def web_documents(shared_data: Path, n: int) -> list[str]:
     texts = [json.loads(line)["text"] for p in sorted((shared_data / DOLMA).glob("*.jsonl"))
              for line in p.open()]
     texts = [t for t in texts if len(t.split()) >= 200 and t.count("\n") >= 4]
-    return [t for t in texts if collect.clean_document(t, "", collect.Config()).kept][:n]
+    outcomes = clean_documents([(t, "") for t in texts], collect.Config())
+    return [t for t, outcome in zip(texts, outcomes) if outcome.kept][:n]
 
 
 def edited(text: str) -> str:

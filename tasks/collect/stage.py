@@ -24,7 +24,7 @@ in out_dir, so the driver holds a flag or a score a document and the candidate p
 are written on the engine by copying lines (sizes: docs/benchmarks.md).
 
 This module plans and runs the work units (a record's whole path through the chain is
-`document_event`) and merges their events; the corpus-level steps after the merge are
+`document_events`) and merges their events; the corpus-level steps after the merge are
 corpus.py's, run here in order.
 
 Parallelism and resume: one work unit per part of an input file (a file larger than `unit_mb`
@@ -47,10 +47,12 @@ import itertools
 import json
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from gristmill.core.decontam import DecontamConfig, DecontamIndex, build_index
 from gristmill.core.decontam import drop_reason as contamination_reason
@@ -63,7 +65,7 @@ from gristmill.core.files import (
 )
 from gristmill.core.sources import file_size, parse_source
 from gristmill.core.stage import Engine, InputError, SerialEngine, StageResult, worker_dir
-from gristmill.tasks.collect.clean.cleaning import clean_document
+from gristmill.tasks.collect.clean.cleaning import clean_documents
 from gristmill.tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
 from gristmill.tasks.collect.clean.quality_model import (
     QualityModel,
@@ -175,11 +177,9 @@ def _unit_records(unit: WorkUnit) -> Iterator[ReadEvent]:
     return read_file(unit.path, max_doc_bytes=unit.config.max_doc_bytes, part=unit.part, planned_size=unit.size)
 
 
-def document_event(item: ReadEvent, config: Config, clock: StepClock = NO_CLOCK) -> dict[str, Any]:
-    """One record's fate: {"reason": kept | dropped_* | skipped_* | error_*, "nbytes", ...};
-    `clock` is charged each step's seconds (timing.py), reading the record included."""
+def _extracted(item: ReadEvent) -> str | dict[str, Any]:
+    """The record's text, or its event when it has none (skipped, or quarantined)."""
     if isinstance(item, Skipped):
-        clock.lap("read_extract")
         event: dict[str, Any] = {"reason": item.reason, "nbytes": item.nbytes}
         if item.sample is not None:
             event["quarantine"] = quarantine_record(item)
@@ -193,34 +193,49 @@ def document_event(item: ReadEvent, config: Config, clock: StepClock = NO_CLOCK)
         return {"reason": "error_extraction", "nbytes": item.nbytes,
                 "quarantine": {"reason": "error_extraction", "where": item.where,
                                "nbytes": item.nbytes, "sample": repr(exc)}}
-    finally:
-        clock.lap("read_extract")
-    if text is None:
-        return {"reason": "skipped_no_text", "nbytes": item.nbytes}
-    outcome = clean_document(text, item.url, config, clock)
-    matches = contamination(outcome.text, config.decontam) if outcome.kept else []
-    reason = contamination_reason(matches) if matches else outcome.reason
+    return {"reason": "skipped_no_text", "nbytes": item.nbytes} if text is None else text
+
+
+def document_events(items: Sequence[ReadEvent], config: Config, clock: StepClock = NO_CLOCK) -> list[dict[str, Any]]:
+    """Each record's fate, in order: {"reason": kept | dropped_* | skipped_* | error_*, "nbytes",
+    ...}. Each step runs over the whole batch before the next (clean/cleaning.py says why);
+    `clock` is charged each step's seconds (timing.py), the reading of the records since its
+    last lap included."""
+    extracted = [_extracted(item) for item in items]
+    clock.lap("read_extract")
+    at = [i for i, text in enumerate(extracted) if isinstance(text, str)]
+    texts = cast(list[str], [extracted[i] for i in at])
+    outcomes = clean_documents([(text, items[i].url) for text, i in zip(texts, at)], config, clock)
+    matches = [contamination(o.text, config.decontam) if o.kept else [] for o in outcomes]
+    reasons = [contamination_reason(m) if m else o.reason for o, m in zip(outcomes, matches)]
     clock.lap("decontamination")
-    score = None
-    if reason is None and config.quality.enabled and config.quality.model:  # a model trained before
-        score = load_model(config.quality.model).score([outcome.text])
-        reason = QUALITY_DROP if is_low_quality(score, config.quality)[0] else None
+    scores: dict[int, float] = {}  # position in `at` -> the score of a document the model dropped
+    if config.quality.enabled and config.quality.model:  # a model trained before
+        kept = [j for j, reason in enumerate(reasons) if reason is None]
+        got = load_model(config.quality.model).score([outcomes[j].text for j in kept]) if kept else []
+        for j, score, low in zip(kept, got, is_low_quality(np.asarray(got), config.quality)):
+            if low:
+                reasons[j], scores[j] = QUALITY_DROP, round(float(score), 4)
         clock.lap("quality_model")
-    event = {"reason": "kept" if reason is None else f"dropped_{reason}",
-             "nbytes": item.nbytes, "text_bytes": text_bytes(text), "url": item.url,
-             "language": outcome.language}
-    if score is not None and reason is not None:
-        event["score"] = round(float(score[0]), 4)
-    if outcome.pii_counts:
-        event["pii"] = outcome.pii_counts
-    if matches:  # for decontamination.json: which items, in which document
-        event["matches"] = [list(m) for m in matches]
-        event["id"] = text_hash(outcome.text)[:8].hex()
-    if reason is None:
-        event["text"] = outcome.text
-    else:
-        event["preview"] = text[:PREVIEW_CHARS]
-    return event
+    events = cast(list[dict[str, Any]], extracted)  # the records without text keep theirs
+    for j, i in enumerate(at):
+        text, outcome, reason = texts[j], outcomes[j], reasons[j]
+        event = {"reason": "kept" if reason is None else f"dropped_{reason}",
+                 "nbytes": items[i].nbytes, "text_bytes": text_bytes(text), "url": items[i].url,
+                 "language": outcome.language}
+        if j in scores:
+            event["score"] = scores[j]
+        if outcome.pii_counts:
+            event["pii"] = outcome.pii_counts
+        if matches[j]:  # for decontamination.json: which items, in which document
+            event["matches"] = [list(m) for m in matches[j]]
+            event["id"] = text_hash(outcome.text)[:8].hex()
+        if reason is None:
+            event["text"] = outcome.text
+        else:
+            event["preview"] = text[:PREVIEW_CHARS]
+        events[i] = event
+    return events
 
 
 _DECONTAM_INDEXES: dict[str, DecontamIndex] = {}  # per process: built once, by the first unit
@@ -249,6 +264,9 @@ def spool_path(result: str) -> str:
     return result.removesuffix(".jsonl.gz") + SPOOL_SUFFIX
 
 
+# Records a unit reads before it runs them through the chain's steps one step at a time (the more,
+# the longer a step's tables stay in the CPU's caches; 200 pages of text are a few MB).
+BATCH_RECORDS = 200
 TIMING = "timing"  # the key of a unit's last line: its seconds per step, and its process's cold start
 _worker_loaded = False  # per process: load_worker has run
 
@@ -267,18 +285,21 @@ def process_unit(job: tuple[WorkUnit, str]) -> str:
     with gzip.open(events, "wt", compresslevel=GZIP_LEVEL, encoding="utf-8") as out, open(lines, "wb") as spool_file:
         spool = SpoolWriter(spool_file)
         clock.start()
-        for item in _unit_records(unit):
-            event = document_event(item, unit.config, clock)
-            if "text" in event:  # kept: cleaned, so its size differs from `text_bytes` extracted
-                text = event.pop("text")
-                digest = text_hash(text)
-                event["offset"], event["size"] = spool.add(
-                    {"id": digest[:8].hex(), "text": text, "source": unit.source,
-                     "url": event["url"], "language": event["language"]})
-                event["hash"], event["kept_bytes"] = digest[:16].hex(), text_bytes(text)
-            out.write(json.dumps(event, ensure_ascii=False) + "\n")
+        records = _unit_records(unit)
+        while batch := list(itertools.islice(records, BATCH_RECORDS)):
+            for event in document_events(batch, unit.config, clock):
+                if "text" in event:  # kept: cleaned, so its size differs from `text_bytes` extracted
+                    text = event.pop("text")
+                    digest = text_hash(text)
+                    event["offset"], event["size"] = spool.add(
+                        {"id": digest[:8].hex(), "text": text, "source": unit.source,
+                         "url": event["url"], "language": event["language"]})
+                    event["hash"], event["kept_bytes"] = digest[:16].hex(), text_bytes(text)
+                out.write(json.dumps(event, ensure_ascii=False) + "\n")
+                n_extracted += "text_bytes" in event
+                if cap is not None and n_extracted >= cap:
+                    break
             clock.lap("write")
-            n_extracted += "text_bytes" in event
             if cap is not None and n_extracted >= cap:
                 break
         out.write(json.dumps({TIMING: {"steps": clock.rounded(), "cold_start": cold_start}}) + "\n")

@@ -1,4 +1,6 @@
-"""The per-document cleaning chain of the collect stage: `clean_document(text, url, cfg)`.
+"""The per-document cleaning chain of the collect stage: `clean_documents(docs, cfg)` over a batch
+of (text, url) pairs, each step over the batch before the next; `clean_document(text, url, cfg)`
+for one.
 
 Order (the first filter that rejects a document decides its reason, so each drop counts once):
 
@@ -54,31 +56,41 @@ QUALITY_FILTERS: tuple[tuple[str | None, Callable[[Page, Any], str | None]], ...
 )
 
 
-def clean_document(text: str, url: str, cfg: CleaningConfig, clock: StepClock = NO_CLOCK) -> CleanOutcome:
-    """Run the chain on one extracted document; `cfg` is a CleaningConfig (or the collect
-    Config, which extends it). `clock` is charged each step's seconds (timing.py)."""
-    reason = text_filters.url_blocked(url, cfg)
+def clean_documents(docs: Sequence[tuple[str, str]], cfg: Any, clock: StepClock = NO_CLOCK) -> list[CleanOutcome]:
+    """The chain over (text, url) pairs, outcomes in order: each step over every document still
+    in before the next step (the URL check over all, fastText over those left, ...), so one
+    step's model, tables and caches stay in the CPU's caches across the batch instead of being
+    evicted by the other steps at every document. `cfg` is a CleaningConfig (or the collect Config,
+    which extends it); `clock` is charged each step's seconds (timing.py). Also one picklable unit
+    of engine work."""
+    reasons: list[str | None] = [text_filters.url_blocked(url, cfg) for _, url in docs]
     clock.lap("url_filter")
-    if reason is not None:
-        return CleanOutcome(reason=reason, text=text)
-    language, score = detect_language(text)
-    reason = text_filters.language_drop_reason(language, score, cfg)
+    languages: list[tuple[str | None, float | None]] = [(None, None)] * len(docs)
+    for i, (text, _) in enumerate(docs):
+        if reasons[i] is None:
+            languages[i] = language, score = detect_language(text)
+            reasons[i] = text_filters.language_drop_reason(language, score, cfg)
     clock.lap("language_id")
-    page = Page(text)
-    for switch, quality_filter in QUALITY_FILTERS:
-        if reason is not None:
-            break
-        if switch is None or getattr(cfg, switch):
-            reason = quality_filter(page, cfg)
+    for i, (text, _) in enumerate(docs):
+        if reasons[i] is None:
+            page = Page(text)
+            for switch, quality_filter in QUALITY_FILTERS:
+                if switch is None or getattr(cfg, switch):
+                    reasons[i] = quality_filter(page, cfg)
+                    if reasons[i] is not None:
+                        break
     clock.lap("quality_filters")
-    if reason is not None:
-        return CleanOutcome(reason=reason, text=text, language=language, language_score=score)
-    text, pii_counts = scrub_pii(text, cfg.pii_kinds)
+    outcomes = []
+    for (text, _), reason, (language, score) in zip(docs, reasons, languages):
+        pii_counts: dict[str, int] = {}
+        if reason is None:  # PII is scrubbed in kept documents only: it changes text, never the verdict
+            text, pii_counts = scrub_pii(text, cfg.pii_kinds)
+        outcomes.append(CleanOutcome(reason=reason, text=text, language=language, language_score=score,
+                                     pii_counts=pii_counts))
     clock.lap("pii")
-    return CleanOutcome(reason=None, text=text, language=language, language_score=score,
-                        pii_counts=pii_counts)
+    return outcomes
 
 
-def clean_documents(docs: Sequence[tuple[str, str]], cfg: Any) -> list[CleanOutcome]:
-    """`clean_document` over (text, url) pairs, in order: one picklable unit of engine work."""
-    return [clean_document(text, url, cfg) for text, url in docs]
+def clean_document(text: str, url: str, cfg: CleaningConfig) -> CleanOutcome:
+    """The chain on one extracted document (`clean_documents` of one)."""
+    return clean_documents([(text, url)], cfg)[0]

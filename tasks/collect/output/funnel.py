@@ -99,7 +99,7 @@ class Funnel:
         return self.fates.setdefault(source, {}).setdefault(fate, Counter())
 
     def add_event(self, source: str, event: dict[str, Any]) -> None:
-        """One record's event from a work unit (see tasks.collect.stage.document_event)."""
+        """One record's event from a work unit (see tasks.collect.stage.document_events)."""
         reason = event["reason"]
         for c in (self.counts, self.source(source)):
             c[reason] += 1

@@ -33,7 +33,7 @@ from gristmill.tasks.collect.read.readers import (
     Skipped,
     read_file,
 )
-from gristmill.tasks.collect.stage import document_event
+from gristmill.tasks.collect.stage import document_events
 
 CFG = Config(blocked_domains=("blocked.example.org",))
 NO_SAMPLE = {"error_empty_file", "error_no_text_column"}  # the only errors without a sample
@@ -176,7 +176,7 @@ URLS = st.one_of(st.text(st.characters() | SURROGATES, max_size=40), st.sampled_
 
 
 def _clean(doc: RawDoc) -> dict:
-    event = document_event(doc, CFG)
+    [event] = document_events([doc], CFG)
     assert event["reason"] == "kept" or REASON.fullmatch(event["reason"].replace("dropped_", "skipped_", 1))
     json.dumps(event, ensure_ascii=False).encode("utf-8")  # how a unit writes it
     return event

@@ -265,8 +265,24 @@ def spool_path(result: str) -> str:
 
 
 # Records a unit reads before it runs them through the chain's steps one step at a time (the more,
-# the longer a step's tables stay in the CPU's caches; 200 pages of text are a few MB).
+# the longer a step's tables stay in the CPU's caches), fewer once their payloads pass BATCH_BYTES:
+# a worker holds one batch, whatever its records' sizes (each is at most `max_doc_bytes`).
 BATCH_RECORDS = 200
+BATCH_BYTES = 16_000_000
+
+
+def _batches(records: Iterator[ReadEvent]) -> Iterator[list[ReadEvent]]:
+    batch: list[ReadEvent] = []
+    size = 0
+    for record in records:
+        batch.append(record)
+        size += record.nbytes
+        if len(batch) == BATCH_RECORDS or size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
 TIMING = "timing"  # the key of a unit's last line: its seconds per step, and its process's cold start
 _worker_loaded = False  # per process: load_worker has run
 
@@ -285,8 +301,7 @@ def process_unit(job: tuple[WorkUnit, str]) -> str:
     with gzip.open(events, "wt", compresslevel=GZIP_LEVEL, encoding="utf-8") as out, open(lines, "wb") as spool_file:
         spool = SpoolWriter(spool_file)
         clock.start()
-        records = _unit_records(unit)
-        while batch := list(itertools.islice(records, BATCH_RECORDS)):
+        for batch in _batches(_unit_records(unit)):
             for event in document_events(batch, unit.config, clock):
                 if "text" in event:  # kept: cleaned, so its size differs from `text_bytes` extracted
                     text = event.pop("text")

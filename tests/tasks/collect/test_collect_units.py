@@ -314,3 +314,18 @@ def test_a_stage_killed_in_its_corpus_level_steps_redoes_only_their_unfinished_t
     assert result.stats == fresh.stats
     assert result.stats["near_duplicates"] > 0 and result.stats["exact_duplicates"] > 0
     assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
+
+
+def test_a_unit_holds_a_batch_of_records_bounded_in_count_and_in_bytes():
+    """The chain runs a step at a time over a batch of a unit's records: BATCH_RECORDS small
+    ones, or fewer large ones once their payloads reach BATCH_BYTES, every record in order once."""
+    def records(sizes):
+        return [RawDoc(url=f"https://example.org/{i}", payload=b"", is_html=False, nbytes=n)
+                for i, n in enumerate(sizes)]
+
+    small = records([5_000] * (2 * collect.BATCH_RECORDS + 7))
+    assert [len(b) for b in collect._batches(iter(small))] == [collect.BATCH_RECORDS] * 2 + [7]
+    large = records([collect.BATCH_BYTES // 3 + 1] * 7 + [0])
+    batches = list(collect._batches(iter(large)))
+    assert [len(b) for b in batches] == [3, 3, 2]
+    assert [r.url for b in batches for r in b] == [r.url for r in large]

@@ -109,9 +109,9 @@ def _stage(module: str) -> str | None:
 
 # The collect stage's layers, bottom to top: reading (the sources, and texts back from files),
 # cleaning one document (with its thresholds), what the stage holds and writes (spool, spill,
-# funnel, gates, mixing), dedup over what it holds, then the stage's config, its corpus-level
-# steps and `run`.
-COLLECT_LAYERS = ("read", "clean", "output", "dedup", "config", "corpus", "stage")
+# funnel, gates, mixing), dedup over what it holds, then the stage's config, what a worker loads
+# and where its time goes, its corpus-level steps and `run`.
+COLLECT_LAYERS = ("read", "clean", "output", "dedup", "config", "timing", "corpus", "stage")
 
 
 def _collect_layer(module: str) -> str | None:

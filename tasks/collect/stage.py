@@ -54,6 +54,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from gristmill.core.clock import NO_CLOCK, StepClock
 from gristmill.core.decontam import DecontamConfig, DecontamIndex, build_index
 from gristmill.core.decontam import drop_reason as contamination_reason
 from gristmill.core.files import (
@@ -102,7 +103,7 @@ from gristmill.tasks.collect.read.readers import (
     split_file,
 )
 from gristmill.tasks.collect.read.records import ReadEvent, Skipped, quarantine_record
-from gristmill.tasks.collect.timing import NO_CLOCK, StepClock, Timing, load_worker
+from gristmill.tasks.collect.timing import Timing, load_worker
 
 log = logging.getLogger("gristmill.collect")
 

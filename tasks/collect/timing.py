@@ -1,5 +1,5 @@
 """Where a collect worker's time goes: the seconds it spends before its first document (its cold
-start, `load_worker`) and, after that, per step of a record's path (`StepClock`).
+start, `load_worker`) and, after that, per step of a record's path (core/clock.py's `StepClock`).
 
 Both travel in each work unit's result file (stage.py) and reach the stage's stats summed over
 the units, so `python -m bench scale` can set them beside datatrove's own per-block timings
@@ -17,43 +17,14 @@ The per-record steps, in the chain's order (a step a record does not reach costs
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
+
+from gristmill.core.clock import StepClock
 
 # A tiny page that takes trafilatura's and ftfy's whole path once, so their lazy set-up is paid here.
 _PAGE = (b"<html><head><title>t</title></head><body><nav>home</nav><article><p>"
          + b"A first sentence of a short article about nothing at all. " * 12
          + b"</p></article><footer>(c)</footer></body></html>")
-
-
-class StepClock:
-    """Seconds per step, summed over the records one process handles: `lap(step)` charges the
-    time since the previous lap (or `start`) to `step`."""
-
-    def __init__(self) -> None:
-        self.seconds: Counter[str] = Counter()
-        self._last = time.perf_counter()
-
-    def start(self) -> None:
-        self._last = time.perf_counter()
-
-    def lap(self, step: str) -> None:
-        now = time.perf_counter()
-        self.seconds[step] += now - self._last
-        self._last = now
-
-    def rounded(self) -> dict[str, float]:
-        return {step: round(s, 6) for step, s in self.seconds.items()}
-
-
-class NoClock(StepClock):
-    """A clock that records nothing: for callers of the chain outside a work unit."""
-
-    def lap(self, step: str) -> None:
-        pass
-
-
-NO_CLOCK = NoClock()
 
 
 def load_worker() -> dict[str, float]:

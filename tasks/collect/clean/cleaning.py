@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gristmill.tasks.collect.clean.filters as text_filters
+from gristmill.core.clock import NO_CLOCK, StepClock
 from gristmill.tasks.collect.clean.config import CleaningConfig
 from gristmill.tasks.collect.clean.langid import detect_language
 from gristmill.tasks.collect.clean.pii import scrub_pii
 from gristmill.tasks.collect.clean.rules import Page
-from gristmill.tasks.collect.timing import NO_CLOCK, StepClock
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@ nothing, for callers that do not time."""
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import defaultdict
 
 
 class StepClock:
@@ -12,7 +12,7 @@ class StepClock:
     previous lap (or `start`, or the clock's making) to `step`."""
 
     def __init__(self) -> None:
-        self.seconds: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self._last = time.perf_counter()
 
     def start(self) -> None:

@@ -102,7 +102,7 @@ from gristmill.tasks.collect.read.readers import (
     resolve_source,
     split_file,
 )
-from gristmill.tasks.collect.read.records import ReadEvent, Skipped, quarantine_record
+from gristmill.tasks.collect.read.records import RawDoc, ReadEvent, Skipped, quarantine_record
 from gristmill.tasks.collect.timing import Timing, load_worker
 
 log = logging.getLogger("gristmill.collect")
@@ -206,7 +206,8 @@ def document_events(items: Sequence[ReadEvent], config: Config, clock: StepClock
     clock.lap("read_extract")
     at = [i for i, text in enumerate(extracted) if isinstance(text, str)]
     texts = cast(list[str], [extracted[i] for i in at])
-    outcomes = clean_documents([(text, items[i].url) for text, i in zip(texts, at)], config, clock)
+    docs = cast(list[RawDoc], [items[i] for i in at])  # the records with a text
+    outcomes = clean_documents([(text, doc.url) for text, doc in zip(texts, docs)], config, clock)
     matches = [contamination(o.text, config.decontam) if o.kept else [] for o in outcomes]
     reasons = [contamination_reason(m) if m else o.reason for o, m in zip(outcomes, matches)]
     clock.lap("decontamination")
@@ -222,7 +223,7 @@ def document_events(items: Sequence[ReadEvent], config: Config, clock: StepClock
     for j, i in enumerate(at):
         text, outcome, reason = texts[j], outcomes[j], reasons[j]
         event = {"reason": "kept" if reason is None else f"dropped_{reason}",
-                 "nbytes": items[i].nbytes, "text_bytes": text_bytes(text), "url": items[i].url,
+                 "nbytes": docs[j].nbytes, "text_bytes": text_bytes(text), "url": docs[j].url,
                  "language": outcome.language}
         if j in scores:
             event["score"] = scores[j]
@@ -424,7 +425,7 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
         docs, dedup_stats = apply_near_dedup(docs, config, engine, out_dir, funnel)
         signatures_s = dedup_stats.pop("near_dedup_signatures_s")
         stats.update(dedup_stats)
-        funnel.counts["near_duplicates"] = dedup_stats["near_dedup_near_duplicates"]
+        funnel.counts["near_duplicates"] = int(dedup_stats["near_dedup_near_duplicates"])
         funnel.step_docs("near_dedup", docs)
         clock.lap("near_dedup")
         # the map that computed the signatures, inside near_dedup's seconds, on a line of its own

@@ -17,7 +17,7 @@ The per-record steps, in the chain's order (a step a record does not reach costs
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 
 from gristmill.core.clock import StepClock
 
@@ -54,13 +54,14 @@ class Timing:
     whole map on the engine), and the cold start of each process that ran a unit."""
 
     def __init__(self) -> None:
-        self.steps: Counter[str] = Counter()
+        self.steps: defaultdict[str, float] = defaultdict(float)
         self.corpus = StepClock()
         self.cold_starts: list[dict[str, float]] = []
 
     def add_unit(self, line: dict[str, dict[str, float]]) -> None:
         """One unit's timing line (stage.py's TIMING)."""
-        self.steps.update(line["steps"])
+        for step, seconds in line["steps"].items():
+            self.steps[step] += seconds
         if line["cold_start"]:
             self.cold_starts.append(line["cold_start"])
 
@@ -68,7 +69,8 @@ class Timing:
         """`step_s_<step>` (per-record steps: the sum over units; corpus steps: wall seconds),
         `cold_start_s_<part>` (the mean over the processes that loaded the worker; parts a
         process had already loaded count as ~0) and `cold_start_processes`."""
-        out = {f"step_s_{step}": round(s, 6) for step, s in {**self.steps, **self.corpus.seconds}.items()}
+        seconds = {**self.steps, **self.corpus.seconds}
+        out: dict[str, float] = {f"step_s_{step}": round(s, 6) for step, s in seconds.items()}
         parts = sorted({part for cold in self.cold_starts for part in cold})
         for part in parts:
             out[f"cold_start_s_{part}"] = round(sum(c.get(part, 0.0) for c in self.cold_starts)

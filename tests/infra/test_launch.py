@@ -231,7 +231,7 @@ def test_a_launched_stage_keeps_no_checkpoint_a_rank_beside_the_driver_left(tmp_
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"weights")
         result = Path(argv[argv.index("--result") + 1])
-        result.write_text(json.dumps({"stats": {"steps": 10}, "artifacts": [], "uploaded": []}))
+        result.write_text(json.dumps({"stats": {"steps": 10}, "artifacts": [], "measured": {}, "uploaded": []}))
 
     monkeypatch.setattr(launch_flow, "run_launcher", ranks)
     result = launch_flow.launched(stage, config, partial, logging.getLogger("test"))

@@ -4,6 +4,7 @@ the one two-node Ray cluster the multi-node tests share, and the one S3-compatib
 one Google Cloud Storage emulator the object-store tests share."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -196,25 +197,46 @@ def gcs_server() -> Iterator[dict[str, str]]:
         object_store.forget()
 
 
-@pytest.fixture(params=["s3", "gs"])
-def faulty_endpoint(request) -> Iterator[tuple[str, dict[str, str], object]]:
-    """Each backend's emulator seen through the fault proxy (tests/fault_proxy.py): 5% of the
-    connections reset mid-transfer, 5% delayed. Yields (scheme, the variables that point clients at
-    the proxy, for this process and subprocesses alike, the proxy)."""
+@contextlib.contextmanager
+def _behind_the_fault_proxy(request, scheme: str) -> Iterator[tuple[dict[str, str], object]]:
+    """The `scheme` backend's emulator seen through the fault proxy (tests/fault_proxy.py): 5% of
+    the connections reset mid-transfer, 5% delayed. Yields (the variables that point clients at the
+    proxy, set for this process while it lasts and meant for subprocesses too, the proxy)."""
     from fault_proxy import FaultProxy
 
     from gristmill.core import object_store
 
-    variable = "AWS_ENDPOINT_URL" if request.param == "s3" else "STORAGE_EMULATOR_HOST"
-    env = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    variable = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
+    env = request.getfixturevalue("s3_server" if scheme == "s3" else "gcs_server")
     with FaultProxy(int(env[variable].rsplit(":", 1)[1]), reset=0.05, delay=0.05, seed=11) as proxy, \
             pytest.MonkeyPatch.context() as patch:
         patch.setenv(variable, proxy.url)
         object_store.forget()
         try:
-            yield request.param, {**env, variable: proxy.url}, proxy
+            yield {**env, variable: proxy.url}, proxy
         finally:
             object_store.forget()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def faulty_endpoint(request) -> Iterator[tuple[str, dict[str, str], object]]:
+    """Each backend behind the fault proxy: (scheme, its variables through the proxy, the proxy)."""
+    with _behind_the_fault_proxy(request, request.param) as (env, proxy):
+        yield request.param, env, proxy
+
+
+@pytest.fixture
+def faulty_s3(request) -> Iterator[tuple[dict[str, str], object]]:
+    """The S3 server behind the fault proxy: (its variables through the proxy, the proxy)."""
+    with _behind_the_fault_proxy(request, "s3") as found:
+        yield found
+
+
+@pytest.fixture
+def faulty_gcs(request) -> Iterator[tuple[dict[str, str], object]]:
+    """The GCS emulator behind the fault proxy: (its variables through the proxy, the proxy)."""
+    with _behind_the_fault_proxy(request, "gs") as found:
+        yield found
 
 
 @pytest.fixture(params=["s3", "gs"])

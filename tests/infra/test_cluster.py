@@ -1,6 +1,7 @@
 """The pipeline on a Ray cluster whose nodes share nothing but the object store: the `two_ray_nodes`
 fixture's second node has an empty private disk (tests/ray_cluster.py) and the artifacts live on
-the `s3_server` fixture's bucket (GRISTMILL_STORE=s3://...). Whatever the stages need travels
+the `s3_server` fixture's bucket (GRISTMILL_STORE=s3://...) or the `gcs_server` emulator's
+(gs://...), the whole pipeline's through the fault proxy (tests/fault_proxy.py). Whatever the stages need travels
 through the bucket or through Ray; a path only the driver has fails the worker given it in one
 line; a node lost mid-training is replaced and the stage resumes from the bucket's checkpoint. The
 single-machine runs they are compared with are the shared `tiny_run` and, for align, runs on this
@@ -26,8 +27,12 @@ from gristmill.core.stage import read_metrics
 BUCKET = "crawl"
 # pretrain, SFT and align as Ray Train workers, one on each node; collect and tokenize's Ray
 # workers and evaluate (no Ray backend) as they always run on RAY_ADDRESS's cluster
-ON_TWO_NODES = [f"{stage}.launch.{key}={value}" for stage in ("pretrain", "sft", "align")
-                for key, value in (("backend", "ray"), ("processes", 1), ("nodes", 2))]
+def _on_two_nodes(*stages: str) -> list[str]:
+    return [f"{stage}.launch.{key}={value}" for stage in stages
+            for key, value in (("backend", "ray"), ("processes", 1), ("nodes", 2))]
+
+
+ON_TWO_NODES = _on_two_nodes("pretrain", "sft", "align")
 CURVES = {"pretrain": ("loss", "val_loss"), "sft": ("loss", "heldout_loss"), "grpo": ("loss", "reward"),
           "dpo": ("loss",)}
 DPO = ["align.method=dpo", "align.dpo.max_steps=10"]
@@ -61,6 +66,28 @@ def _align(home: Path, method: str) -> Path:
     return next(m.parent for m in manifests if json.loads(m.read_text())["config"]["method"] == method)
 
 
+def _committed_on_the_bucket(home: Path, tiny_run, stages: tuple[str, ...] | list[str], on_bucket: set[str]) -> None:
+    """Each of `stages` committed on the bucket (`on_bucket`: its objects under the store's prefix)
+    under the shared run's key, its retries on the bucket counted in its stats, and nothing left
+    behind: no partial output, no lease, no checkpoint (a rank beside the driver left some there)."""
+    for stage in stages:
+        name = tiny_run.committed[stage].name
+        assert committed_dir(home, stage).name == name  # the launch is not part of the key
+        assert f"{stage}/{name}/manifest.json" in on_bucket, stage
+        assert "store_retries" in json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]
+    assert not any(".partial/" in key or key.endswith(".lease") or "/checkpoints/" in key for key in on_bucket)
+
+
+def _data_stages_on_both_nodes_made_the_shared_runs_bytes(home: Path, tiny_run, out: str) -> None:
+    """Collect's and tokenize's units ran on both nodes (tokenize's one a docs shard: two in this
+    preset), as the run's output `out` says too, and wrote the shared run's bytes."""
+    for stage, unit in (("collect", "process_unit"), ("tokenize", "encode_shard")):
+        assert manifest_files(committed_dir(home, stage)) == manifest_files(tiny_run.committed[stage]), stage
+        per_node = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]["units_per_node"]
+        assert len(per_node[unit]) == 2 and min(per_node[unit].values()) > 0, (stage, per_node)
+        assert re.search(rf"{unit}: \d+ units, per Ray node: \w+ [1-9]\d*, \w+ [1-9]\d*", out), out[-4000:]
+
+
 def _ranks_on_nodes(out: str) -> list[str]:
     """The node of each Ray Train worker the run's output `out` announces, in order."""
     return [node for _, node in re.findall(r"\[rank(\d)\]:rank \1 of 2 on node (\w+)", out)]
@@ -76,8 +103,9 @@ def _checkpoint_steps(prefix: str) -> list[int]:
 
 @pytest.mark.slow
 def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_and_commits_the_single_machine_run(
-        tiny_run, two_ray_nodes, s3_server, prefect_server, tmp_path):
-    """`gristmill run configs/tiny.yaml` with the store on the bucket and pretrain, SFT and align
+        tiny_run, two_ray_nodes, faulty_s3, prefect_server, tmp_path):
+    """`gristmill run configs/tiny.yaml` with the store on the bucket, every connection to it
+    through the fault proxy (some reset mid-transfer, some delayed), and pretrain, SFT and align
     (GRPO) on Ray Train across the two nodes. Once pretraining's first checkpoint is on the bucket,
     kill -9 of the second node's raylet (the machine is lost) and a fresh second node with an empty
     disk in its place, as Kubernetes replaces a pod: Ray Train starts the workers again
@@ -90,7 +118,8 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
     reused from the bucket, and it commits there the artifact (key, loss curve within 1e-4) of DPO
     on this machine in one process."""
     home = tmp_path / "home"
-    services = {**two_ray_nodes, **prefect_server, **s3_server, "GRISTMILL_STORE": f"s3://{BUCKET}/cluster"}
+    bucket, proxy = faulty_s3
+    services = {**two_ray_nodes, **prefect_server, **bucket, "GRISTMILL_STORE": f"s3://{BUCKET}/cluster"}
     output = tmp_path / "run.log"
     started = time.monotonic()
     with output.open("w") as log:
@@ -110,23 +139,11 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
             proc.kill()
     out = output.read_text()
     assert proc.returncode == 0, out[-6000:]
-    print(f"the pipeline on two nodes, one lost: {time.monotonic() - started:.0f} s")
-
-    on_bucket = _objects("cluster/")
-    for stage in STAGES:
-        name = tiny_run.committed[stage].name
-        assert committed_dir(home, stage).name == name  # the launch is not part of the key
-        assert f"{stage}/{name}/manifest.json" in on_bucket, stage
-    # nothing left behind, and no artifact holds checkpoints (a rank beside the driver left some there)
-    assert not any(".partial/" in key or key.endswith(".lease") or "/checkpoints/" in key for key in on_bucket)
-
-    for stage in ("collect", "tokenize"):  # the cluster's work, the single-machine run's bytes
-        assert manifest_files(committed_dir(home, stage)) == manifest_files(tiny_run.committed[stage]), stage
-    # collect's units and tokenize's (one a docs shard: two in this preset) on both nodes
-    for stage, unit in (("collect", "process_unit"), ("tokenize", "encode_shard")):
-        per_node = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]["units_per_node"]
-        assert len(per_node[unit]) == 2 and min(per_node[unit].values()) > 0, (stage, per_node)
-        assert re.search(rf"{unit}: \d+ units, per Ray node: \w+ [1-9]\d*, \w+ [1-9]\d*", out), out[-4000:]
+    print(f"the pipeline on two nodes, one lost: {time.monotonic() - started:.0f} s; "
+          f"the proxy reset {proxy.resets} and delayed {proxy.delays} of {proxy.connections} connections")
+    assert proxy.resets > 0 and proxy.delays > 0  # the bucket did misbehave
+    _committed_on_the_bucket(home, tiny_run, STAGES, _objects("cluster/"))
+    _data_stages_on_both_nodes_made_the_shared_runs_bytes(home, tiny_run, out)
 
     # pretrain's first workers, then its workers again, SFT's and align's: each group on two nodes,
     # the head and the lost node first, the head and the lost node's replacement after
@@ -171,32 +188,27 @@ def test_the_pipeline_on_two_nodes_sharing_only_the_bucket_survives_a_lost_node_
 
 
 @pytest.mark.slow
-def test_the_stages_to_sft_on_two_nodes_sharing_only_a_gcs_bucket_commit_the_single_machine_run(
-        tiny_run, two_ray_nodes, gcs_server, prefect_server, tmp_path):
+def test_the_pipeline_on_two_nodes_sharing_only_a_gcs_bucket_commits_the_single_machine_run(
+        tiny_run, two_ray_nodes, faulty_gcs, prefect_server, tmp_path):
     """The same cluster with the store on Google Cloud Storage (the `gcs_server` fixture's
     emulator; the nodes were started without its variables, which reach the workers from the
-    driver): `gristmill run configs/tiny.yaml --until sft` with pretraining and SFT on Ray Train
-    across the two nodes, each rank checkpointing to the bucket. Every stage commits there under the
-    single-machine run's key, with nothing left behind; collect's and tokenize's units ran on both
-    nodes and wrote that run's bytes; pretraining's and SFT's curves are that run's within 1e-4."""
+    driver), every connection to it through the fault proxy: `gristmill run configs/tiny.yaml` with
+    pretraining and SFT on Ray Train across the two nodes, each rank checkpointing to the bucket,
+    and align and evaluate on the driver. Every stage commits there under the single-machine run's
+    key, with nothing left behind; collect's and tokenize's units ran on both nodes and wrote that
+    run's bytes; pretraining's and SFT's curves are that run's within 1e-4."""
     home = tmp_path / "home"
-    services = {**two_ray_nodes, **prefect_server, **gcs_server, "GRISTMILL_STORE": f"gs://{BUCKET}/cluster"}
+    bucket, proxy = faulty_gcs
+    services = {**two_ray_nodes, **prefect_server, **bucket, "GRISTMILL_STORE": f"gs://{BUCKET}/cluster"}
     started = time.monotonic()
-    done = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *ON_TWO_NODES,
-                     "pretrain.checkpoint_every=20", "--until", "sft", services=services)
-    print(f"the stages to SFT on two nodes, on GCS: {time.monotonic() - started:.0f} s")
+    done = gristmill(home, "run", "configs/tiny.yaml", *tiny_run.overrides, *_on_two_nodes("pretrain", "sft"),
+                     "pretrain.checkpoint_every=20", services=services)
+    print(f"the pipeline on two nodes, on GCS: {time.monotonic() - started:.0f} s; "
+          f"the proxy reset {proxy.resets} and delayed {proxy.delays} of {proxy.connections} connections")
+    assert proxy.resets > 0 and proxy.delays > 0  # the bucket did misbehave
     out = done.stdout + done.stderr
-    on_bucket = _objects("cluster", "gs")
-    for stage in UNTIL_SFT:
-        name = tiny_run.committed[stage].name
-        assert committed_dir(home, stage).name == name
-        assert f"{stage}/{name}/manifest.json" in on_bucket, stage
-    assert not any(".partial/" in key or key.endswith(".lease") or "/checkpoints/" in key for key in on_bucket)
-    for stage in ("collect", "tokenize"):
-        assert manifest_files(committed_dir(home, stage)) == manifest_files(tiny_run.committed[stage]), stage
-    for stage, unit in (("collect", "process_unit"), ("tokenize", "encode_shard")):
-        per_node = json.loads((committed_dir(home, stage) / "manifest.json").read_text())["stats"]["units_per_node"]
-        assert len(per_node[unit]) == 2 and min(per_node[unit].values()) > 0, (stage, per_node)
+    _committed_on_the_bucket(home, tiny_run, STAGES, _objects("cluster", "gs"))
+    _data_stages_on_both_nodes_made_the_shared_runs_bytes(home, tiny_run, out)
     placed = _ranks_on_nodes(out)
     assert len(placed) == 4 and len(set(placed[:2])) == len(set(placed[2:])) == 2, placed
     for stage in ("pretrain", "sft"):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,9 +70,10 @@ def runs(tokenize_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 SHARD_PROBE = textwrap.dedent('''
-    import json, sys
+    import json, os, sys
     import torch, torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
+    from gristmill.core.launch import PRECISION_VAR
     from gristmill.model.config import LoopConfig
     from gristmill.model.loop import _prepare
     from gristmill.model.parallel import decoder_blocks
@@ -90,35 +93,47 @@ SHARD_PROBE = textwrap.dedent('''
         if hasattr(dist, name):
             recording(name, gathered)
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
-    full = {n: p.numel() for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n}
-    parts = _prepare(model, LoopConfig(fsdp=True, device="cpu"))
-    local = {n: p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-             for n, p in parts.model.named_parameters() if n in full}
-    ids = torch.randint(0, 64, (2, 8))
-    parts.model(input_ids=ids, labels=ids).loss.backward()
-    report = {"rank": dist.get_rank(), "full": full, "local": local, "reduced": sorted(set(reduced)),
-              "gathered": sorted(set(gathered)), "blocks": len(decoder_blocks(parts.model))}
+    def probe(precision):
+        # a launcher hands the ranks its precision in this variable, read when the model is prepared
+        os.environ[PRECISION_VAR] = precision
+        reduced.clear()
+        gathered.clear()
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                             tie_word_embeddings=True))
+        full = {n: p.numel() for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n}
+        parts = _prepare(model, LoopConfig(fsdp=True, device="cpu"))
+        local = {n: p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                 for n, p in parts.model.named_parameters() if n in full}
+        ids = torch.randint(0, 64, (2, 8))
+        parts.model(input_ids=ids, labels=ids).loss.backward()
+        return {"rank": dist.get_rank(), "full": full, "local": local, "reduced": sorted(set(reduced)),
+                "gathered": sorted(set(gathered)), "blocks": len(decoder_blocks(parts.model))}
+
+    reports = {precision: probe(precision) for precision in sys.argv[2:]}
     with open(f"{sys.argv[1]}/rank{dist.get_rank()}.json", "w") as out:
-        json.dump(report, out)
+        json.dump(reports, out)
     dist.destroy_process_group()
 ''')
 
 
-def _probe(tmp_path: Path, precision: str) -> list[dict]:
-    script, reports = tmp_path / "probe.py", tmp_path / precision
+def _probe(tmp_path: Path, *precisions: str) -> dict[str, list[dict]]:
+    """Each rank's report of a sharded model prepared with each of `precisions` in turn (one
+    launch: most of its time is the ranks' start), by precision."""
+    script, reports = tmp_path / "probe.py", tmp_path / "reports"
     script.write_text(SHARD_PROBE)
     reports.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "ACCELERATE_MIXED_PRECISION": precision}
-    done = subprocess.run([*TORCHRUN, str(script), str(reports)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*TORCHRUN, str(script), str(reports), *precisions], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(path.read_text()) for path in sorted(reports.glob("rank*.json"))]
+    ranks = [json.loads(path.read_text()) for path in sorted(reports.glob("rank*.json"))]
+    return {precision: [rank[precision] for rank in ranks] for precision in precisions}
 
 
 def test_each_rank_holds_only_its_shard_and_bf16_reduces_gradients_in_fp32(tmp_path):
-    reports = _probe(tmp_path, "bf16")
+    probed = _probe(tmp_path, "bf16", "no")
+    reports = probed["bf16"]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     for report in reports:
         assert report["full"] and report["local"].keys() == report["full"].keys()
@@ -126,8 +141,7 @@ def test_each_rank_holds_only_its_shard_and_bf16_reduces_gradients_in_fp32(tmp_p
         assert all(report["local"][n] * 2 == report["full"][n] for n in report["full"]), report
         assert report["gathered"] == ["torch.bfloat16"]  # weights gathered for bf16 compute
         assert report["reduced"] == ["torch.float32"]  # gradients reduced in fp32
-    fp32 = _probe(tmp_path, "no")
-    assert all(r["gathered"] == ["torch.float32"] == r["reduced"] for r in fp32)
+    assert all(r["gathered"] == ["torch.float32"] == r["reduced"] for r in probed["no"])
 
 
 def test_fsdp_trains_ddps_curve_and_exports_the_same_model(runs, tokenize_dir):
@@ -149,12 +163,30 @@ def test_muon_under_fsdp_stays_within_reduction_order_of_ddp(runs):
     assert _losses(fsdp, "val_loss") == pytest.approx(_losses(ddp, "val_loss"), rel=MUON_REL)
 
 
+@pytest.fixture(scope="module")
+def killed_at_10(tokenize_dir, tmp_path_factory) -> Callable[[list[str], str, Path], Path]:
+    """`killed_at_10(launcher, optimizer, into)`: `into`, a copy of the folder of an FSDP run on
+    `launcher`'s processes with `optimizer`, killed (-9) right after its step-10 checkpoint. Each
+    kind of killed run is made once: the tests below resume copies of the same ones."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def killed(launcher: list[str], optimizer: str, into: Path) -> Path:
+        kind = (" ".join(launcher), optimizer)
+        if kind not in made:
+            out = tmp_path_factory.mktemp("killed") / "out"
+            done = _run(launcher, tokenize_dir, out, fault="checkpoint:10", fsdp=True, optimizer=optimizer)
+            assert done.returncode != 0 and (launcher is SINGLE or "SIGKILL" in done.stderr), done.stderr[-3000:]
+            made[kind] = out
+        shutil.copytree(made[kind], into)
+        return into
+
+    return killed
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_a_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_curve(runs, tokenize_dir, tmp_path,
-                                                                          optimizer):
-    out = tmp_path / "killed"
-    killed = _run(TORCHRUN, tokenize_dir, out, fault="checkpoint:10", fsdp=True, optimizer=optimizer)
-    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+def test_a_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_curve(runs, killed_at_10, tokenize_dir,
+                                                                          tmp_path, optimizer):
+    out = killed_at_10(TORCHRUN, optimizer, tmp_path / "killed")
     saved = torch.load(out / "checkpoints" / "step-0000010" / "optimizer.pt", weights_only=True)
     steps = {float(s["step"]) for s in saved["state"].values() if "step" in s}
     assert steps == {10.0}  # AdamW's count is the loop's: no extra step at the step-0 checkpoint
@@ -166,10 +198,9 @@ def test_a_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_curve(run
 
 
 @pytest.mark.parametrize(("first", "then"), [(TORCHRUN, SINGLE), (SINGLE, TORCHRUN)], ids=["2-to-1", "1-to-2"])
-def test_a_run_resumes_on_another_number_of_processes(runs, tokenize_dir, tmp_path, first, then):
-    out = tmp_path / "moved"
-    assert _run(first, tokenize_dir, out, fault="checkpoint:10", fsdp=True).returncode != 0
-    resumed = _train(then, tokenize_dir, out, fsdp=True)
+def test_a_run_resumes_on_another_number_of_processes(runs, killed_at_10, tokenize_dir, tmp_path, first, then):
+    out = killed_at_10(first, "adamw", tmp_path / "moved")
+    resumed = _train(then, tokenize_dir, out, fsdp=True, optimizer="adamw")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 10 and summary["world_size"] == (1 if then is SINGLE else 2)
     reference = read_metrics(runs["fsdp"] / "metrics.jsonl")

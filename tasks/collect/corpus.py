@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from gristmill.core.clock import NO_CLOCK, StepClock
 from gristmill.core.files import ensure_free_space, fetch_file, publish_file, remove_tree, staging_path
 from gristmill.core.stage import Engine, worker_dir
 from gristmill.tasks.collect.clean.quality_model import DROP_REASON as QUALITY_DROP
@@ -66,7 +67,7 @@ def apply_quality_model(docs: DocTable, cfg: QualityConfig, engine: Engine, out_
     return docs.take(~low), {f"quality_model_{k}": v for k, v in metrics.items()}
 
 def apply_near_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Path,
-                     funnel: Funnel) -> tuple[DocTable, dict[str, float]]:
+                     funnel: Funnel, clock: StepClock = NO_CLOCK) -> tuple[DocTable, dict[str, float]]:
     index = None
     if config.dedup_index_from:
         index_dir = Path(config.dedup_index_from) / DEDUP_INDEX_DIR
@@ -77,13 +78,13 @@ def apply_near_dedup(docs: DocTable, config: Config, engine: Engine, out_dir: Pa
         index = DedupIndex.load(index_dir, location)
     result = near_dedup(docs.texts(), config.dedup, engine, index, ids=docs.ids,
                         work_dir=worker_dir(engine, out_dir / NEAR_DEDUP_DIR),
-                        index_dir=out_dir / DEDUP_INDEX_DIR)
+                        index_dir=out_dir / DEDUP_INDEX_DIR, clock=clock)
     funnel.drop_rows("near_duplicates", docs, result.removed,
                      lambda i: {"duplicate_of": result.survivor[i]})
     keep = np.ones(len(docs), bool)
     keep[result.removed] = False
-    return docs.take(keep), \
-        {**{f"near_dedup_{k}": v for k, v in result.counts().items()}, "near_dedup_signatures_s": result.signatures_s}
+    return docs.take(keep), {f"near_dedup_{k}": v for k, v in result.counts().items()}
+
 
 def apply_mix(docs: DocTable, config: Config, funnel: Funnel) -> tuple[DocTable, dict[str, Any]]:
     """The mix's documents in order (output/mixing.py; a document may repeat); the ones it did not take

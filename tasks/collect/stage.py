@@ -422,15 +422,11 @@ def run(config: Config, out_dir: Path, *, engine: Engine) -> StageResult:
         funnel.step_docs("quality_model", docs)
         clock.lap("quality_model_trained_here")
     if config.near_dedup:
-        docs, dedup_stats = apply_near_dedup(docs, config, engine, out_dir, funnel)
-        signatures_s = dedup_stats.pop("near_dedup_signatures_s")
+        docs, dedup_stats = apply_near_dedup(docs, config, engine, out_dir, funnel, clock)
         stats.update(dedup_stats)
         funnel.counts["near_duplicates"] = int(dedup_stats["near_dedup_near_duplicates"])
         funnel.step_docs("near_dedup", docs)
         clock.lap("near_dedup")
-        # the map that computed the signatures, inside near_dedup's seconds, on a line of its own
-        clock.seconds["near_dedup"] -= signatures_s
-        clock.seconds["minhash_signatures"] = signatures_s
     if not docs:
         raise NothingSurvived("no documents survived the filters; loosen the filter thresholds")
     docs, mix_record = apply_mix(docs, config, funnel)

@@ -38,13 +38,13 @@ import contextlib
 import hashlib
 import json
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from gristmill.core.clock import NO_CLOCK, StepClock
 from gristmill.core.files import names_in
 from gristmill.core.stage import Engine
 from gristmill.tasks.collect.dedup.config import ROW, DedupConfig, Run
@@ -155,7 +155,6 @@ class DedupResult:
     clusters: int  # clusters with 2+ members, at least one from this input
     largest_cluster: int  # members of the largest of them (index documents included); 0: none
     removed_by_index: int  # removed documents whose survivor is in the index
-    signatures_s: float = 0.0  # wall seconds of the map that computed the signatures and bucket rows
 
     @property
     def near_duplicates(self) -> int:
@@ -218,14 +217,16 @@ def _run_dir(work_dir: str, cfg: DedupConfig, index: DedupIndex | None, ids: Seq
 
 def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
                index: DedupIndex | None = None, *, ids: Sequence[str] | None = None,
-               work_dir: str | Path | None = None, index_dir: Path | None = None) -> DedupResult:
+               work_dir: str | Path | None = None, index_dir: Path | None = None,
+               clock: StepClock = NO_CLOCK) -> DedupResult:
     """Near-duplicate clusters of `texts` (and against `index`); one survivor per cluster.
 
     `ids` name the documents in the new index and the survivors (default: input positions as
     strings; pass stable ids when the index is saved and chained). `work_dir` (a path or URL the
     engine's workers reach) keeps the spilled signatures, bucket rows and candidate pairs, so a
     run killed part way reuses what it finished (default: a temporary folder). `index_dir`: where
-    the new index is written (None: not written)."""
+    the new index is written (None: not written). `clock`: its lap "minhash_signatures" is the map
+    that computes the signatures and bucket rows, "near_dedup" what comes before."""
     if index is not None:
         index.check_compatible(cfg)
     ids = [str(i) for i in range(len(texts))] if ids is None else ids
@@ -240,9 +241,9 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         done = names_in(run.work_dir, create=True)
         chunks = [(texts[s:s + cfg.chunk_docs], c, s, f"sig-{c:06d}.npy" in done, run)
                   for c, s in enumerate(range(0, n, cfg.chunk_docs))]
-        started = time.perf_counter()
+        clock.lap("near_dedup")
         mapped = engine.map(_chunk_task, chunks)
-        signatures_s = time.perf_counter() - started
+        clock.lap("minhash_signatures")
         del chunks
         active = np.concatenate([np.ones(0, bool)] + [a for a, _ in mapped])
         parts = index.pieces(run.bits) if index is not None else [[] for _ in range(1 << run.bits)]
@@ -274,4 +275,4 @@ def near_dedup(texts: Sequence[str], cfg: DedupConfig, engine: Engine,
         member_cluster=np.searchsorted(cluster_roots, roots[is_input]), index=new_index,
         candidate_pairs=len(candidates), verified_pairs=len(verified), clusters=len(cluster_roots),
         largest_cluster=int(sizes.max()) if len(nodes) else 0,
-        removed_by_index=int((survivors < m).sum()), signatures_s=round(signatures_s, 3))
+        removed_by_index=int((survivors < m).sum()))

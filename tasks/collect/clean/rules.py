@@ -24,7 +24,9 @@ import itertools
 import re
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from functools import cached_property, lru_cache
+from types import MappingProxyType
 from typing import Any
 
 from datatrove.pipeline.filters.c4_filters import (
@@ -43,8 +45,8 @@ from datatrove.utils.text import (
 )
 
 # Bounds on what the word splitter remembers, so a worker's memory stays bounded on an endless
-# crawl: spaCy's vocabulary is rebuilt and the chunk cache emptied past these sizes (together
-# ~150 MiB: 190k lexemes and 216k chunks, the 75 languages of the shared sentences, took 143).
+# crawl: spaCy's vocabulary is rebuilt and the chunk cache emptied past these sizes (what they
+# hold near these bounds: docs/benchmarks.md, "The word splitter's memory").
 MAX_LEXEMES = 200_000
 MAX_CACHED_CHUNKS = 200_000
 # Inside the memory zone datatrove tokenizes in, spaCy fails on some texts holding this string
@@ -92,14 +94,16 @@ def _tokenize(text: str) -> Any:
     return _spacy().tokenizer(text)
 
 
-# whitespace-free chunk -> its spaCy tokens
-_chunk_tokens: dict[str, tuple[str, ...]] = {}
+# whitespace-free chunk -> (its spaCy tokens, the tails of the special cases whose head it ends
+# with, by their first character: `_spans_agree` checks the next chunk against them), so that
+# what the splitter remembers of a chunk is one entry, bounded and emptied as one
+_chunks: dict[str, tuple[tuple[str, ...], Mapping[str, tuple[str, ...]]]] = {}
+_NO_TAILS: Mapping[str, tuple[str, ...]] = MappingProxyType({})  # most chunks': shared, not one each
 
 
 def clear_caches() -> None:
     """Back to a fresh worker's state (spaCy loaded, nothing learnt): for cold measurements."""
-    _chunk_tokens.clear()
-    _tails_after.cache_clear()
+    _chunks.clear()
     _has_letter.cache_clear()
     _spacy.cache_clear()
     _spacy()
@@ -120,17 +124,17 @@ def split_words(text: str) -> list[str]:
     if _BREAKS_SPACY in text:
         return split_into_words(text)
     distinct = list(dict.fromkeys(chunks))
-    missing = [c for c in distinct if c not in _chunk_tokens]
+    missing = [c for c in distinct if c not in _chunks]
     if missing:
-        if len(_chunk_tokens) + len(missing) > MAX_CACHED_CHUNKS:
-            _chunk_tokens.clear()
+        if len(_chunks) + len(missing) > MAX_CACHED_CHUNKS:
+            _chunks.clear()
             missing = distinct
         _tokenize_chunks(missing)
     if not _spans_agree(chunks):
         return split_into_words(text)
     words: list[str] = []
     for chunk in chunks:
-        words.extend(_chunk_tokens[chunk])
+        words.extend(_chunks[chunk][0])
     return words
 
 
@@ -154,8 +158,7 @@ def _special_case_pieces() -> dict[str, frozenset[str]]:
     return {head: frozenset(after) for head, after in tails.items()}
 
 
-@lru_cache(maxsize=MAX_CACHED_CHUNKS)
-def _tails_after(chunk: str) -> dict[str, tuple[str, ...]]:
+def _tails_after(chunk: str) -> Mapping[str, tuple[str, ...]]:
     """The tails of the special cases whose head `chunk` ends with, by their first character:
     the next chunk must begin with one, or be the start of one, for a case to span the space
     between, so it begins with that character either way."""
@@ -164,7 +167,7 @@ def _tails_after(chunk: str) -> dict[str, tuple[str, ...]]:
     for size in range(1, min(len(chunk), _LONGEST_SPECIAL_CASE) + 1):
         for tail in pieces.get(chunk[-size:], ()):
             by_first.setdefault(tail[0], []).append(tail)
-    return {first: tuple(tails) for first, tails in by_first.items()}
+    return {first: tuple(tails) for first, tails in by_first.items()} if by_first else _NO_TAILS
 
 
 def _spans_agree(chunks: list[str]) -> bool:
@@ -172,10 +175,10 @@ def _spans_agree(chunks: list[str]) -> bool:
     (a chunk ends with its head, the next begins its tail or is the start of it) are what spaCy
     gives those chunks together; a window of a few chunks covers a case spread over several."""
     for i, (left, right) in enumerate(itertools.pairwise(chunks)):
-        tails = _tails_after(left).get(right[0])
+        tails = _chunks[left][1].get(right[0])
         if tails and any(right.startswith(tail) or tail.startswith(right) for tail in tails):
             window = chunks[max(i - 1, 0) : i + 4]
-            cached = [token for chunk in window for token in _chunk_tokens[chunk]]
+            cached = [token for chunk in window for token in _chunks[chunk][0]]
             if [token.text for token in _tokenize(" ".join(window)) if not token.is_space] != cached:
                 return False
     return True
@@ -194,7 +197,7 @@ def _tokenize_chunks(chunks: list[str]) -> None:
             end += 1 + len(chunks[k])
         pieces[k].append(token.text)
     for chunk, tokens in zip(chunks, pieces):
-        _chunk_tokens[chunk] = (chunk,) if tokens == [chunk] else tuple(tokens)
+        _chunks[chunk] = ((chunk,) if tokens == [chunk] else tuple(tokens)), _tails_after(chunk)
 
 
 def sentence_count(text: str) -> int:

@@ -242,13 +242,13 @@ def test_split_words_and_sentences_match_datatrove(documents):
 
 
 def test_word_caches_stay_bounded_and_exact(documents, monkeypatch):
-    monkeypatch.setattr(rules, "_chunk_tokens", {})
+    monkeypatch.setattr(rules, "_chunks", {})
     monkeypatch.setattr(rules, "MAX_CACHED_CHUNKS", 50)
     monkeypatch.setattr(rules, "MAX_LEXEMES", 1500)  # a fresh blank("en") holds ~800
     first = rules._spacy()
     for text in list(documents.values())[:6]:
         assert rules.split_words(text) == split_into_words(text)
-        assert len(rules._chunk_tokens) <= max(50, len(set(text.split())))
+        assert len(rules._chunks) <= max(50, len(set(text.split())))
     assert rules._spacy() is not first  # rebuilt past MAX_LEXEMES
 
 

@@ -105,8 +105,9 @@ def test_the_pipeline_on_a_bucket_that_drops_connections_resumes_a_kill_and_anot
        from the partial output without computing again, and leaves no lease;
     2. collect's Ray workers read their units from the bucket (the variables reach them) and keep
        what a run over the same files on disk keeps, resets and all;
-    3. pretraining on it as well, two launched ranks checkpointing through the proxy: the key and
-       bytes of the same pretraining with its store on disk;
+    3. pretraining on it as well, checkpointing through the proxy: the key and bytes of the same
+       pretraining with its store on disk (ranks on two nodes checkpoint through it in
+       tests/infra/test_cluster.py);
     4. another machine (a fresh home, the same store) plans the three stages as reused and its run
        downloads them, byte for byte;
     5. the key follows the objects (their ETags or generations): a rewritten one is collected anew."""
@@ -140,8 +141,7 @@ def test_the_pipeline_on_a_bucket_that_drops_connections_resumes_a_kill_and_anot
     assert manifest["stats"]["docs_out"] == local.stats["docs_out"]
     assert manifest["stats"]["store_retries"] >= 0  # the driver's own retries, in the stage's stats
 
-    pretrain = [*overrides, "pretrain.max_steps=20", "pretrain.checkpoint_every=10",
-                "pretrain.launch.backend=accelerate", "pretrain.launch.processes=2"]
+    pretrain = [*overrides, "pretrain.max_steps=20", "pretrain.checkpoint_every=10"]
     gristmill(home, "run", "configs/tiny.yaml", *pretrain, "--until", "pretrain", services=services)
     on_disk = tmp_path / "store-on-disk"
     for stage in ("collect", "tokenize"):

@@ -1,11 +1,12 @@
 """The pipeline on a Ray cluster whose nodes share nothing but the object store: the `two_ray_nodes`
 fixture's second node has an empty private disk (tests/ray_cluster.py) and the artifacts live on
 the `s3_server` fixture's bucket (GRISTMILL_STORE=s3://...) or the `gcs_server` emulator's
-(gs://...), the whole pipeline's through the fault proxy (tests/fault_proxy.py). Whatever the stages need travels
-through the bucket or through Ray; a path only the driver has fails the worker given it in one
-line; a node lost mid-training is replaced and the stage resumes from the bucket's checkpoint. The
-single-machine runs they are compared with are the shared `tiny_run` and, for align, runs on this
-machine from its stages with as many ranks as the cluster's where the curve depends on them."""
+(gs://...), reached through the fault proxy (tests/fault_proxy.py) by the whole pipeline. Whatever
+the stages need travels through the bucket or through Ray; a path only the driver has fails the
+worker given it in one line; a node lost mid-training is replaced and the stage resumes from the
+bucket's checkpoint. The single-machine runs they are compared with are the shared `tiny_run`
+and, for align, runs on this machine from its stages with as many ranks as the cluster's where the
+curve depends on them."""
 from __future__ import annotations
 
 import json
